@@ -1,0 +1,36 @@
+"""The few exception types that h2o-chat reports to users.
+
+Everything the CLI shows as "one clear line" derives from `H2OChatError`; any other exception is a bug.
+"""
+
+from __future__ import annotations
+
+
+class H2OChatError(Exception):
+    """Base class: the message is shown to the user as is, on one line."""
+
+    exit_code = 2
+
+
+class ConfigError(H2OChatError):
+    """An impossible setting: a budget that cannot hold the recent window, an unknown policy, a bad file."""
+
+
+class UnknownModelError(H2OChatError):
+    """A model name that is neither an alias, a local path nor a Hugging Face repo id."""
+
+
+class ModelNotFoundError(H2OChatError):
+    """The model is known but its weights are not on this machine."""
+
+
+class DeviceError(H2OChatError):
+    """The requested device, dtype or quantization is not available here."""
+
+
+class InputError(H2OChatError):
+    """Bad user input: empty or undecodable stdin, a malformed line or file."""
+
+
+class CacheUsageError(H2OChatError):
+    """The H2O cache was used with a model whose attention does not go through h2o-chat's attention function."""

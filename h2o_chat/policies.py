@@ -1,0 +1,202 @@
+"""Eviction policies: pure tensor code that ranks cached tokens; the cache evicts the lowest-ranked.
+
+A policy sees one cache layer's per-slot state -- accumulated attention `acc` and absolute position `pos`,
+both (B, H, N) -- plus the newest position per row, and returns a keep-priority of the same shape.
+The selection (argmin for one victim, k-smallest for a chunk) is written once, here in `Policy`.
+
+Budgets are in tokens per layer (per KV head and batch row: every head keeps `budget` slots).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from h2o_chat.errors import ConfigError
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base class. Subclasses define `rank` (higher keeps) and optionally `protected`."""
+
+    name: ClassVar[str] = ""
+    budget: int | None = 512
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
+            raise ConfigError(f"budget must be a positive number of tokens per layer, got {self.budget!r}")
+
+    # -- description ------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int | None:
+        """Slots allocated per layer; None means the cache grows (no eviction)."""
+        return self.budget
+
+    def split(self) -> dict[str, int]:
+        """How the budget divides: e.g. {"sink": 4, "heavy": 252, "recent": 256}."""
+        return {"recent": self.budget or 0}
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{v} {k}" for k, v in self.split().items() if v)
+        return f"{self.name} {self.budget} = {parts}"
+
+    # -- maths ------------------------------------------------------------------------------------
+    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Policy-specific keep score, (B, H, N); higher keeps."""
+        raise NotImplementedError
+
+    def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor | None:
+        """Slots that may not be evicted (recent window, sinks), (B, H, N) bool, or None."""
+        return None
+
+    def priority(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """Keep-priority per slot: +inf protected, -inf empty or padding (pos < 0)."""
+        p = self.rank(acc, pos)
+        prot = self.protected(pos, newest)
+        if prot is not None:
+            p = p.masked_fill(prot, INF)
+        return p.masked_fill(pos < 0, -INF)
+
+    def victim(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """The one slot to overwrite per (row, head), (B, H): the lowest priority."""
+        return self.priority(acc, pos, newest).argmin(dim=-1)
+
+    def victims(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor, k: int) -> torch.Tensor:
+        """The k lowest-priority slots per (row, head), (B, H, k)."""
+        return self.priority(acc, pos, newest).topk(k, dim=-1, largest=False).indices
+
+
+def _recent_window(pos: torch.Tensor, newest: torch.Tensor, recent: int) -> torch.Tensor:
+    # newest: (B,) position of each row's latest token; the `recent` newest positions are protected
+    return pos > (newest - recent).view(-1, 1, 1)
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """The paper's Heavy-Hitter Oracle: keep the `recent` newest tokens plus the `heavy` older tokens with the
+    highest accumulated attention. Optional attention sinks (the first `sinks` positions) are always kept and
+    come out of the heavy share."""
+
+    name: ClassVar[str] = "h2o"
+    heavy_ratio: float = 0.5
+    sinks: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.heavy_ratio < 1.0:
+            raise ConfigError(
+                f"heavy_ratio must be in [0, 1) so that the newest token is always kept, got {self.heavy_ratio}"
+            )
+        if self.sinks < 0:
+            raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
+        if self.budget is None:
+            raise ConfigError("the h2o policy needs a budget (use --policy full for no eviction)")
+        if self.sinks > self.heavy:
+            raise ConfigError(
+                f"budget {self.budget} with heavy_ratio {self.heavy_ratio} leaves {self.heavy} heavy slots, "
+                f"fewer than the {self.sinks} sink tokens; raise the budget or the heavy ratio"
+            )
+
+    @property
+    def heavy(self) -> int:
+        return round(self.budget * self.heavy_ratio)
+
+    @property
+    def recent(self) -> int:
+        return self.budget - self.heavy
+
+    def split(self) -> dict[str, int]:
+        return {"sink": self.sinks, "heavy": self.heavy - self.sinks, "recent": self.recent}
+
+    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return acc
+
+    def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        prot = _recent_window(pos, newest, self.recent)
+        if self.sinks:
+            prot = prot | ((pos >= 0) & (pos < self.sinks))
+        return prot
+
+
+@dataclass(frozen=True)
+class Recent(Policy):
+    """A local window: keep the `budget` newest tokens."""
+
+    name: ClassVar[str] = "recent"
+
+    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return pos.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Sink(Policy):
+    """StreamingLLM: the first `sinks` tokens plus the newest `budget - sinks`."""
+
+    name: ClassVar[str] = "sink"
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget is None or self.budget <= self.sinks:
+            raise ConfigError(f"the sink policy needs a budget above its {self.sinks} sink tokens, got {self.budget}")
+
+    def split(self) -> dict[str, int]:
+        return {"sink": self.sinks, "recent": self.budget - self.sinks}
+
+    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return pos.to(torch.float32)
+
+    def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        return (pos >= 0) & (pos < self.sinks)
+
+
+@dataclass(frozen=True)
+class Full(Policy):
+    """No eviction: the cache grows with the sequence (the baseline)."""
+
+    name: ClassVar[str] = "full"
+    budget: int | None = field(default=None)
+
+    def split(self) -> dict[str, int]:
+        return {}
+
+    def describe(self) -> str:
+        return "full (no eviction)"
+
+    @property
+    def capacity(self) -> int | None:
+        return None
+
+    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # never asked to evict
+        return pos.to(torch.float32)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full)}
+
+
+def make_policy(
+    name: str = "h2o",
+    budget: int | None = 512,
+    *,
+    heavy_ratio: float | None = None,
+    sinks: int | None = None,
+) -> Policy:
+    """Build a policy by name, validating the settings; unknown names raise ConfigError with a suggestion."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        close = difflib.get_close_matches(name, POLICIES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown policy {name!r}{hint}; choose one of: {', '.join(POLICIES)}")
+    if cls is Full:
+        return Full()
+    kwargs: dict = {"budget": budget}
+    if heavy_ratio is not None and cls is H2O:
+        kwargs["heavy_ratio"] = heavy_ratio
+    if sinks is not None and cls in (H2O, Sink):
+        kwargs["sinks"] = sinks
+    return cls(**kwargs)

@@ -1,0 +1,74 @@
+"""Policies are pure tensor code: test them on hand-made slot states."""
+
+import pytest
+import torch
+
+from h2o_chat.errors import ConfigError
+from h2o_chat.policies import H2O, Full, Recent, Sink, make_policy
+
+
+def state(acc, pos):
+    return torch.tensor([[acc]], dtype=torch.float32), torch.tensor([[pos]])
+
+
+def test_h2o_evicts_lowest_score_outside_recent_window():
+    p = H2O(budget=4, heavy_ratio=0.5)  # 2 heavy + 2 recent
+    acc, pos = state([5.0, 0.1, 3.0, 0.0], [0, 1, 2, 3])
+    # newest is 3: positions 2 and 3 are recent; of 0 and 1 the lower score (pos 1) goes
+    assert p.victim(acc, pos, torch.tensor([3])).item() == 1
+
+
+def test_h2o_protects_recent_even_with_zero_score():
+    p = H2O(budget=4, heavy_ratio=0.75)  # 3 heavy + 1 recent
+    acc, pos = state([5.0, 0.1, 3.0, 0.0], [0, 1, 2, 3])
+    assert p.victim(acc, pos, torch.tensor([3])).item() == 1
+    assert p.victims(acc, pos, torch.tensor([3]), 3)[0, 0].tolist() == [1, 2, 0]
+
+
+def test_h2o_sinks_are_never_evicted():
+    p = H2O(budget=4, heavy_ratio=0.5, sinks=1)
+    acc, pos = state([0.0, 0.5, 3.0, 0.0], [0, 1, 2, 3])
+    assert p.victim(acc, pos, torch.tensor([3])).item() == 1
+    assert p.split() == {"sink": 1, "heavy": 1, "recent": 2}
+
+
+def test_empty_and_padding_slots_go_first():
+    p = H2O(budget=4)
+    acc, pos = state([0.0, 9.0, 9.0, 9.0], [5, -1, 6, 7])
+    assert p.victim(acc, pos, torch.tensor([7])).item() == 1
+
+
+def test_recent_and_sink_evict_oldest():
+    acc, pos = state([9.0, 9.0, 0.0, 0.0], [10, 3, 7, 11])
+    assert Recent(budget=4).victim(acc, pos, torch.tensor([11])).item() == 1
+    acc, pos = state([0.0] * 5, [0, 1, 2, 3, 4])
+    assert Sink(budget=5, sinks=2).victim(acc, pos, torch.tensor([4])).item() == 2
+
+
+def test_per_row_and_head_selection_is_independent():
+    p = H2O(budget=3, heavy_ratio=2 / 3)  # 2 heavy, 1 recent
+    acc = torch.tensor([[[1.0, 2.0, 0.0], [3.0, 1.0, 0.0]], [[0.5, 0.1, 9.0], [0.0, 4.0, 1.0]]])
+    pos = torch.tensor([[[0, 1, 2], [0, 1, 2]], [[4, 5, 6], [4, 5, 6]]])
+    assert p.victim(acc, pos, torch.tensor([2, 6])).tolist() == [[0, 1], [1, 0]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(name="h2o", budget=0), "positive"),
+        (dict(name="h2o", budget=-5), "positive"),
+        (dict(name="h2o", budget=512, heavy_ratio=1.0), "heavy_ratio"),
+        (dict(name="h2o", budget=8, heavy_ratio=0.5, sinks=6), "sink"),
+        (dict(name="sink", budget=4), "above its 4 sink"),
+        (dict(name="h20", budget=8), "did you mean 'h2o'"),
+    ],
+)
+def test_impossible_settings_raise_a_clear_error(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        make_policy(**kwargs)
+
+
+def test_describe_states_the_split():
+    assert make_policy("h2o", 512).describe() == "h2o 512 = 256 heavy + 256 recent"
+    assert make_policy("sink", 512).describe() == "sink 512 = 4 sink + 508 recent"
+    assert isinstance(make_policy("full", None), Full) and make_policy("full", 1).capacity is None
