@@ -1,0 +1,3 @@
+from h2o_chat.cli import main
+
+main()

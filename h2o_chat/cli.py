@@ -1,0 +1,196 @@
+"""The h2o-chat command line: options in, calls out. No torch import at module level (fast --help)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from h2o_chat.config import load_registry
+from h2o_chat.errors import H2OChatError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Chat and long-form generation in bounded memory with the H2O heavy-hitter KV cache.\n\n"
+    "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin.",
+)
+
+# -- options shared by several commands ------------------------------------------------------------------
+Model = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Alias from models.toml, Hugging Face repo id, "
+        "local folder or .gguf file. Default: the embedded SmolLM2-135M.",
+    ),
+]
+Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in tokens per layer (and head).")]
+HeavyRatio = Annotated[
+    float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
+]
+PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | recent | sink | full")]
+Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
+ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
+Quantize = Annotated[
+    str | None,
+    typer.Option(
+        help="none | 4bit | 8bit (bitsandbytes, CUDA only). Default: the model's setting on CUDA, none on CPU."
+    ),
+]
+ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
+Download = Annotated[bool, typer.Option(help="Allow fetching weights from the Hugging Face Hub.")]
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[None]:
+    """Turn the errors users can cause into one line on stderr and a non-zero exit."""
+    try:
+        yield
+    except H2OChatError as e:
+        typer.echo(f"h2o-chat: error: {e}", err=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("h2o-chat: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
+            typer.echo(
+                f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); lower --budget or "
+                "--chunk-size, or use --quantize 4bit",
+                err=True,
+            )
+            raise typer.Exit(3) from None
+        raise
+
+
+def _status(message: str) -> None:
+    typer.echo(f"h2o-chat: {message}", err=True)
+
+
+def load_model(model, models_file, device, dtype, quantize, download):
+    from h2o_chat.loading import load
+
+    spec = load_registry(models_file).resolve(model)
+    return load(spec, device=device, dtype=dtype, quantize=quantize, download=download, status=_status)
+
+
+def build_policy(policy: str, budget: int, heavy_ratio: float, sinks: int | None):
+    from h2o_chat.policies import make_policy
+
+    return make_policy(policy, budget, heavy_ratio=heavy_ratio, sinks=sinks)
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise H2OChatError(f"{name} must be a positive integer, got {value}")
+
+
+@app.callback(invoke_without_command=True)
+def main_command(
+    ctx: typer.Context,
+    model: Model = None,
+    budget: Budget = 512,
+    heavy_ratio: HeavyRatio = 0.5,
+    policy: PolicyName = "h2o",
+    sinks: Sinks = None,
+    chunk_size: ChunkSize = 512,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens per reply.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.9,
+    seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    raw: Annotated[bool, typer.Option(help="Piped: continue stdin as plain text, without the chat template.")] = False,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    no_panel: Annotated[bool, typer.Option("--no-panel", help="Plain streamed text, no live panel.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Piped: print one JSON record (text and stats) instead of streamed text.")
+    ] = False,
+    history: Annotated[Path | None, typer.Option(help="Input history file (interactive).")] = None,
+    models_file: ModelsFile = None,
+    download: Download = False,
+) -> None:
+    """Chat (terminal) or generate once for the whole of stdin (pipe)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with reported():
+        _check_positive("--max-new-tokens", max_new_tokens)
+        _check_positive("--chunk-size", chunk_size)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
+        pol = build_policy(policy, budget, heavy_ratio, sinks)
+        interactive = sys.stdin.isatty()
+        prompt = None
+        if not interactive:
+            from h2o_chat.chat import read_stdin_prompt
+
+            prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights
+        from h2o_chat.chat import RunOptions
+        from h2o_chat.conversation import ChatSettings
+        from h2o_chat.generate import Sampler
+
+        options = RunOptions(
+            policy=pol,
+            settings=ChatSettings(
+                max_new_tokens=max_new_tokens,
+                chunk_size=chunk_size,
+                system=system,
+                sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
+            ),
+            panel=not no_panel,
+            json=json_out,
+            raw=raw,
+        )
+        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        if interactive:
+            from h2o_chat.chat import run_interactive
+
+            run_interactive(loaded, options, history)
+        else:
+            from h2o_chat.chat import run_piped
+
+            run_piped(loaded, options, prompt)
+
+
+@app.command("models")
+def models_command(models_file: ModelsFile = None) -> None:
+    """List the model aliases and whether their weights are on this machine."""
+    with reported():
+        from rich.table import Table
+
+        from h2o_chat.loading import is_present
+        from h2o_chat.ui import make_console
+
+        registry = load_registry(models_file)
+        table = Table(box=None, pad_edge=False)
+        for col in ("alias", "present", "family", "dtype/quant", "context", "source / note"):
+            table.add_column(col)
+        for name, spec in registry.models.items():
+            mark = "default" if name == registry.default else ""
+            table.add_row(
+                f"{name} {mark}".strip(),
+                "yes" if is_present(spec) else "no",
+                spec.family,
+                f"{spec.dtype}/{spec.quantize}",
+                str(spec.context or "?"),
+                f"{spec.source}\n{spec.note}",
+            )
+        make_console().print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""A conversation over one H2O cache: each turn prefills only the new text, the cache carries over.
+
+The cache has seen the conversation up to the end of the last reply. To find the new text of a turn we render
+the whole conversation with the chat template, with a sentinel in place of the last reply's content: what
+follows the sentinel (end-of-turn tokens, the new user message, the generation prompt) is exactly what the
+cache has not seen. This works for any template without decoding tokens back to text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h2o_chat.cache import H2OCache
+from h2o_chat.errors import InputError
+from h2o_chat.generate import DEFAULT_CHUNK, Response, Sampler, stop_token_ids, stream_generate
+from h2o_chat.loading import Loaded
+from h2o_chat.policies import Policy
+
+SENTINEL = "\x00h2o-chat-reply\x00"
+
+# for base models without a chat template (OPT, Pythia)
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+PLAIN_STOP = "\nUser:"
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    max_new_tokens: int = 512
+    sampler: Sampler = field(default_factory=Sampler)
+    chunk_size: int = DEFAULT_CHUNK
+    system: str | None = None
+
+
+@dataclass
+class Span:
+    """Where a message lies in the token stream: absolute positions [start, end)."""
+
+    role: str
+    index: int  # into Conversation.messages
+    start: int
+    end: int
+
+
+@dataclass
+class EvictionReport:
+    role: str
+    index: int
+    preview: str
+    tokens: int
+    kept: float  # share of its tokens still cached, averaged over layers and heads
+
+
+class Conversation:
+    """Messages, the cache that has seen them, and the bookkeeping to extend both turn by turn."""
+
+    def __init__(self, loaded: Loaded, policy: Policy, settings: ChatSettings | None = None):
+        self.loaded = loaded
+        self.settings = settings or ChatSettings()
+        self.tokenizer = loaded.tokenizer
+        self.plain = not getattr(self.tokenizer, "chat_template", None)
+        if self.plain:
+            self.tokenizer.chat_template = PLAIN_TEMPLATE
+        self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
+        self.cache = H2OCache.for_model(loaded.model, policy)
+        self.messages: list[dict] = []
+        if self.settings.system:
+            self.messages.append({"role": "system", "content": self.settings.system})
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
+        self.cache = H2OCache.for_model(self.loaded.model, self.cache.policy)
+        self.fed = 0  # tokens the cache has seen
+        self.spans: list[Span] = []
+        self._unfed: int | None = None  # last sampled token, not yet fed to the cache
+        self.warned: set[int] = set()
+
+    # -- settings ---------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self.cache.policy
+
+    def set_policy(self, policy: Policy) -> None:
+        """New budget or policy, keeping what the cache holds (a smaller budget evicts now)."""
+        self.cache.set_policy(policy)
+
+    def set_system(self, text: str | None) -> None:
+        self.messages = [m for m in self.messages if m["role"] != "system"]
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+        self._restart()
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        self._restart()
+
+    # -- rendering --------------------------------------------------------------------------------
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _new_turn_ids(self, user: dict) -> list[int]:
+        if self.fed == 0:  # nothing cached: the whole conversation
+            return self._encode(self._render([*self.messages, user], True))
+        last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        marked = [dict(m) for m in self.messages]
+        marked[last]["content"] = SENTINEL
+        text = self._render([*marked, user], True)
+        ids = self._encode(text.split(SENTINEL, 1)[1])
+        return ([self._unfed] if self._unfed is not None else []) + ids
+
+    # -- a turn -----------------------------------------------------------------------------------
+    def send(self, text: str, max_new_tokens: int | None = None) -> Iterator[Response]:
+        """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
+        reply in the conversation."""
+        user = {"role": "user", "content": text}
+        ids = self._new_turn_ids(user)
+        self.messages.append(user)
+        start = self.fed
+        self.spans.append(Span("user", len(self.messages) - 1, start, start + len(ids)))
+        self.fed += len(ids)
+        self._unfed = None
+        reply, last, count = [], None, 0
+        reply_index = len(self.messages)
+        try:
+            for r in stream_generate(
+                self.loaded.model,
+                self.tokenizer,
+                self.cache,
+                ids,
+                sampler=self.settings.sampler,
+                chunk_size=self.settings.chunk_size,
+                max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
+                stop_ids=self.stop_ids,
+                stop_strings=(PLAIN_STOP,) if self.plain else (),
+            ):
+                last, count = r, count + 1
+                reply.append(r.text)
+                yield r
+        finally:
+            # all sampled tokens but the last were fed; a stop token is re-fed by the template next turn
+            fed_reply = max(0, count - 1)
+            if last is not None and last.token not in self.stop_ids:
+                self._unfed = last.token
+            self.fed += fed_reply
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            self.spans.append(Span("assistant", reply_index, start + len(ids), self.fed))
+
+    # -- eviction report --------------------------------------------------------------------------
+    def evictions(self) -> list[EvictionReport]:
+        """For each message the cache has seen: how much of it is still held."""
+        out = []
+        for span in self.spans:
+            content = self.messages[span.index]["content"]
+            preview = " ".join(content.split())[:48]
+            out.append(
+                EvictionReport(
+                    span.role,
+                    span.index,
+                    preview,
+                    span.end - span.start,
+                    self.cache.kept_fraction(span.start, span.end),
+                )
+            )
+        return out
+
+    def newly_evicted_user_messages(self) -> list[EvictionReport]:
+        """The user's earlier messages that have started losing tokens since the last check (once each)."""
+        fresh = []
+        for report in self.evictions():
+            if report.role == "user" and report.kept < 1.0 and report.index not in self.warned:
+                self.warned.add(report.index)
+                fresh.append(report)
+        return fresh
+
+    # -- save / load ------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        path = Path(path).expanduser()
+        data = {"format": "h2o-chat/1", "model": self.loaded.spec.name, "messages": self.messages}
+        try:
+            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"cannot write {path}: {e.strerror}") from None
+        return path
+
+    def load(self, path: str | Path) -> int:
+        """Replace the conversation by a saved one; it is prefilled on the next turn. Returns message count."""
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise InputError(f"cannot read {path}: {e.strerror}") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InputError(f"{path} is not a saved conversation (invalid JSON: {e})") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict)
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise InputError(f"{path} is not a saved conversation (expected a list of role/content messages)")
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self._restart()
+        return len(self.messages)
