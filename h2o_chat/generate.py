@@ -18,6 +18,25 @@ from h2o_chat.cache import H2OCache
 DEFAULT_CHUNK = 512
 
 
+def sample_rows(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(B, V) logits, (B,) temperatures -> (B,) tokens: greedy where the temperature is 0, else sampled
+    from the softmax at that temperature, restricted to the top_p nucleus."""
+    greedy = logits.argmax(dim=-1)
+    hot = temperatures > 0
+    if not bool(hot.any()):
+        return greedy
+    probs = (logits.float() / temperatures.clamp(min=1e-6)[:, None]).softmax(dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > top_p, 0.0)  # smallest set >= top_p
+        sampled = order.gather(-1, torch.multinomial(sorted_p, 1, generator=generator)).squeeze(-1)
+    else:
+        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.where(hot, sampled, greedy)
+
+
 @dataclass(frozen=True)
 class Sampler:
     """temperature 0 = greedy; top_p < 1 = nucleus sampling; seed makes sampling repeatable."""
@@ -38,14 +57,8 @@ class Sampler:
         """(B, V) logits -> (B,) token ids."""
         if self.temperature <= 0:
             return logits.argmax(dim=-1)
-        probs = (logits.float() / self.temperature).softmax(dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keep the smallest set reaching top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            choice = torch.multinomial(sorted_p, 1, generator=self._generator(logits.device))
-            return order.gather(-1, choice).squeeze(-1)
-        return torch.multinomial(probs, 1, generator=self._generator(logits.device)).squeeze(-1)
+        temps = torch.full((logits.shape[0],), self.temperature, device=logits.device)
+        return sample_rows(logits, temps, self.top_p, self._generator(logits.device))
 
 
 def _forward(model, cache: H2OCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):

@@ -1,0 +1,267 @@
+"""Scripted batch generation: JSONL in, JSONL out, written as each row finishes.
+
+Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature", "budget".
+Rows with the same budget run together, sorted by length to limit padding, in batches of `batch_size`; a row
+that finishes is written at once and dropped from the batch (and from the cache). Output is appended, so a
+killed run loses nothing it finished, and a rerun skips the ids already in the output file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from h2o_chat.cache import H2OCache
+from h2o_chat.errors import InputError
+from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, sample_rows, stop_token_ids
+from h2o_chat.loading import Loaded
+from h2o_chat.policies import Policy
+
+
+@dataclass
+class Item:
+    id: str
+    line: int
+    ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    budget: int | None
+
+
+@dataclass
+class Defaults:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    budget: int | None = 512
+    system: str | None = None
+    raw: bool = False
+
+
+@dataclass
+class Summary:
+    done: int = 0
+    skipped: int = 0
+    malformed: list[str] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f'"{name}" must be a positive integer')
+    return value
+
+
+def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
+    """One input line -> Item, or ValueError with the reason."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+        raise ValueError('needs an "id" (string or integer)')
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError('needs exactly one of "prompt" or "messages"')
+    unknown = set(obj) - {"id", "prompt", "messages", "max_new_tokens", "temperature", "budget"}
+    if unknown:
+        raise ValueError(f"unknown keys: {', '.join(sorted(unknown))}")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ValueError('"prompt" must be a non-empty string')
+        messages = [{"role": "user", "content": obj["prompt"]}]
+    else:
+        messages = obj["messages"]
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise ValueError('"messages" must be a list of {"role", "content"} objects')
+    max_new = _positive_int(obj.get("max_new_tokens", defaults.max_new_tokens), "max_new_tokens")
+    temperature = obj.get("temperature", defaults.temperature)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError('"temperature" must be a number >= 0')
+    budget = obj.get("budget", defaults.budget)
+    if budget is not None:
+        budget = _positive_int(budget, "budget")
+    if defaults.raw and "prompt" in obj:
+        ids = tokenizer(obj["prompt"])["input_ids"]
+    else:
+        if defaults.system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": defaults.system}, *messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids if isinstance(ids, list) else list(ids["input_ids"])
+    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget)
+
+
+def read_items(path: Path, tokenizer, defaults: Defaults, summary: Summary) -> list[Item]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputError(f"input file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    items, seen = [], set()
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            item = parse_line(text, number, tokenizer, defaults)
+            if item.id in seen:
+                raise ValueError(f'duplicate id "{item.id}"')
+        except ValueError as e:
+            summary.malformed.append(f"{path.name} line {number}: {e}")
+            continue
+        seen.add(item.id)
+        items.append(item)
+    return items
+
+
+def finished_ids(out: Path) -> set[str]:
+    """Ids already written; a torn last line (a killed write) is cut off so appending stays valid JSONL."""
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        out.write_bytes(data)
+    ids = set()
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "id" in record:
+            ids.add(str(record["id"]))
+    return ids
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+@torch.inference_mode()
+def generate_batch(
+    loaded: Loaded,
+    items: list[Item],
+    policy: Policy,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Iterator[dict]:
+    """Generate for the rows together; yield each row's result record as soon as the row is done."""
+    model, tok = loaded.model, loaded.tokenizer
+    device = next(model.parameters()).device
+    stops = stop_token_ids(tok, model)
+    ids, mask = left_pad([it.ids for it in items], tok.pad_token_id or 0)
+    cache = H2OCache.for_model(model, policy)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size)
+    prompt_seconds = time.perf_counter() - t0
+    active = list(range(len(items)))  # item index of each cache row
+    out: list[list[int]] = [[] for _ in items]
+    temps = torch.tensor([it.temperature for it in items], device=device)
+    while True:
+        tokens = sample_rows(logits, temps[active], top_p, generator)  # (rows,)
+        keep = []
+        for row, token in enumerate(tokens.tolist()):
+            i = active[row]
+            item = items[i]
+            reason = "stop" if token in stops else None
+            if reason is None:
+                out[i].append(token)
+                if len(out[i]) >= item.max_new_tokens:
+                    reason = "length"
+            if reason is None:
+                keep.append(row)
+                continue
+            seconds = time.perf_counter() - t0
+            layer_rows = [lay for lay in cache.initialized_layers]
+            seen = int(layer_rows[0].seen[row])
+            kept = float(torch.stack([lay.kept()[row].float().mean() for lay in layer_rows]).mean())
+            yield {
+                "id": item.id,
+                "text": tok.decode(out[i], skip_special_tokens=True),
+                "finish_reason": reason,
+                "prompt_tokens": len(item.ids),
+                "generated_tokens": len(out[i]) + (reason == "stop"),
+                "seconds": round(seconds, 3),
+                "prompt_seconds": round(prompt_seconds, 3),
+                "cache": {
+                    "policy": policy.name,
+                    "budget": policy.budget,
+                    "seen": seen,
+                    "kept": round(kept, 1),
+                    "evicted": round(seen - kept, 1),
+                },
+                "batch_rows": len(items),
+            }
+        if not keep:
+            return
+        if len(keep) < len(active):  # drop finished rows from the batch and the cache
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            tokens = tokens[index]
+            active = [active[r] for r in keep]
+        logits = decode_one(model, cache, tokens)
+
+
+def run_batch(
+    loaded: Loaded,
+    input_path: Path,
+    output_path: Path,
+    make_policy: Callable[[int | None], Policy],
+    defaults: Defaults,
+    batch_size: int = 8,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    on_record: Callable[[dict], None] | None = None,
+) -> Summary:
+    summary = Summary()
+    items = read_items(input_path, loaded.tokenizer, defaults, summary)
+    done = finished_ids(output_path)
+    todo = [it for it in items if it.id not in done]
+    summary.skipped = len(items) - len(todo)
+    policies = {b: make_policy(b) for b in {it.budget for it in todo}}  # validates every budget up front
+    t0 = time.perf_counter()
+    try:
+        out = output_path.open("a", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot write {output_path}: {e.strerror}") from None
+    with out:
+        for budget, policy in sorted(policies.items(), key=lambda kv: kv[0] or 0):
+            group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
+            for start in range(0, len(group), batch_size):
+                for record in generate_batch(
+                    loaded, group[start : start + batch_size], policy, top_p, seed, chunk_size
+                ):
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    out.flush()  # a killed run keeps every finished row
+                    summary.done += 1
+                    summary.tokens += record["generated_tokens"]
+                    if on_record:
+                        on_record(record)
+    summary.seconds = time.perf_counter() - t0
+    return summary

@@ -1,0 +1,115 @@
+"""Batch mode: malformed lines, results written as rows finish, kill and resume, rows equal to solo runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from h2o_chat import cli
+from h2o_chat.batch import Defaults, Summary, finished_ids, generate_batch, read_items
+from h2o_chat.policies import make_policy
+
+runner = CliRunner()
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_malformed_lines_are_reported_and_the_rest_run(fast_load, tmp_path):
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "a", "prompt": "What is the capital of France?"},
+            "{not json",
+            {"id": "b", "messages": [{"role": "user", "content": "Say hi."}], "max_new_tokens": 4},
+            {"id": "a", "prompt": "duplicate"},
+            {"id": "c", "prompt": "x", "budget": 0},
+            {"id": "d", "prompt": "x", "temperature": -1},
+            {"id": "e", "messages": [{"role": "robot", "content": "x"}]},
+            {"id": "f", "prompt": "Name a fruit.", "budget": 16, "temperature": 0.7},
+            {"prompt": "no id"},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out), "--max-new-tokens", "12", "-b", "48"])
+    assert result.exit_code == 2
+    skipped = [line for line in result.stderr.splitlines() if "skipped" in line]
+    assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "4", "5", "6", "7", "9"]
+    assert "not valid JSON" in skipped[0] and 'duplicate id "a"' in skipped[1] and "budget" in skipped[2]
+    assert "Traceback" not in result.output
+    got = {r["id"]: r for r in records(out)}
+    assert set(got) == {"a", "b", "f"}
+    assert "Paris" in got["a"]["text"] and got["b"]["generated_tokens"] <= 4
+    assert got["f"]["cache"]["budget"] == 16 and got["a"]["cache"]["budget"] == 48
+    for r in got.values():
+        assert r["cache"]["kept"] <= r["cache"]["budget"] and r["seconds"] > 0
+
+
+def test_input_file_errors(fast_load, tmp_path):
+    result = runner.invoke(cli.app, ["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and "input file not found" in result.stderr
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(tmp_path / "no" / "dir" / "o.jsonl")])
+    assert result.exit_code == 2 and "output folder does not exist" in result.stderr
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe{}")
+    result = runner.invoke(cli.app, ["batch", str(tmp_path / "bin.jsonl"), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and "not UTF-8" in result.stderr and "Traceback" not in result.output
+
+
+def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path):
+    prompts = ["Name three animals.", "What is 2+2? Answer briefly please.", "Write one sentence about rain."]
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    summary = Summary()
+    items = read_items(inp, embedded.tokenizer, Defaults(max_new_tokens=24, budget=40), summary)
+    together = {r["id"]: r["text"] for r in generate_batch(embedded, items, make_policy("h2o", 40))}
+    assert {r["batch_rows"] for r in generate_batch(embedded, items[:1], make_policy("h2o", 40))} == {1}
+    for item in items:
+        alone = next(generate_batch(embedded, [item], make_policy("h2o", 40)))
+        assert alone["text"] == together[item.id], item.id
+
+
+def test_torn_last_line_is_cut_and_redone(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "text": "x"}\n{"id": "b", "te')
+    assert finished_ids(out) == {"a"}
+    assert out.read_text() == '{"id": "a", "text": "x"}\n'
+
+
+def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
+    ids = [f"q{i}" for i in range(8)]
+    inp = write_lines(
+        tmp_path / "in.jsonl", [{"id": i, "prompt": f"Tell me a fact about the number {n}."} for n, i in enumerate(ids)]
+    )
+    out = tmp_path / "out.jsonl"
+    script = Path(sys.executable).with_name("h2o-chat")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "h2o_chat"]
+    cmd += ["batch", str(inp), "-o", str(out), "--max-new-tokens", "16", "-b", "32"]
+    proc = subprocess.Popen(
+        [*cmd, "--batch-size", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = out.read_text().count("\n")
+    assert 2 <= first < len(ids), "the run should have been killed part-way"
+
+    done = subprocess.run([*cmd, "--batch-size", "8"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = [r["id"] for r in records(out)]
+    assert sorted(got) == sorted(ids) and len(got) == len(set(got))
+    assert f"{len(ids) - first} done, {first} already in out.jsonl" in done.stderr
