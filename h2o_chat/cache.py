@@ -225,6 +225,7 @@ class H2OLayer(CacheLayerMixin):
         self.score[b, h, s] = score_new[b, h, t]
         self.n = cap
 
+    @torch.inference_mode()
     def repolicy(self, policy: Policy) -> None:
         """Switch policy mid-stream: keep the new budget's best slots by the new policy (one gather), or
         re-allocate larger. Evicted tokens do not come back."""

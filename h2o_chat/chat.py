@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+from rich.console import Console
+
+from h2o_chat.config import user_data_dir
 from h2o_chat.conversation import ChatSettings, Conversation
-from h2o_chat.errors import InputError
+from h2o_chat.errors import H2OChatError, InputError
 from h2o_chat.loading import Loaded
 from h2o_chat.policies import Policy
-from h2o_chat.ui import summary_line
+from h2o_chat.ui import (
+    PanelView,
+    StreamView,
+    TurnStats,
+    describe_device,
+    describe_policy,
+    eviction_table,
+    human_bytes,
+    make_console,
+    summary_line,
+)
 
 
 @dataclass(frozen=True)
@@ -81,3 +99,221 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         print(f"h2o-chat: {summary_line(last, stats)}", file=sys.stderr)
     out.flush()
     return record
+
+
+# -- interactive ----------------------------------------------------------------------------------------
+HELP = """\
+/help              this list
+/budget N          set the cache budget (tokens per layer); a smaller one evicts now
+/policy NAME       h2o | recent | sink | full
+/system TEXT       set the system prompt (the conversation is re-read on the next turn)
+/reset             start over, keeping the system prompt
+/save FILE         save the conversation as JSON
+/load FILE         load a saved conversation (read on the next turn)
+/stats             show the cache and memory panel
+/evicted           which messages are no longer fully in the cache
+/exit              leave (or Ctrl-D); Ctrl-C stops a reply
+Enter sends; Alt-Enter (or Esc then Enter) adds a line; pasted text keeps its lines."""
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[threading.Event]:
+    """Ctrl-C sets an event instead of raising: the reply loop stops between tokens, never mid-forward
+    (which would leave the cache half-updated)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class ChatSession:
+    """The turn loop: read a line, run a slash command or a reply, render through the UI classes."""
+
+    def __init__(self, loaded: Loaded, options: RunOptions, console: Console, prompt_session=None):
+        self.loaded = loaded
+        self.options = options
+        self.console = console
+        self.conv = Conversation(loaded, options.policy, options.settings)
+        self.panel = PanelView(loaded.spec.name, describe_device(loaded)) if options.panel else None
+        self.prompt = prompt_session
+        self.heavy_ratio = getattr(options.policy, "heavy_ratio", 0.5)
+
+    # -- input ------------------------------------------------------------------------------------
+    def toolbar(self) -> str:
+        s = self.conv.cache.stats()
+        return (
+            f" {describe_policy(s)} | {s.seen} seen, {s.kept:.0f} kept | {s.evicted:.0f} evicted | "
+            f"KV {human_bytes(s.kv_bytes)} (full {human_bytes(s.full_kv_bytes)}) | /help"
+        )
+
+    def run(self) -> None:
+        self.console.print(
+            f"[bold]h2o-chat[/] {self.loaded.spec.name} on {describe_device(self.loaded)} | "
+            f"{self.conv.policy.describe()} | /help for commands, Ctrl-D to leave"
+        )
+        while True:
+            try:
+                text = self.prompt.prompt()
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            text = text.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if self.command(text) == "exit":
+                    break
+                continue
+            self.reply(text)
+
+    # -- a reply ----------------------------------------------------------------------------------
+    def reply(self, text: str) -> None:
+        before = self.conv.cache.stats().evicted
+        if self.panel is not None:
+            self.panel.turn = TurnStats(evicted_at_start=before)
+        last = None
+        with (
+            interruptible() as stop,
+            StreamView(self.console, self.panel) as view,
+            contextlib.closing(self.conv.send(text)) as stream,
+        ):
+            for r in stream:
+                last = r
+                if self.panel is not None:
+                    self.panel.turn.prompt_tps, self.panel.turn.generation_tps = r.prompt_tps, r.generation_tps
+                view.update(r.text, r.cache.stats)
+                if stop.is_set():
+                    break
+        if stop.is_set():
+            self.console.print("[dim](reply stopped)[/]")
+        elif last is not None and last.finish_reason == "length":
+            self.console.print(f"[dim](reply cut at {last.generation_tokens} tokens: --max-new-tokens)[/]")
+        for report in self.conv.newly_evicted_user_messages():
+            self.console.print(
+                f'[dim]note: your message "{report.preview}" is no longer fully cached '
+                f"({100 * report.kept:.0f}% kept); /evicted shows more[/]"
+            )
+
+    # -- slash commands ---------------------------------------------------------------------------
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        handler = getattr(self, "cmd_" + name[1:].lower(), None)
+        if handler is None:
+            self.console.print(f"unknown command {name}; /help lists the commands")
+            return None
+        try:
+            return handler(arg)
+        except H2OChatError as e:
+            self.console.print(f"[red]error:[/] {e}")
+            return None
+
+    def cmd_help(self, arg: str) -> None:
+        self.console.print(HELP, markup=False)
+
+    def cmd_exit(self, arg: str) -> str:
+        return "exit"
+
+    cmd_quit = cmd_exit
+
+    def _set_policy(self, name: str, budget: int | None) -> None:
+        from h2o_chat.policies import make_policy
+
+        old = self.conv.policy
+        sinks = getattr(old, "sinks", None) if name == old.name else None
+        policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio, sinks=sinks)
+        before = self.conv.cache.stats().evicted
+        self.conv.set_policy(policy)
+        dropped = self.conv.cache.stats().evicted - before
+        extra = f"; evicted {dropped:.0f} tokens now" if dropped else ""
+        self.console.print(f"cache: {policy.describe()}{extra}")
+
+    def cmd_budget(self, arg: str) -> None:
+        if not arg:
+            self.console.print(f"cache: {self.conv.policy.describe()}")
+            return
+        try:
+            budget = int(arg)
+        except ValueError:
+            raise InputError(f"/budget takes a number of tokens, got {arg!r}") from None
+        name = self.conv.policy.name
+        self._set_policy("h2o" if name == "full" else name, budget)
+
+    def cmd_policy(self, arg: str) -> None:
+        if not arg:
+            self.console.print(f"cache: {self.conv.policy.describe()}")
+            return
+        budget = self.conv.policy.budget or self.options.policy.budget or 512
+        self._set_policy(arg, budget)
+
+    def cmd_system(self, arg: str) -> None:
+        if not arg:
+            current = next((m["content"] for m in self.conv.messages if m["role"] == "system"), None)
+            self.console.print(f"system prompt: {current!r}" if current else "no system prompt")
+            return
+        self.conv.set_system(arg)
+        self.console.print("system prompt set; the conversation is re-read on the next turn")
+
+    def cmd_reset(self, arg: str) -> None:
+        self.conv.reset()
+        self.console.print("conversation reset")
+
+    def cmd_save(self, arg: str) -> None:
+        if not arg:
+            raise InputError("/save needs a file name")
+        path = self.conv.save(arg)
+        self.console.print(f"saved {len(self.conv.messages)} messages to {path}")
+
+    def cmd_load(self, arg: str) -> None:
+        if not arg:
+            raise InputError("/load needs a file name")
+        count = self.conv.load(arg)
+        self.console.print(f"loaded {count} messages from {arg}; they are read into the cache on the next turn")
+
+    def cmd_stats(self, arg: str) -> None:
+        panel = self.panel or PanelView(self.loaded.spec.name, describe_device(self.loaded))
+        self.console.print(panel.render(self.conv.cache.stats()))
+
+    def cmd_evicted(self, arg: str) -> None:
+        reports = self.conv.evictions()
+        if not reports:
+            self.console.print("nothing cached yet")
+            return
+        self.console.print(eviction_table(reports))
+
+
+def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
+    """prompt-toolkit input: persistent history, Alt-Enter for a new line, stats in the bottom toolbar."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    path = history or user_data_dir() / "history"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = KeyBindings()
+
+    @keys.add("escape", "enter")
+    def _newline(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return PromptSession(
+        message="> ",
+        history=FileHistory(str(path)),
+        key_bindings=keys,
+        multiline=False,
+        bottom_toolbar=chat.toolbar if chat.panel is not None else None,
+        **kwargs,
+    )
+
+
+def run_interactive(loaded: Loaded, options: RunOptions, history: Path | None = None) -> None:
+    console = make_console()
+    chat = ChatSession(loaded, options, console)
+    chat.prompt = make_prompt_session(history, chat)
+    chat.run()

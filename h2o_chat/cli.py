@@ -174,18 +174,156 @@ def models_command(models_file: ModelsFile = None) -> None:
         registry = load_registry(models_file)
         table = Table(box=None, pad_edge=False)
         for col in ("alias", "present", "family", "dtype/quant", "context", "source / note"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=col != "source / note")
         for name, spec in registry.models.items():
-            mark = "default" if name == registry.default else ""
             table.add_row(
-                f"{name} {mark}".strip(),
+                name + (" *" if name == registry.default else ""),
                 "yes" if is_present(spec) else "no",
                 spec.family,
                 f"{spec.dtype}/{spec.quantize}",
                 str(spec.context or "?"),
                 f"{spec.source}\n{spec.note}",
             )
+        table.caption = "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)"
         make_console().print(table)
+
+
+@app.command("batch")
+def batch_command(
+    input_path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="INPUT.jsonl",
+            help='Lines of {"id", "prompt"} or {"id", "messages"}, optional max_new_tokens, temperature, budget.',
+        ),
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results, appended as each row finishes.")],
+    batch_size: Annotated[int, typer.Option(help="Rows generated together.")] = 8,
+    model: Model = None,
+    budget: Budget = 512,
+    heavy_ratio: HeavyRatio = 0.5,
+    policy: PolicyName = "h2o",
+    sinks: Sinks = None,
+    chunk_size: ChunkSize = 512,
+    max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
+    temperature: Annotated[float, typer.Option(help="Default for lines without temperature (0 = greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
+    raw: Annotated[bool, typer.Option(help='Feed "prompt" lines as plain text, no chat template.')] = False,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    models_file: ModelsFile = None,
+    download: Download = False,
+) -> None:
+    """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
+    with reported():
+        from h2o_chat.batch import Defaults, run_batch
+        from h2o_chat.errors import InputError
+
+        _check_positive("--batch-size", batch_size)
+        _check_positive("--max-new-tokens", max_new_tokens)
+        _check_positive("--chunk-size", chunk_size)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
+        if not input_path.is_file():
+            raise InputError(f"input file not found: {input_path}")
+        if not output.parent.exists():
+            raise InputError(f"output folder does not exist: {output.parent}")
+        build_policy(policy, budget, heavy_ratio, sinks)  # fail before loading weights
+
+        def policy_for(line_budget: int | None):
+            return build_policy(policy, line_budget if line_budget is not None else budget, heavy_ratio, sinks)
+
+        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        defaults = Defaults(
+            max_new_tokens=max_new_tokens, temperature=temperature, budget=budget, system=system, raw=raw
+        )
+        summary = run_batch(
+            loaded,
+            input_path,
+            output,
+            policy_for,
+            defaults,
+            batch_size=batch_size,
+            top_p=top_p,
+            seed=seed,
+            chunk_size=chunk_size,
+            on_record=lambda r: _status(f"{r['id']}: {r['generated_tokens']} tokens"),
+        )
+        for problem in summary.malformed:
+            typer.echo(f"h2o-chat: skipped {problem}", err=True)
+        rate = summary.tokens / summary.seconds if summary.seconds else 0.0
+        _status(
+            f"batch: {summary.done} done, {summary.skipped} already in {output.name}, "
+            f"{len(summary.malformed)} malformed | {summary.tokens} tokens in {summary.seconds:.1f} s "
+            f"({rate:.1f} tok/s)"
+        )
+        if summary.malformed:
+            raise typer.Exit(2)
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise H2OChatError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise H2OChatError(f"{name} must be positive integers, got {text!r}")
+    return values
+
+
+@app.command("bench")
+def bench_command(
+    model: Model = None,
+    budget: Budget = 512,
+    lengths: Annotated[str, typer.Option(help="Tokens seen at which to time decoding, comma-separated.")] = (
+        "512,2048,4096,8192"
+    ),
+    configs: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: dynamic (transformers DynamicCache), full, "
+            "h2o, h2o-nobound (budget above every length)."
+        ),
+    ] = ("dynamic,full,h2o,h2o-nobound"),
+    steps: Annotated[int, typer.Option(help="Timed decode steps per configuration and length.")] = 24,
+    batch: Annotated[int, typer.Option(help="Rows decoded together.")] = 1,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")] = False,
+    models_file: ModelsFile = None,
+) -> None:
+    """Decode speed and KV memory as the context grows: full cache vs h2o, side by side."""
+    with reported():
+        from h2o_chat import bench
+        from h2o_chat.ui import bench_table, make_console
+
+        points = _int_list(lengths, "--lengths")
+        names = tuple(c.strip() for c in configs.split(",") if c.strip())
+        unknown = [c for c in names if c not in bench.CONFIGS]
+        if unknown:
+            raise H2OChatError(f"unknown bench config {unknown[0]!r}; choose from {', '.join(bench.CONFIGS)}")
+        _check_positive("--steps", steps)
+        _check_positive("--batch", batch)
+        build_policy("h2o", budget, 0.5, None)  # validates the budget
+        loaded = load_model(model, models_file, device, dtype, quantize, False)
+        records = bench.run_decode_bench(
+            loaded.model,
+            loaded.tokenizer,
+            points,
+            budget,
+            names,
+            steps=steps,
+            batch=batch,
+            progress=None if json_out else _status,
+        )
+        if json_out:
+            typer.echo(bench.as_json_lines(records))
+        else:
+            make_console().print(bench_table(records, bench.ratios(records, budget)))
 
 
 def main() -> None:

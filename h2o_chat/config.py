@@ -23,6 +23,11 @@ def user_config_dir() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "h2o-chat"
 
 
+def user_data_dir() -> Path:
+    """Where the input history lives."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "h2o-chat"
+
+
 def user_cache_dir() -> Path:
     """Where converted weights live; H2O_CHAT_CACHE overrides."""
     if os.environ.get("H2O_CHAT_CACHE"):

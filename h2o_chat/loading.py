@@ -82,6 +82,13 @@ def resolve_quantize(spec: ModelSpec, device: torch.device, quantize: str | None
     return quantize
 
 
+def resolve_settings(spec: ModelSpec, device: str, dtype: str | None, quantize: str | None):
+    """Validate device, dtype and quantization before touching any weights: (device, dtype, quantize)."""
+    dev = resolve_device(device)
+    quant = resolve_quantize(spec, dev, quantize)
+    return dev, resolve_dtype(spec, dev, dtype), quant
+
+
 def _has_bitsandbytes() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
@@ -195,9 +202,7 @@ def load(
 ) -> Loaded:
     """Load model and tokenizer, with attention routed through h2o-chat."""
     _quiet_transformers()
-    dev = resolve_device(device)
-    quant = resolve_quantize(spec, dev, quantize)
-    torch_dtype = resolve_dtype(spec, dev, dtype)
+    dev, torch_dtype, quant = resolve_settings(spec, device, dtype, quantize)
     location = weights_location(spec, download, status)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

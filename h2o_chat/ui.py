@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
+import time
 from dataclasses import dataclass, field
 
 from rich.console import Console, Group
@@ -112,31 +114,100 @@ class PanelView:
 
 
 class StreamView:
-    """Streams a reply with the panel live beneath it (terminal), or as plain text (anything else)."""
+    """Streams a reply. On a terminal with a panel: finished lines are printed for good, and a live area
+    holds only the line being written plus the panel, so replies of any length scroll normally.
+    Otherwise (no panel, or not a terminal): plain text as it comes."""
 
     def __init__(self, console: Console, panel: PanelView | None):
         self.console = console
-        self.panel = panel
-        self.text = Text()
+        self.panel = panel if console.is_terminal else None
+        self.partial = ""
         self.live: Live | None = None
+        self.stats_fn = None
+        self.drawn = 0.0  # when the live area was last redrawn
 
     def __enter__(self) -> StreamView:
         if self.panel is not None:
-            self.live = Live(console=self.console, refresh_per_second=8, transient=False, vertical_overflow="visible")
+            self.live = Live(console=self.console, refresh_per_second=8, transient=True)
             self.live.__enter__()
         return self
 
-    def update(self, piece: str, stats) -> None:
+    def update(self, piece: str, stats_fn) -> None:
+        """Show a new piece of text; `stats_fn()` gives the cache stats, asked for only when redrawn."""
         if self.live is None:
             self.console.file.write(piece)
             self.console.file.flush()
             return
-        self.text.append(piece)
-        self.live.update(Group(self.text, self.panel.render(stats)))
+        self.stats_fn = stats_fn
+        self.partial += piece
+        *done, self.partial = self.partial.split("\n")
+        for line in done:
+            self.console.print(Text(line), soft_wrap=True)
+        width = max(20, self.console.width)
+        if len(self.partial) > width:  # flush the wrapped rows of a long paragraph, keep the last one live
+            rows = textwrap.wrap(self.partial, width, drop_whitespace=False, replace_whitespace=False)
+            for row in rows[:-1]:
+                self.console.print(Text(row), soft_wrap=True)
+            self.partial = rows[-1]
+        now = time.monotonic()
+        if now - self.drawn > 0.1:
+            self.drawn = now
+            self.live.update(Group(Text(self.partial), self.panel.render(stats_fn())))
 
     def __exit__(self, *exc) -> None:
         if self.live is not None:
             self.live.__exit__(*exc)
+            if self.partial:
+                self.console.print(Text(self.partial), soft_wrap=True)
+            if self.stats_fn is not None:
+                self.console.print(self.panel.render(self.stats_fn()))
         else:
             self.console.file.write("\n")
             self.console.file.flush()
+
+
+def describe_device(loaded) -> str:
+    """e.g. 'cpu, float32' or 'cuda:0 NVIDIA H100, 4bit (bfloat16 compute)'."""
+    device = loaded.device
+    name = str(device)
+    if device.type == "cuda":
+        import torch
+
+        name += " " + torch.cuda.get_device_name(device)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if loaded.quantize != "none":
+        return f"{name}, {loaded.quantize} ({dtype} compute)"
+    return f"{name}, {dtype}"
+
+
+def eviction_table(reports) -> Table:
+    """/evicted: each message the cache has seen and how much of it is still held."""
+    table = Table(box=None, pad_edge=False)
+    for col, justify in (("#", "right"), ("role", "left"), ("tokens", "right"), ("kept", "right"), ("message", "left")):
+        table.add_column(col, justify=justify)
+    for r in reports:
+        style = "" if r.kept >= 0.999 else ("yellow" if r.kept > 0.5 else "red")
+        table.add_row(str(r.index), r.role, str(r.tokens), f"{100 * r.kept:.0f}%", r.preview, style=style)
+    return table
+
+
+def bench_table(records, ratios) -> Group:
+    """Decode speed and KV memory per configuration and length, then the targets met or not."""
+    configs = list(dict.fromkeys(r.config for r in records if r.config != "h2o@first"))
+    table = Table(title="decode ms/token (median) | KV cache", title_justify="left")
+    table.add_column("seen", justify="right")
+    for c in configs:
+        budget = next(r.budget for r in records if r.config == c)
+        table.add_column(c if c in ("dynamic", "full") else f"{c} {budget}", justify="right")
+    for length in sorted({r.measured_at for r in records}):
+        row = [str(length)]
+        for c in configs:
+            rec = next((r for r in records if r.config == c and r.measured_at == length), None)
+            row.append(f"{rec.ms_per_token:.1f} | {human_bytes(rec.kv_bytes)}" if rec else "")
+        table.add_row(*row)
+    lines = Table(box=None, show_header=False)
+    for text, value, target in ratios:
+        op, bound = target.split()
+        ok = value <= float(bound) if op == "<=" else value >= float(bound)
+        lines.add_row(text, f"{value:.2f}x", f"target {target}", "met" if ok else "NOT met")
+    return Group(table, lines)

@@ -93,3 +93,25 @@ def tiny_folder(tmp_path):
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def fast_load(monkeypatch, embedded):
+    """Reuse the session's embedded model instead of loading it in every invocation."""
+    calls = []
+
+    def load_model(model, models_file, device, dtype, quantize, download):
+        from h2o_chat.config import load_registry
+        from h2o_chat.loading import load, resolve_settings
+
+        calls.append(model)
+        spec = load_registry(models_file).resolve(model)
+        if model is not None:  # anything else goes through the real loading and its errors
+            return load(spec, device=device, dtype=dtype, quantize=quantize)
+        resolve_settings(spec, device, dtype, quantize)
+        return embedded
+
+    from h2o_chat import cli
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    return calls

@@ -218,3 +218,27 @@ def test_model_without_h2o_attention_is_refused():
     cache = H2OCache.for_model(model, make_policy("h2o", 16))
     with pytest.raises(CacheUsageError, match="prepare_model"):
         model(input_ids=torch.randint(0, 256, (1, 4)), past_key_values=cache)
+
+
+def test_changing_budget_mid_stream_keeps_the_best_and_frees_the_rest():
+    model = tiny_model("llama", seed=6)
+    cache = H2OCache.for_model(model, make_policy("h2o", 32))
+    run(model, cache, torch.randint(0, 256, (1, 60)), [20] + [1] * 40)
+    layer = cache.layers[0]
+    before = {p: s for p, s in zip(layer.pos[0, 0].tolist(), layer.score[0, 0].tolist(), strict=True)}
+    smaller = make_policy("h2o", 16)
+    expected = set(
+        layer.pos[0, 0, smaller.priority(layer.score, layer.pos, layer.seen - 1)[0, 0].topk(16).indices].tolist()
+    )
+    cache.set_policy(smaller)
+    assert layer.keys.shape[2] == 16 and set(layer.pos[0, 0].tolist()) == expected
+    assert {p: before[p] for p in expected} == dict(
+        zip(layer.pos[0, 0].tolist(), layer.score[0, 0].tolist(), strict=True)
+    )
+    assert cache.stats().evicted == 60 - 16
+    run(model, cache, torch.randint(0, 256, (1, 5)), [1] * 5)  # keeps working at the new budget
+    assert cache.stats().kept == 16
+    cache.set_policy(make_policy("h2o", 64))  # larger: nothing comes back, room to grow
+    assert layer.keys.shape[2] == 64 and cache.stats().kept == 16
+    run(model, cache, torch.randint(0, 256, (1, 10)), [1] * 10)
+    assert cache.stats().kept == 26

@@ -1,0 +1,169 @@
+"""The interactive session, driven through prompt-toolkit's pipe input, and the real command in a pty."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+
+from h2o_chat import ui
+from h2o_chat.chat import ChatSession, RunOptions, make_prompt_session
+from h2o_chat.conversation import ChatSettings, Conversation
+from h2o_chat.generate import Sampler
+from h2o_chat.policies import make_policy
+
+
+def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, terminal=False):
+    console = Console(file=io.StringIO(), force_terminal=terminal, width=100, no_color=True)
+    options = RunOptions(
+        policy=make_policy("h2o", budget),
+        settings=ChatSettings(max_new_tokens=max_new_tokens, sampler=Sampler(temperature=0)),
+        panel=panel,
+    )
+    return ChatSession(embedded, options, console)
+
+
+def drive(chat: ChatSession, tmp_path: Path, keys: str) -> str:
+    with create_pipe_input() as pipe:
+        chat.prompt = make_prompt_session(tmp_path / "history", chat, input=pipe, output=DummyOutput())
+        pipe.send_text(keys)
+        chat.run()
+    return chat.console.file.getvalue()
+
+
+def test_slash_commands_budget_save_load(embedded, tmp_path):
+    chat = session(embedded, tmp_path)
+    saved = tmp_path / "talk.json"
+    out = drive(
+        chat,
+        tmp_path,
+        "What is two plus two?\r/budget 32\r/stats\r/policy sink\r/evicted\r"
+        f"/save {saved}\r/load {saved}\rAnd three plus three?\r/nope\r/budget x\r/exit\r",
+    )
+    assert "cache: h2o 32 = 16 heavy + 16 recent; evicted" in out
+    assert "cache: sink 32 = 4 sink + 28 recent" in out
+    assert "KV cache" in out  # /stats panel
+    assert "user" in out and "assistant" in out and "%" in out  # /evicted table
+    assert f"saved 2 messages to {saved}" in out
+    assert "loaded 2 messages" in out
+    assert "unknown command /nope" in out
+    assert "error: /budget takes a number of tokens" in out
+    data = json.loads(saved.read_text())
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in chat.conv.messages] == ["user", "assistant", "user", "assistant"]
+    assert chat.conv.cache.stats().kept <= 32
+    history = (tmp_path / "history").read_text()
+    assert "What is two plus two?" in history and "/budget 32" in history
+
+
+def test_cache_carries_over_between_turns(embedded, tmp_path):
+    chat = session(embedded, tmp_path, budget=4096)
+    drive(chat, tmp_path, "Say hello.\rNow say goodbye.\r/exit\r")
+    conv = chat.conv
+    stats = conv.cache.stats()
+    assert conv.fed == stats.seen  # every token counted once: the second turn prefilled only new text
+    second_user = conv.spans[2]
+    assert second_user.role == "user" and second_user.end - second_user.start < 25
+
+
+def test_second_turn_feeds_only_the_template_tail(embedded):
+    conv = Conversation(embedded, make_policy("h2o", 512), ChatSettings(max_new_tokens=8, sampler=Sampler(0)))
+    list(conv.send("Hi"))
+    ids = conv._new_turn_ids({"role": "user", "content": "Again"})
+    text = embedded.tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
+    assert "Hi" not in text and "system" not in text
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(embedded, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = ui.StreamView.update
+
+    def update(self, piece, stats_fn):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, handled between tokens
+        return real(self, piece, stats_fn)
+
+    monkeypatch.setattr(ui.StreamView, "update", update)
+    chat = session(embedded, tmp_path, max_new_tokens=60)
+    out = drive(chat, tmp_path, "Write a long poem about the sea.\rWhat did you write about?\r/exit\r")
+    assert "(reply stopped)" in out
+    messages = chat.conv.messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert 0 < len(messages[1]["content"]) < 60  # the stopped reply, kept as far as it got
+    assert chat.conv.fed == chat.conv.cache.stats().seen
+
+
+def test_user_is_told_once_when_their_message_is_evicted(embedded, tmp_path):
+    chat = session(embedded, tmp_path, budget=40, max_new_tokens=24)
+    out = drive(chat, tmp_path, "Please remember the word pineapple.\rTell me about oceans.\rAnd rivers?\r/exit\r")
+    assert out.count('note: your message "Please remember the word pineapple."') == 1
+
+
+def test_panel_renders_on_a_terminal(embedded, tmp_path):
+    chat = session(embedded, tmp_path, panel=True, terminal=True)
+    out = drive(chat, tmp_path, "Hello!\r/exit\r")
+    for label in ("policy", "h2o 64", "tokens", "evicted", "KV cache", "memory", "RSS", "decode"):
+        assert label in out
+
+
+def _installed_command() -> list[str]:
+    script = Path(sys.executable).with_name("h2o-chat")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "h2o_chat"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_installed_command_in_a_pty(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
+    env.pop("NO_COLOR", None)
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the real command on a terminal
+        os.execvpe(
+            _installed_command()[0], [*_installed_command(), "--temperature", "0", "--max-new-tokens", "24"], env
+        )
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    screen = b""
+
+    def read_until(needle: bytes, timeout: float) -> bool:
+        nonlocal screen
+        end = time.time() + timeout
+        while time.time() < end:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    screen += os.read(fd, 65536)
+                except OSError:
+                    return needle in screen
+            if needle in screen:
+                return True
+        return False
+
+    try:
+        assert read_until(b"/help for commands", 120), screen[-2000:]
+        os.write(fd, b"What is the capital of France?\r")
+        assert read_until(b"KV cache", 120), screen[-2000:]
+        assert read_until(b"Paris", 60), screen[-2000:]
+        assert read_until(b"decode", 30)
+        os.write(fd, b"/exit\r")
+        read_until(b"\x00never", 5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)

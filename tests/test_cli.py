@@ -1,0 +1,126 @@
+"""The real command through Typer's CliRunner: piped prompts, --json, models, and every user error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from h2o_chat import cli
+
+runner = CliRunner()
+
+
+def invoke(args, stdin: bytes | str = b""):
+    return runner.invoke(cli.app, args, input=stdin)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("h2o-chat: error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_help_is_fast_and_imports_no_torch():
+    code = "import sys, h2o_chat.cli as c\ntry:\n    c.app(['--help'])\nexcept SystemExit:\n    pass\n"
+    code += "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().endswith("NO-TORCH"), out.stdout[-200:]
+    assert "--budget" in out.stdout
+
+
+def test_piped_prompt_streams_only_text_to_stdout(fast_load):
+    result = invoke(["--temperature", "0", "--max-new-tokens", "16", "-b", "32"], "What is the capital of France?")
+    assert result.exit_code == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tok/s" not in result.stdout
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("h2o-chat:") and "h2o 32 (16 heavy + 16 recent)" in summary and "evicted" in summary
+
+
+def test_piped_json_record(fast_load):
+    result = invoke(["--temperature", "0", "--max-new-tokens", "24", "-b", "32", "--json"], "Count from one to ten.")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["model"] == "smollm2-135m" and record["text"]
+    assert record["cache"]["kept"] == 32 and record["cache"]["seen"] > 32
+    assert record["cache"]["evicted"] == record["cache"]["seen"] - 32
+    assert record["generated_tokens"] <= 24 and record["finish_reason"] in ("stop", "length")
+
+
+def test_raw_mode_continues_plain_text(fast_load):
+    result = invoke(["--raw", "--temperature", "0", "--max-new-tokens", "8", "--json"], "Once upon a time")
+    record = json.loads(result.stdout)
+    assert record["prompt_tokens"] == 4  # no chat template around it
+
+
+def test_models_lists_aliases_and_presence():
+    result = invoke(["models"])
+    assert result.exit_code == 0
+    for alias in ("smollm2-135m", "llama-2-7b", "opt-6.7b", "pythia-6.9b", "mistral-7b"):
+        assert alias in result.stdout
+    row = next(line for line in result.stdout.splitlines() if line.startswith("smollm2-135m"))
+    assert row.startswith("smollm2-135m *") and "yes" in row
+    assert "no" in next(line for line in result.stdout.splitlines() if line.startswith("llama-2-7b"))
+
+
+@pytest.mark.parametrize(
+    "args, stdin, fragments",
+    [
+        (["-m", "llama2-7b"], "hi", ["unknown model", "llama-2-7b"]),
+        (["-m", "llama-2-7b"], "hi", ["not on this machine", "--download"]),
+        (["-b", "0"], "hi", ["budget must be a positive"]),
+        (["-b", "-3"], "hi", ["budget must be a positive"]),
+        (["--heavy-ratio", "1.0"], "hi", ["heavy_ratio"]),
+        (["-b", "6", "--policy", "sink", "--sinks", "8"], "hi", ["sink"]),
+        (["--policy", "lru"], "hi", ["unknown policy", "h2o"]),
+        (["--quantize", "4bit", "--device", "cpu"], "hi", ["--quantize 4bit needs a CUDA GPU"]),
+        (["--max-new-tokens", "0"], "hi", ["--max-new-tokens"]),
+        (["--top-p", "0"], "hi", ["--top-p"]),
+        ([], b"", ["stdin is empty"]),
+        ([], b"   \n\t", ["stdin is empty"]),
+        ([], b"caf\xe9 latin-1", ["not UTF-8", "0xe9"]),
+        (["--models", "/nonexistent/models.toml"], "hi", ["models file not found"]),
+    ],
+)
+def test_bad_input_gets_one_clear_line(fast_load, args, stdin, fragments):
+    assert_one_line_error(invoke(args, stdin), *fragments)
+
+
+def test_malformed_models_file(fast_load, tmp_path):
+    bad = tmp_path / "models.toml"
+    bad.write_text("[models.x\nsource=")
+    assert_one_line_error(invoke(["--models", str(bad)], "hi"), "not valid TOML")
+    bad.write_bytes(b"\xff\xfe")
+    assert_one_line_error(invoke(["--models", str(bad)], "hi"), "cannot read models file")
+
+
+def test_cuda_device_without_gpu(fast_load):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert_one_line_error(invoke(["-m", "smollm2-135m", "--device", "cuda"], "hi"), "no CUDA GPU")
+
+
+def test_bench_command_small(fast_load):
+    result = invoke(["bench", "--lengths", "40,80", "--budget", "32", "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    configs = {r["config"] for r in records}
+    assert configs == {"dynamic", "full", "h2o", "h2o-nobound", "h2o@first"}
+    h2o = [r for r in records if r["config"] == "h2o"]
+    assert [r["seen"] for r in h2o] == [40, 80] and all(r["ms_per_token"] > 0 for r in records)
+    full = {r["seen"]: r["kv_bytes"] for r in records if r["config"] == "dynamic"}
+    assert full[80] > full[40] and h2o[0]["kv_bytes"] == h2o[1]["kv_bytes"]
+
+
+def test_bench_rejects_bad_lengths():
+    assert_one_line_error(invoke(["bench", "--lengths", "512,abc"]), "--lengths")
+    assert_one_line_error(invoke(["bench", "--configs", "h2o,fast"]), "unknown bench config")
