@@ -328,6 +328,11 @@ class H2OCache(Cache):
         layers = self.initialized_layers
         return layers[0].seen.to(device) if layers else torch.zeros(batch_size, dtype=torch.long, device=device)
 
+    def position_ids(self, mask: torch.Tensor) -> torch.Tensor:
+        """Position ids to give the model for new tokens with padding mask (B, T): their true positions."""
+        start = self.next_positions(mask.shape[0], mask.device)
+        return start[:, None] + (mask.long().cumsum(-1) - 1).clamp(min=0)
+
     def stats(self) -> CacheStats:
         layers = self.initialized_layers
         if not layers:

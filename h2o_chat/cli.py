@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +10,25 @@ import typer
 
 from h2o_chat.config import load_registry
 from h2o_chat.errors import H2OChatError
+from h2o_chat.options import (
+    Budget,
+    ChunkSize,
+    Device,
+    Download,
+    Dtype,
+    HeavyRatio,
+    Model,
+    ModelsFile,
+    PolicyName,
+    Quantize,
+    Sinks,
+    build_policy,
+    check_positive,
+    int_list,
+    load_model,
+    reported,
+    status,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -20,78 +37,6 @@ app = typer.Typer(
     help="Chat and long-form generation in bounded memory with the H2O heavy-hitter KV cache.\n\n"
     "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin.",
 )
-
-# -- options shared by several commands ------------------------------------------------------------------
-Model = Annotated[
-    str | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="Alias from models.toml, Hugging Face repo id, "
-        "local folder or .gguf file. Default: the embedded SmolLM2-135M.",
-    ),
-]
-Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in tokens per layer (and head).")]
-HeavyRatio = Annotated[
-    float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
-]
-PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | recent | sink | full")]
-Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
-ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
-Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
-Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
-Quantize = Annotated[
-    str | None,
-    typer.Option(
-        help="none | 4bit | 8bit (bitsandbytes, CUDA only). Default: the model's setting on CUDA, none on CPU."
-    ),
-]
-ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
-Download = Annotated[bool, typer.Option(help="Allow fetching weights from the Hugging Face Hub.")]
-
-
-@contextlib.contextmanager
-def reported() -> Iterator[None]:
-    """Turn the errors users can cause into one line on stderr and a non-zero exit."""
-    try:
-        yield
-    except H2OChatError as e:
-        typer.echo(f"h2o-chat: error: {e}", err=True)
-        raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        typer.echo("h2o-chat: interrupted", err=True)
-        raise typer.Exit(130) from None
-    except Exception as e:
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
-            typer.echo(
-                f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); lower --budget or "
-                "--chunk-size, or use --quantize 4bit",
-                err=True,
-            )
-            raise typer.Exit(3) from None
-        raise
-
-
-def _status(message: str) -> None:
-    typer.echo(f"h2o-chat: {message}", err=True)
-
-
-def load_model(model, models_file, device, dtype, quantize, download):
-    from h2o_chat.loading import load
-
-    spec = load_registry(models_file).resolve(model)
-    return load(spec, device=device, dtype=dtype, quantize=quantize, download=download, status=_status)
-
-
-def build_policy(policy: str, budget: int, heavy_ratio: float, sinks: int | None):
-    from h2o_chat.policies import make_policy
-
-    return make_policy(policy, budget, heavy_ratio=heavy_ratio, sinks=sinks)
-
-
-def _check_positive(name: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise H2OChatError(f"{name} must be a positive integer, got {value}")
 
 
 @app.callback(invoke_without_command=True)
@@ -124,8 +69,8 @@ def main_command(
     if ctx.invoked_subcommand is not None:
         return
     with reported():
-        _check_positive("--max-new-tokens", max_new_tokens)
-        _check_positive("--chunk-size", chunk_size)
+        check_positive("--max-new-tokens", max_new_tokens)
+        check_positive("--chunk-size", chunk_size)
         if temperature < 0 or not 0 < top_p <= 1:
             raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
         pol = build_policy(policy, budget, heavy_ratio, sinks)
@@ -222,9 +167,9 @@ def batch_command(
         from h2o_chat.batch import Defaults, run_batch
         from h2o_chat.errors import InputError
 
-        _check_positive("--batch-size", batch_size)
-        _check_positive("--max-new-tokens", max_new_tokens)
-        _check_positive("--chunk-size", chunk_size)
+        check_positive("--batch-size", batch_size)
+        check_positive("--max-new-tokens", max_new_tokens)
+        check_positive("--chunk-size", chunk_size)
         if temperature < 0 or not 0 < top_p <= 1:
             raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
         if not input_path.is_file():
@@ -250,28 +195,18 @@ def batch_command(
             top_p=top_p,
             seed=seed,
             chunk_size=chunk_size,
-            on_record=lambda r: _status(f"{r['id']}: {r['generated_tokens']} tokens"),
+            on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
         )
         for problem in summary.malformed:
             typer.echo(f"h2o-chat: skipped {problem}", err=True)
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
-        _status(
+        status(
             f"batch: {summary.done} done, {summary.skipped} already in {output.name}, "
             f"{len(summary.malformed)} malformed | {summary.tokens} tokens in {summary.seconds:.1f} s "
             f"({rate:.1f} tok/s)"
         )
         if summary.malformed:
             raise typer.Exit(2)
-
-
-def _int_list(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise H2OChatError(f"{name} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise H2OChatError(f"{name} must be positive integers, got {text!r}")
-    return values
 
 
 @app.command("bench")
@@ -301,13 +236,13 @@ def bench_command(
         from h2o_chat import bench
         from h2o_chat.ui import bench_table, make_console
 
-        points = _int_list(lengths, "--lengths")
+        points = int_list(lengths, "--lengths")
         names = tuple(c.strip() for c in configs.split(",") if c.strip())
         unknown = [c for c in names if c not in bench.CONFIGS]
         if unknown:
             raise H2OChatError(f"unknown bench config {unknown[0]!r}; choose from {', '.join(bench.CONFIGS)}")
-        _check_positive("--steps", steps)
-        _check_positive("--batch", batch)
+        check_positive("--steps", steps)
+        check_positive("--batch", batch)
         build_policy("h2o", budget, 0.5, None)  # validates the budget
         loaded = load_model(model, models_file, device, dtype, quantize, False)
         records = bench.run_decode_bench(
@@ -318,12 +253,17 @@ def bench_command(
             names,
             steps=steps,
             batch=batch,
-            progress=None if json_out else _status,
+            progress=None if json_out else status,
         )
         if json_out:
             typer.echo(bench.as_json_lines(records))
         else:
             make_console().print(bench_table(records, bench.ratios(records, budget)))
+
+
+from h2o_chat.evalcli import eval_app  # noqa: E402  (the eval command group)
+
+app.add_typer(eval_app, name="eval")
 
 
 def main() -> None:

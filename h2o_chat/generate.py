@@ -83,26 +83,25 @@ def prefill(
 ) -> torch.Tensor:
     """Feed a (left-padded) prompt (B, L) in chunks; returns the last position's logits (B, V).
 
-    Positions continue from what the cache has seen, so later turns of a chat append to it."""
+    The cache numbers the tokens (it continues from what it has seen, so chat turns append to it)."""
     B, L = input_ids.shape
-    start = cache.next_positions(B, input_ids.device)  # (B,)
     if attention_mask is None:
-        positions = start[:, None] + torch.arange(L, device=input_ids.device)
-    else:
-        attention_mask = attention_mask.to(input_ids.device)
-        positions = start[:, None] + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        attention_mask = torch.ones(B, L, dtype=torch.long, device=input_ids.device)
+    attention_mask = attention_mask.to(input_ids.device)
+    padded = not bool(attention_mask.all())
     logits = None
     for s in range(0, L, chunk_size):
-        e = min(L, s + chunk_size)
-        chunk_mask = attention_mask[:, s:e] if attention_mask is not None else None
-        logits = _forward(model, cache, input_ids[:, s:e], positions[:, s:e], chunk_mask)
+        mask = attention_mask[:, s : s + chunk_size]
+        logits = _forward(
+            model, cache, input_ids[:, s : s + chunk_size], cache.position_ids(mask), mask if padded else None
+        )
     return logits
 
 
 @torch.inference_mode()
 def decode_one(model, cache: H2OCache, tokens: torch.Tensor) -> torch.Tensor:
     """Feed one token per row, (B,) -> next logits (B, V)."""
-    positions = cache.next_positions(tokens.shape[0], tokens.device)[:, None]
+    positions = cache.position_ids(torch.ones(tokens.shape[0], 1, dtype=torch.long, device=tokens.device))
     return _forward(model, cache, tokens[:, None], positions, None)
 
 

@@ -111,7 +111,9 @@ def fast_load(monkeypatch, embedded):
         resolve_settings(spec, device, dtype, quantize)
         return embedded
 
-    from h2o_chat import cli
+    from h2o_chat import cli, evalcli
 
-    monkeypatch.setattr(cli, "load_model", load_model)
+    for module in (cli, evalcli):
+        if hasattr(module, "load_model"):
+            monkeypatch.setattr(module, "load_model", load_model)
     return calls

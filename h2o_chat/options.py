@@ -1,0 +1,98 @@
+"""What the command modules share: option types, error reporting, model and policy construction.
+
+No torch import at module level (start-up stays fast for --help).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from h2o_chat.config import load_registry
+from h2o_chat.errors import H2OChatError
+
+# -- options shared by several commands ------------------------------------------------------------------
+Model = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Alias from models.toml, Hugging Face repo id, "
+        "local folder or .gguf file. Default: the embedded SmolLM2-135M.",
+    ),
+]
+Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in tokens per layer (and head).")]
+HeavyRatio = Annotated[
+    float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
+]
+PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | recent | sink | full")]
+Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
+ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
+Quantize = Annotated[
+    str | None,
+    typer.Option(
+        help="none | 4bit | 8bit (bitsandbytes, CUDA only). Default: the model's setting on CUDA, none on CPU."
+    ),
+]
+ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
+Download = Annotated[bool, typer.Option(help="Allow fetching weights from the Hugging Face Hub.")]
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[None]:
+    """Turn the errors users can cause into one line on stderr and a non-zero exit."""
+    try:
+        yield
+    except H2OChatError as e:
+        typer.echo(f"h2o-chat: error: {e}", err=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("h2o-chat: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
+            typer.echo(
+                f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); lower --budget or "
+                "--chunk-size, or use --quantize 4bit",
+                err=True,
+            )
+            raise typer.Exit(3) from None
+        raise
+
+
+def status(message: str) -> None:
+    typer.echo(f"h2o-chat: {message}", err=True)
+
+
+def load_model(model, models_file, device, dtype, quantize, download):
+    from h2o_chat.loading import load
+
+    spec = load_registry(models_file).resolve(model)
+    return load(spec, device=device, dtype=dtype, quantize=quantize, download=download, status=status)
+
+
+def build_policy(policy: str, budget: int, heavy_ratio: float, sinks: int | None):
+    from h2o_chat.policies import make_policy
+
+    return make_policy(policy, budget, heavy_ratio=heavy_ratio, sinks=sinks)
+
+
+def check_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise H2OChatError(f"{name} must be a positive integer, got {value}")
+
+
+def int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise H2OChatError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise H2OChatError(f"{name} must be positive integers, got {text!r}")
+    return values
