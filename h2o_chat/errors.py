@@ -34,3 +34,7 @@ class InputError(H2OChatError):
 
 class CacheUsageError(H2OChatError):
     """The H2O cache was used with a model whose attention does not go through h2o-chat's attention function."""
+
+
+class ContextLimitError(H2OChatError):
+    """The model cannot read past its trained context (learned absolute positions, e.g. OPT)."""

@@ -12,8 +12,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_chat.attention import set_active
-from h2o_chat.cache import H2OCache, H2OLayer
+from h2o_chat.cache import H2OCache
+from h2o_chat.layer import H2OLayer
 from h2o_chat.policies import Policy
+from h2o_chat.rope import Rope
 
 
 class GroupedLayer(CacheLayerMixin):
@@ -65,15 +67,34 @@ class GroupedLayer(CacheLayerMixin):
 class GroupedCache(Cache):
     """`groups[g]` is an H2OCache over rows `rows[g]` of the batch (contiguous, in order)."""
 
-    def __init__(self, policies: list[Policy], num_layers: int, rows: list[int] | None = None):
-        self.groups = [H2OCache(p, num_layers) for p in policies]
+    def __init__(
+        self,
+        policies: list[Policy],
+        num_layers: int,
+        rows: list[int] | None = None,
+        positions: list[str] | None = None,
+        rope: Rope | None = None,
+        context: int | None = None,
+    ):
+        positions = positions or ["absolute"] * len(policies)
+        self.groups = [H2OCache(p, num_layers, m, rope, context) for p, m in zip(policies, positions, strict=True)]
         self.rows = rows or [1] * len(policies)
         layers = [GroupedLayer([g.layers[i] for g in self.groups], self.rows) for i in range(num_layers)]
         super().__init__(layers=layers)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, policies: list[Policy], rows: list[int] | None = None):
-        return cls(policies, model.config.get_text_config().num_hidden_layers, rows)
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        policies: list[Policy],
+        rows: list[int] | None = None,
+        positions: list[str] | None = None,
+        context: int | None = None,
+    ) -> GroupedCache:
+        """`positions[g]`: absolute | rolling | auto for group g (see H2OCache.for_model)."""
+        config = model.config.get_text_config()
+        context = context or getattr(config, "max_position_embeddings", None)
+        return cls(policies, config.num_hidden_layers, rows, positions, Rope.from_model(model), context)
 
     def next_positions(self, batch_size: int, device: torch.device) -> torch.Tensor:
         return torch.cat([g.next_positions(r, device) for g, r in zip(self.groups, self.rows, strict=True)])

@@ -117,3 +117,13 @@ def fast_load(monkeypatch, embedded):
         if hasattr(module, "load_model"):
             monkeypatch.setattr(module, "load_model", load_model)
     return calls
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine OpenMP barriers make each step
+    ~50x slower; long tiny-model loops run on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

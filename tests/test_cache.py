@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from conftest import FAMILIES, tiny_model
-from h2o_chat import cache as cache_module
+from h2o_chat import layer as layer_module
 from h2o_chat.cache import H2OCache
 from h2o_chat.errors import CacheUsageError
 from h2o_chat.generate import Sampler, generate_steps, prefill
@@ -133,7 +133,7 @@ def test_heads_keep_different_positions():
 
 
 # -- (c) capacity: fixed storage, never re-allocated ---------------------------------------------------------
-def test_storage_is_allocated_once_and_never_exceeds_budget():
+def test_storage_is_allocated_once_and_never_exceeds_budget(single_thread):
     budget = 32
     model = tiny_model("llama", seed=1)
     cache = H2OCache.for_model(model, make_policy("h2o", budget))
@@ -194,13 +194,13 @@ def test_batch_row_equals_the_same_prompt_alone(family):
 def test_chunked_long_prompt_holds_at_most_budget_plus_chunk(monkeypatch):
     budget, chunk, length = 256, 128, 4096
     seen_shapes = []
-    real = cache_module.attention_with_mass
+    real = layer_module.attention_with_mass
 
     def spy(query, k_cache, v_cache, k_new, v_new, *args):
         seen_shapes.append((k_cache.shape[2], k_new.shape[2]))
         return real(query, k_cache, v_cache, k_new, v_new, *args)
 
-    monkeypatch.setattr(cache_module, "attention_with_mass", spy)
+    monkeypatch.setattr(layer_module, "attention_with_mass", spy)
     model = tiny_model("llama", seed=4)
     cache = H2OCache.for_model(model, make_policy("h2o", budget))
     prefill(model, cache, torch.randint(0, 256, (1, length)), chunk_size=chunk)
