@@ -168,13 +168,14 @@ def generate_batch(
     top_p: float = 1.0,
     seed: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    positions: str = "auto",
 ) -> Iterator[dict]:
     """Generate for the rows together; yield each row's result record as soon as the row is done."""
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     stops = stop_token_ids(tok, model)
     ids, mask = left_pad([it.ids for it in items], tok.pad_token_id or 0)
-    cache = H2OCache.for_model(model, policy)
+    cache = H2OCache.for_model(model, policy, positions, loaded.context)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size)
@@ -238,6 +239,7 @@ def run_batch(
     seed: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     on_record: Callable[[dict], None] | None = None,
+    positions: str = "auto",
 ) -> Summary:
     summary = Summary()
     items = read_items(input_path, loaded.tokenizer, defaults, summary)
@@ -254,9 +256,8 @@ def run_batch(
         for budget, policy in sorted(policies.items(), key=lambda kv: kv[0] or 0):
             group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
             for start in range(0, len(group), batch_size):
-                for record in generate_batch(
-                    loaded, group[start : start + batch_size], policy, top_p, seed, chunk_size
-                ):
+                rows = group[start : start + batch_size]
+                for record in generate_batch(loaded, rows, policy, top_p, seed, chunk_size, positions):
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
                     out.flush()  # a killed run keeps every finished row
                     summary.done += 1

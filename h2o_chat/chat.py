@@ -81,6 +81,8 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         if not options.json and r.text:
             out.write(r.text)
             out.flush()
+        for notice in conv.cache.pop_notices():
+            print(f"h2o-chat: note: {notice}", file=sys.stderr)
     stats = conv.cache.stats()
     record = {
         "model": loaded.spec.name,
@@ -178,18 +180,25 @@ class ChatSession:
         if self.panel is not None:
             self.panel.turn = TurnStats(evicted_at_start=before)
         last = None
-        with (
-            interruptible() as stop,
-            StreamView(self.console, self.panel) as view,
-            contextlib.closing(self.conv.send(text)) as stream,
-        ):
-            for r in stream:
-                last = r
-                if self.panel is not None:
-                    self.panel.turn.prompt_tps, self.panel.turn.generation_tps = r.prompt_tps, r.generation_tps
-                view.update(r.text, r.cache.stats)
-                if stop.is_set():
-                    break
+        try:
+            with (
+                interruptible() as stop,
+                StreamView(self.console, self.panel) as view,
+                contextlib.closing(self.conv.send(text)) as stream,
+            ):
+                for r in stream:
+                    last = r
+                    if self.panel is not None:
+                        self.panel.turn.prompt_tps, self.panel.turn.generation_tps = r.prompt_tps, r.generation_tps
+                    view.update(r.text, r.cache.stats)
+                    if stop.is_set():
+                        break
+        except H2OChatError as e:  # e.g. a model that cannot read past its context: the session stays
+            self.console.print(f"[red]error:[/] {e}")
+            return
+        finally:
+            for notice in self.conv.cache.pop_notices():
+                self.console.print(f"[dim]note: {notice}[/]")
         if stop.is_set():
             self.console.print("[dim](reply stopped)[/]")
         elif last is not None and last.finish_reason == "length":

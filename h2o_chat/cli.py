@@ -20,9 +20,11 @@ from h2o_chat.options import (
     Model,
     ModelsFile,
     PolicyName,
+    Positions,
     Quantize,
     Sinks,
     build_policy,
+    check_positions,
     check_positive,
     int_list,
     load_model,
@@ -48,6 +50,7 @@ def main_command(
     policy: PolicyName = "h2o",
     sinks: Sinks = None,
     chunk_size: ChunkSize = 512,
+    positions: Positions = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per reply.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.9,
@@ -71,6 +74,7 @@ def main_command(
     with reported():
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
+        check_positions(positions)
         if temperature < 0 or not 0 < top_p <= 1:
             raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
         pol = build_policy(policy, budget, heavy_ratio, sinks)
@@ -90,6 +94,7 @@ def main_command(
                 max_new_tokens=max_new_tokens,
                 chunk_size=chunk_size,
                 system=system,
+                positions=positions,
                 sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
             ),
             panel=not no_panel,
@@ -150,6 +155,7 @@ def batch_command(
     policy: PolicyName = "h2o",
     sinks: Sinks = None,
     chunk_size: ChunkSize = 512,
+    positions: Positions = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
     temperature: Annotated[float, typer.Option(help="Default for lines without temperature (0 = greedy).")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
@@ -168,6 +174,7 @@ def batch_command(
         from h2o_chat.errors import InputError
 
         check_positive("--batch-size", batch_size)
+        check_positions(positions)
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
         if temperature < 0 or not 0 < top_p <= 1:
@@ -196,6 +203,7 @@ def batch_command(
             seed=seed,
             chunk_size=chunk_size,
             on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
+            positions=positions,
         )
         for problem in summary.malformed:
             typer.echo(f"h2o-chat: skipped {problem}", err=True)

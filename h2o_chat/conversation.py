@@ -38,6 +38,7 @@ class ChatSettings:
     sampler: Sampler = field(default_factory=Sampler)
     chunk_size: int = DEFAULT_CHUNK
     system: str | None = None
+    positions: str = "auto"
 
 
 @dataclass
@@ -70,15 +71,18 @@ class Conversation:
         if self.plain:
             self.tokenizer.chat_template = PLAIN_TEMPLATE
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
-        self.cache = H2OCache.for_model(loaded.model, policy)
+        self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
             self.messages.append({"role": "system", "content": self.settings.system})
         self._restart()
 
+    def _new_cache(self, policy: Policy) -> H2OCache:
+        return H2OCache.for_model(self.loaded.model, policy, self.settings.positions, self.loaded.context)
+
     def _restart(self) -> None:
         """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
-        self.cache = H2OCache.for_model(self.loaded.model, self.cache.policy)
+        self.cache = self._new_cache(self.cache.policy)
         self.fed = 0  # tokens the cache has seen
         self.spans: list[Span] = []
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache

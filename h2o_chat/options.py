@@ -32,6 +32,13 @@ HeavyRatio = Annotated[
 PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | recent | sink | full")]
 Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
 ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
+Positions = Annotated[
+    str,
+    typer.Option(
+        help="auto: absolute within the trained context, rolling past it | absolute: keys keep their "
+        "true positions (the paper) | rolling: positions by cache slot (StreamingLLM)."
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
 Quantize = Annotated[
@@ -81,6 +88,12 @@ def build_policy(policy: str, budget: int, heavy_ratio: float, sinks: int | None
     from h2o_chat.policies import make_policy
 
     return make_policy(policy, budget, heavy_ratio=heavy_ratio, sinks=sinks)
+
+
+def check_positions(value: str) -> str:
+    if value not in ("auto", "absolute", "rolling"):
+        raise H2OChatError(f"--positions must be auto, absolute or rolling, got {value!r}")
+    return value
 
 
 def check_positive(name: str, value: int | None) -> None:

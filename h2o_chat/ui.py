@@ -98,6 +98,7 @@ class PanelView:
             )
         grid.add_row("model", self.model, "device", self.device)
         grid.add_row("policy", describe_policy(stats), "tokens", f"{stats.seen} seen, {stats.kept:.0f} kept/layer")
+        grid.add_row("positions", stats.positions, "", "")
         grid.add_row(
             "evicted",
             f"{stats.evicted - self.turn.evicted_at_start:.0f} this turn, {stats.evicted:.0f} total",
