@@ -81,7 +81,24 @@ def prefill(
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
-    """Feed a (left-padded) prompt (B, L) in chunks; returns the last position's logits (B, V).
+    """Feed a (left-padded) prompt (B, L); returns the last position's logits (B, V). A policy that
+    compresses prompts (snap) gets its two-pass selection; every other policy a chunked prefill."""
+    if getattr(getattr(cache, "policy", None), "compresses_prompts", False):
+        from h2o_chat.snap import compress_prompt
+
+        return compress_prompt(model, cache, input_ids, attention_mask, chunk_size, prefill_chunks)
+    return prefill_chunks(model, cache, input_ids, attention_mask, chunk_size)
+
+
+@torch.inference_mode()
+def prefill_chunks(
+    model,
+    cache: H2OCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Feed a (left-padded) prompt (B, L) in chunks, evicting between chunks (KV memory: budget + chunk).
 
     The cache numbers the tokens (it continues from what it has seen, so chat turns append to it)."""
     B, L = input_ids.shape

@@ -6,6 +6,8 @@ padding) and score (accumulated attention mass, fp32) are (B, H, cap); seen (rea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -13,6 +15,9 @@ from h2o_chat.attention import attention_with_mass, get_active, set_active
 from h2o_chat.errors import CacheUsageError
 from h2o_chat.policies import Policy
 from h2o_chat.rope import Rope
+
+if TYPE_CHECKING:
+    from h2o_chat.snap import Observation, Probe
 
 _FULL_INITIAL_SLOTS = 256  # the `full` policy starts here and doubles
 
@@ -34,6 +39,8 @@ class H2OLayer(CacheLayerMixin):
         self._may_hold_padding = False
         self.rope: Rope | None = None  # set by the cache for rolling positions
         self.rolling = False  # keys stored un-rotated, rotated by rank at attention time
+        self.probe: Probe | None = None  # snap pass 1: collects the prompt's last queries
+        self.observation: Observation | None = None  # snap pass 2: scores tokens by those queries
 
     # -- storage ----------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -153,7 +160,13 @@ class H2OLayer(CacheLayerMixin):
             self.seen += new_valid.sum(-1)
             self._may_hold_padding = True
         self.columns += T
-        self._insert(k_new, v_new, pos_new, mass_new)
+        if self.probe is not None:  # snap pass 1: remember the prompt's last queries
+            self.probe.capture(self, query, pos_new, scaling)
+        pos_new = pos_new[:, None, :].expand(*k_new.shape[:2], T)  # (B, H, T)
+        new = [k_new, v_new, pos_new, mass_new]
+        if self.observation is not None:  # snap pass 2: score by the observation queries
+            new.append(self.observation.score_new(self, k_new, pos_new))
+        self._insert(new)
         return out
 
     def _rotate_by_rank(self, query, keys, k_new, new_valid):
@@ -185,46 +198,51 @@ class H2OLayer(CacheLayerMixin):
             self.keys[:, :, :n] = self.rope.rotate(self.keys[:, :, :n], -self.pos[:, :, :n].clamp(min=0))
         self.rolling = True
 
-    def _insert(self, k_new, v_new, pos_new, score_new) -> None:
-        B, H, T, _ = k_new.shape
-        n, cap = self.n, self.capacity
-        if n + T > cap and self.policy.capacity is None:
-            self._grow(n + T)
-            cap = self.capacity
-        pos_new = pos_new[:, None, :].expand(B, H, T)  # (B, H, T)
-        if n + T <= cap:  # room left: append
-            self.keys[:, :, n : n + T] = k_new
-            self.values[:, :, n : n + T] = v_new
-            self.pos[:, :, n : n + T] = pos_new
-            self.score[:, :, n : n + T] = score_new
-            self.n = n + T
-        elif T == 1:  # decode, cache full: the new token overwrites the lowest-priority slot
-            self._overwrite_lowest(k_new, v_new, pos_new, score_new)
-        else:
-            self._replace_k_lowest(k_new, v_new, pos_new, score_new)
+    def _buffers(self) -> list[torch.Tensor]:
+        """Per-slot tensors, moved together: keys, values, pos, score (and snap's observation logits)."""
+        bufs = [self.keys, self.values, self.pos, self.score]
+        return bufs + [self.observation.obs] if self.observation is not None else bufs
 
-    def _overwrite_lowest(self, k_new, v_new, pos_new, score_new) -> None:
-        newest = self.seen - 1  # (B,)
-        victim = self.policy.victim(self.score, self.pos, newest)[..., None]  # (B, H, 1)
-        self.evicted += (self.pos.gather(-1, victim) >= 0).sum()
-        idx = victim[..., None]  # (B, H, 1, 1)
-        self.keys.scatter_(2, idx.expand(-1, -1, -1, self.keys.shape[-1]), k_new)
-        self.values.scatter_(2, idx.expand(-1, -1, -1, self.values.shape[-1]), v_new)
-        self.pos.scatter_(-1, victim, pos_new)
-        self.score.scatter_(-1, victim, score_new)
-
-    def _replace_k_lowest(self, k_new, v_new, pos_new, score_new) -> None:
-        """A chunk of T > 1 tokens: keep the `cap` best of the n stored + T new, writing survivors in place."""
-        n, cap, T = self.n, self.capacity, k_new.shape[2]
-        newest = self.seen - 1
-        # priorities of every candidate: stored slots, then the new tokens
-        prio = torch.cat(
+    def _priority(self, pos_new: torch.Tensor, score_new: torch.Tensor) -> torch.Tensor:
+        """Keep-priority of every candidate, stored slots then new tokens: (B, H, n + T)."""
+        n, newest = self.n, self.seen - 1
+        if self.observation is not None:
+            return self.observation.priority(self, pos_new)
+        return torch.cat(
             (
                 self.policy.priority(self.score[..., :n], self.pos[..., :n], newest),
                 self.policy.priority(score_new, pos_new, newest),
             ),
             dim=-1,
-        )  # (B, H, n+T)
+        )
+
+    def _insert(self, new: list[torch.Tensor]) -> None:
+        T = new[0].shape[2]
+        n, cap = self.n, self.capacity
+        if n + T > cap and self.policy.capacity is None:
+            self._grow(n + T)
+            cap = self.capacity
+        if n + T <= cap:  # room left: append
+            for buf, values in zip(self._buffers(), new, strict=True):
+                buf[:, :, n : n + T] = values
+            self.n = n + T
+        elif T == 1 and self.observation is None:  # decode, cache full: overwrite the lowest-priority slot
+            self._overwrite_lowest(new)
+        else:
+            self._replace_k_lowest(new)
+
+    def _overwrite_lowest(self, new: list[torch.Tensor]) -> None:
+        victim = self.policy.victim(self.score, self.pos, self.seen - 1)[..., None]  # (B, H, 1)
+        self.evicted += (self.pos.gather(-1, victim) >= 0).sum()
+        for buf, values in zip(self._buffers(), new, strict=True):
+            idx = victim.view(*victim.shape, *([1] * (buf.dim() - 3))).expand(*victim.shape, *buf.shape[3:])
+            buf.scatter_(2, idx, values)
+
+    def _replace_k_lowest(self, new: list[torch.Tensor]) -> None:
+        """A chunk of T new tokens: keep the `cap` best of the n stored + T new, writing survivors in place."""
+        n, cap, T = self.n, self.capacity, new[0].shape[2]
+        pos_new = new[2]
+        prio = self._priority(pos_new, new[3])  # (B, H, n+T)
         out = prio.topk(n + T - cap, dim=-1, largest=False).indices
         is_out = torch.zeros_like(prio, dtype=torch.bool).scatter_(-1, out, True)
         all_pos = torch.cat((self.pos[..., :n], pos_new), dim=-1)
@@ -241,10 +259,8 @@ class H2OLayer(CacheLayerMixin):
         target = free_sorted.gather(-1, rank)  # (B, H, T) destination slot per new token
         b, h, t = keep_new.nonzero(as_tuple=True)
         s = target[b, h, t]
-        self.keys[b, h, s] = k_new[b, h, t]
-        self.values[b, h, s] = v_new[b, h, t]
-        self.pos[b, h, s] = pos_new[b, h, t]
-        self.score[b, h, s] = score_new[b, h, t]
+        for buf, values in zip(self._buffers(), new, strict=True):
+            buf[b, h, s] = values[b, h, t]
         self.n = cap
 
     @torch.inference_mode()

@@ -25,6 +25,7 @@ class Policy:
     """Base class. Subclasses define `rank` (higher keeps) and optionally `protected`."""
 
     name: ClassVar[str] = ""
+    compresses_prompts: ClassVar[bool] = False
     budget: int | None = 512
 
     def __post_init__(self) -> None:
@@ -176,7 +177,45 @@ class Full(Policy):
         return pos.to(torch.float32)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full)}
+@dataclass(frozen=True)
+class Snap(H2O):
+    """Question-aware prompts, then H2O: a prompt that overflows the budget is compressed by the attention of
+    its last `window` queries (pooled over `kernel` neighbouring positions, as SnapKV does), so the tokens a
+    final question needs survive; generation then evicts like h2o. See h2o_chat/snap.py."""
+
+    name: ClassVar[str] = "snap"
+    window: int = 32
+    kernel: int = 7
+    compresses_prompts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.window < self.budget:
+            raise ConfigError(f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ConfigError(f"the snap pooling kernel must be a positive odd number, got {self.kernel}")
+
+    def describe(self) -> str:
+        return f"{super().describe()}; prompts kept by their last {self.window} queries"
+
+
+def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max over `kernel` neighbouring positions along the last dim, so a selected token keeps its neighbours.
+    Pooling logits per query commutes with the later softmax normalisation (exp(x - lse) is monotone)."""
+    if kernel == 1:
+        return logits
+    shape = logits.shape
+    flat = logits.reshape(-1, 1, shape[-1])
+    return torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
+
+
+def observation_mass(obs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Softmax mass from the observation queries: obs (B, H, N, Q) pooled logits, lse (B, H, Q) the
+    log-sum-exp of each query over every key seen -> (B, H, N), summed over queries."""
+    return (obs - lse[:, :, None, :]).exp().sum(-1)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap)}
 
 
 def make_policy(
@@ -185,6 +224,8 @@ def make_policy(
     *,
     heavy_ratio: float | None = None,
     sinks: int | None = None,
+    window: int | None = None,
+    kernel: int | None = None,
 ) -> Policy:
     """Build a policy by name, validating the settings; unknown names raise ConfigError with a suggestion."""
     cls = POLICIES.get(name)
@@ -195,8 +236,10 @@ def make_policy(
     if cls is Full:
         return Full()
     kwargs: dict = {"budget": budget}
-    if heavy_ratio is not None and cls is H2O:
+    if heavy_ratio is not None and issubclass(cls, H2O):
         kwargs["heavy_ratio"] = heavy_ratio
-    if sinks is not None and cls in (H2O, Sink):
+    if sinks is not None and issubclass(cls, (H2O, Sink)):
         kwargs["sinks"] = sinks
+    if cls is Snap:
+        kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
     return cls(**kwargs)

@@ -1,0 +1,135 @@
+"""Question-aware prompt compression in bounded memory (the `snap` policy).
+
+The paper's H2O scores a token by the attention it has received so far, so while a long prompt streams in it
+keeps what the text attends to, not what a question at its end will need. SnapKV instead lets the prompt's
+last `window` queries (the observation window, usually the question) choose what to keep. Done naively that
+needs the whole prompt's keys at once; here it runs in two chunked passes:
+
+1. Probe: prefill the prompt into a throw-away copy of the cache (same budget) only to capture, in every
+   layer, the last `window` queries. Peak: two budgets + one chunk.
+2. Select: prefill again into the real cache. Every chunk's keys (and the keys already held) are scored by
+   those observation queries: logits max-pooled over `kernel` neighbouring positions so a selected token keeps
+   its neighbours, normalised by a running log-sum-exp over every key seen, so each query spreads one unit of
+   mass as in SnapKV. Eviction during the prompt keeps the highest mass; the window and sinks are protected.
+   The observation logits live beside the slots: (B, H, budget + chunk, G*window) floats per layer.
+
+After the prompt, each held token's H2O score starts at its observation mass and generation goes on with
+plain H2O eviction. The probe's queries come from a compressed context, so they approximate the queries the
+full prompt would give; the cost is a second prefill of the prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from h2o_chat.cache import H2OCache
+from h2o_chat.policies import Snap, observation_mass, pool_logits
+
+
+class Probe:
+    """Pass 1, per layer: the prompt's last `window` scaled queries in the true-position frame, (B, Hq, W, D),
+    and their absolute positions (B, W)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.q: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+
+    def capture(self, layer, query: torch.Tensor, pos_new: torch.Tensor, scaling: float) -> None:
+        q = query * scaling  # (B, Hq, T, D)
+        if layer.rolling:  # raw queries: rotate to their true positions, like stored absolute keys
+            q = layer.rope.rotate(q, pos_new.clamp(min=0)[:, None, :].expand(*q.shape[:3]))
+        q = q if self.q is None else torch.cat((self.q, q), dim=2)
+        pos = pos_new if self.pos is None else torch.cat((self.pos, pos_new), dim=1)
+        self.q, self.pos = q[:, :, -self.window :].clone(), pos[:, -self.window :].clone()
+
+
+class Observation:
+    """Pass 2, per layer: scores held and new tokens by the probe's queries; lives until the prompt ends."""
+
+    def __init__(self, probe: Probe, policy: Snap):
+        self.probe, self.policy = probe, policy
+        self.obs: torch.Tensor | None = None  # (B, H, cap, Q) pooled logits per slot
+        self.lse: torch.Tensor | None = None  # (B, H, Q) log-sum-exp over every prompt key seen
+        self._new: torch.Tensor | None = None
+
+    def _true_keys(self, layer, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return layer.rope.rotate(keys, pos.clamp(min=0)) if layer.rolling else keys
+
+    def _logits(self, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, D) keys -> (B, H, Q, N) fp32 logits; empty or padding slots, and keys after the
+        observing query (causal, as its real attention), -inf."""
+        logits = (self.q @ keys.transpose(-1, -2)).float()
+        hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > self.q_pos[:, None, :, None])
+        return logits.masked_fill(hidden, -torch.inf)
+
+    def _start(self, layer) -> None:
+        B, Hq, W, D = self.probe.q.shape
+        H = layer.num_heads
+        self.q = self.probe.q.reshape(B, H, (Hq // H) * W, D).to(layer.dtype)  # groups as in attention
+        self.q_pos = self.probe.pos.repeat(1, Hq // H)  # (B, G*W): rows ordered (group head, window step)
+        self.protect_from = self.probe.pos.max(-1).values - W + 1  # (B,): the window itself is kept
+        n = layer.n
+        self.obs = torch.full((B, H, layer.capacity, self.q.shape[2]), -torch.inf, device=layer.device)
+        if n:  # tokens held from earlier turns compete too
+            held = self._logits(self._true_keys(layer, layer.keys[:, :, :n], layer.pos[:, :, :n]), layer.pos[:, :, :n])
+            self.obs[:, :, :n] = held.transpose(-1, -2)
+            self.lse = held.logsumexp(-1)
+        else:
+            self.lse = torch.full((B, H, self.q.shape[2]), -torch.inf, device=layer.device)
+
+    def score_new(self, layer, k_new: torch.Tensor, pos_new: torch.Tensor) -> torch.Tensor:
+        """Observation logits of a chunk, (B, H, T, Q), pooled over neighbours; updates the log-sum-exp."""
+        if self.obs is None:
+            self._start(layer)
+        logits = self._logits(self._true_keys(layer, k_new, pos_new), pos_new)  # (B, H, Q, T)
+        self.lse = torch.logaddexp(self.lse, logits.logsumexp(-1))
+        self._new = pool_logits(logits, self.policy.kernel).transpose(-1, -2)
+        return self._new
+
+    def priority(self, layer, pos_new: torch.Tensor) -> torch.Tensor:
+        """Keep-priority of held slots then new tokens, (B, H, n+T): observation mass, window and sinks kept."""
+        n = layer.n
+        mass = observation_mass(torch.cat((self.obs[:, :, :n], self._new), dim=2), self.lse)
+        pos = torch.cat((layer.pos[:, :, :n], pos_new), dim=-1)
+        keep = pos >= self.protect_from.view(-1, 1, 1)
+        if self.policy.sinks:
+            keep |= (pos >= 0) & (pos < self.policy.sinks)
+        return mass.masked_fill(keep, torch.inf).masked_fill(pos < 0, -torch.inf)
+
+    def finish(self, layer) -> None:
+        """Hand over to H2O: each held token's score starts at its observation mass."""
+        n = layer.n
+        if self.obs is not None and n:
+            mass = observation_mass(self.obs[:, :, :n], self.lse)
+            layer.score[:, :, :n] = mass.masked_fill(layer.pos[:, :, :n] < 0, 0.0)
+        layer.observation = None
+
+
+@torch.inference_mode()
+def compress_prompt(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask, chunk_size: int, prefill):
+    """Prefill a prompt with question-aware selection when it overflows the budget; returns last logits.
+    `prefill` is the plain chunked prefill (passed in to keep this module free of the generation loop)."""
+    policy: Snap = cache.policy
+    held = cache.layers[0].n if cache.layers[0].is_initialized else 0
+    if held + input_ids.shape[1] <= policy.budget:  # it all fits: nothing to choose
+        return prefill(model, cache, input_ids, attention_mask, chunk_size)
+
+    probe_cache = copy.deepcopy(cache)
+    probes = [Probe(policy.window) for _ in probe_cache.layers]
+    for layer, probe in zip(probe_cache.layers, probes, strict=True):
+        layer.probe = probe
+    prefill(model, probe_cache, input_ids, attention_mask, chunk_size)
+    del probe_cache
+
+    for layer, probe in zip(cache.layers, probes, strict=True):
+        layer.observation = Observation(probe, policy)
+    try:
+        logits = prefill(model, cache, input_ids, attention_mask, chunk_size)
+    finally:
+        for layer in cache.layers:
+            if layer.observation is not None:
+                layer.observation.finish(layer)
+    return logits

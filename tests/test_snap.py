@@ -1,0 +1,128 @@
+"""The snap policy: a prompt over budget keeps the tokens its final queries attend to, in bounded memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from conftest import tiny_model
+from h2o_chat import layer as layer_module
+from h2o_chat import snap as snap_module
+from h2o_chat.cache import H2OCache
+from h2o_chat.errors import ConfigError
+from h2o_chat.generate import decode_one, prefill
+from h2o_chat.policies import make_policy, pool_logits
+
+
+class CaptureQueries:
+    """Full attention (SDPA-equivalent eager) that records each layer's scaled queries and keys."""
+
+    def __init__(self):
+        self.q, self.k = {}, {}
+
+    def __call__(self, module, q, k, v, attention_mask, scaling=None, **kwargs):
+        self.q[module.layer_idx], self.k[module.layer_idx] = q * scaling, k
+        G = q.shape[1] // k.shape[1]
+        T, S = q.shape[2], k.shape[2]
+        logits = (q * scaling) @ k.repeat_interleave(G, 1).transpose(-1, -2)
+        logits = logits.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), -torch.inf)
+        return (logits.softmax(-1) @ v.repeat_interleave(G, 1)).transpose(1, 2), None
+
+
+def observation_mass(q, k, window: int, kernel: int) -> torch.Tensor:
+    """Per KV head and prompt token: softmax mass from the last `window` queries (causal, over the whole
+    prompt), logits max-pooled over `kernel` neighbours, summed over those queries and the group: (H, L)."""
+    _, Hq, L, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    qg = q[:, :, -window:].reshape(1, H, G * window, D)
+    logits = (qg @ k.transpose(-1, -2)).float()  # (1, H, G*W, L)
+    rows = torch.arange(L - window, L).repeat(G)  # causal: observation query at position p sees keys <= p
+    logits = logits.masked_fill(torch.arange(L)[None, :] > rows[:, None], -torch.inf)
+    return (pool_logits(logits, kernel) - logits.logsumexp(-1, keepdim=True)).exp().sum(-2)[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("kernel", [1, 5])
+def test_kept_tokens_are_those_the_final_queries_attend_to_most(family, kernel):
+    budget, window, length = 24, 6, 80
+    model = tiny_model(family, seed=21)
+    ids = torch.randint(0, 256, (1, length))
+    capture = CaptureQueries()
+    AttentionInterface.register("capture_queries", capture)
+    model.set_attn_implementation("capture_queries")
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+    model.set_attn_implementation("h2o")
+
+    cache = H2OCache.for_model(model, make_policy("snap", budget, window=window, kernel=kernel))
+    prefill(model, cache, ids, chunk_size=length)  # one chunk: the probe sees the full-context queries
+    for layer in range(2):
+        mass = observation_mass(capture.q[layer], capture.k[layer], window, kernel)
+        for head, pos in enumerate(cache.layers[layer].pos[0]):
+            kept = set(pos.tolist())
+            assert len(kept) == budget and set(range(length - window, length)) <= kept  # the window stays
+            chosen = torch.tensor(sorted(kept - set(range(length - window, length))))
+            dropped = torch.tensor(sorted(set(range(length)) - kept))
+            # the kept tokens are those the final queries attend to most (pooling makes ties: allow them)
+            assert mass[head, chosen].min() >= mass[head, dropped].max() - 1e-5
+
+
+def test_prompt_ten_times_the_budget_stays_bounded(monkeypatch):
+    budget, chunk, length = 64, 64, 640
+    shapes, scored = [], []
+    real_attention, real_score = layer_module.attention_with_mass, snap_module.Observation.score_new
+
+    def spy_attention(query, k_cache, v_cache, k_new, *args):
+        shapes.append(k_cache.shape[2] + k_new.shape[2])
+        return real_attention(query, k_cache, v_cache, k_new, *args)
+
+    def spy_score(self, layer, k_new, pos_new):
+        scored.append(k_new.shape[2])
+        out = real_score(self, layer, k_new, pos_new)
+        assert self.obs.shape[2] == budget  # observation logits live beside the budget's slots only
+        return out
+
+    monkeypatch.setattr(layer_module, "attention_with_mass", spy_attention)
+    monkeypatch.setattr(snap_module.Observation, "score_new", spy_score)
+    model = tiny_model("llama", seed=22)
+    cache = H2OCache.for_model(model, make_policy("snap", budget, window=8))
+    prefill(model, cache, torch.randint(0, 256, (1, length)), chunk_size=chunk)
+    assert len(shapes) == 2 * 2 * length // chunk  # two passes, two layers, every chunk
+    assert max(shapes) <= budget + chunk and max(scored) <= chunk
+    assert all(lay.keys.shape[2] == budget and lay.observation is None for lay in cache.layers)
+    stats = cache.stats()
+    assert stats.seen == length and stats.kept == budget  # the probe's tokens were not counted twice
+    decode_one(model, cache, torch.tensor([1]))  # generation goes on with h2o eviction
+    assert cache.stats().kept == budget
+
+
+def test_a_prompt_that_fits_is_plain_h2o():
+    model = tiny_model("llama", seed=23)
+    ids = torch.randint(0, 256, (1, 40))
+    caches = [H2OCache.for_model(model, make_policy(name, 64)) for name in ("h2o", "snap")]
+    logits = [prefill(model, c, ids) for c in caches]
+    torch.testing.assert_close(logits[0], logits[1])
+    torch.testing.assert_close(caches[0].layers[1].score, caches[1].layers[1].score)
+
+
+def test_scores_hand_over_to_h2o_and_rolling_works():
+    model = tiny_model("llama", seed=24, max_positions=64)
+    cache = H2OCache.for_model(model, make_policy("snap", 32, window=4), "auto")
+    prefill(model, cache, torch.randint(0, 256, (1, 100)), chunk_size=16)  # past the context: rolling
+    assert cache.rolling
+    layer = cache.layers[0]
+    total = layer.score[0].sum(-1)  # observation mass: 4 queries x 2 query heads, pooled over up to 7 tokens
+    assert torch.all(total <= 7 * 8 + 1e-3) and torch.all(total > 1)
+    for t in range(5):
+        decode_one(model, cache, torch.tensor([t]))
+    assert cache.stats().kept == 32
+
+
+def test_snap_settings_are_validated():
+    with pytest.raises(ConfigError, match="window"):
+        make_policy("snap", 16, window=16)
+    with pytest.raises(ConfigError, match="odd"):
+        make_policy("snap", 64, kernel=4)
+    assert "last 32 queries" in make_policy("snap", 512).describe()
