@@ -56,16 +56,18 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(spec: ModelSpec, device: torch.device, dtype: str | None) -> torch.dtype:
+def resolve_dtype(spec: ModelSpec, device: torch.device, dtype: str | None, quantize: str = "none") -> torch.dtype:
+    """Explicit --dtype; else float32 on CPU, bfloat16 compute for NF4, the spec's dtype on CUDA."""
     if dtype not in (None, "auto"):
         if dtype not in _DTYPES:
             raise DeviceError(f"--dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32  # CPU matmuls in half precision are slower or unsupported
-    if spec.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+    wanted = torch.bfloat16 if quantize == "4bit" else _DTYPES.get(spec.dtype, torch.float16)
+    if wanted == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return torch.float16
-    return _DTYPES.get(spec.dtype, torch.float16)
+    return wanted
 
 
 def resolve_quantize(spec: ModelSpec, device: torch.device, quantize: str | None) -> str:
@@ -86,7 +88,7 @@ def resolve_settings(spec: ModelSpec, device: str, dtype: str | None, quantize: 
     """Validate device, dtype and quantization before touching any weights: (device, dtype, quantize)."""
     dev = resolve_device(device)
     quant = resolve_quantize(spec, dev, quantize)
-    return dev, resolve_dtype(spec, dev, dtype), quant
+    return dev, resolve_dtype(spec, dev, dtype, quant), quant
 
 
 def _has_bitsandbytes() -> bool:
@@ -199,13 +201,22 @@ def load(
     quantize: str | None = None,
     download: bool = False,
     status: Status = None,
+    kv_tokens: int | None = None,
 ) -> Loaded:
-    """Load model and tokenizer, with attention routed through h2o-chat."""
+    """Load model and tokenizer, with attention routed through h2o-chat. On CUDA, first check that the
+    weights plus a `kv_tokens` cache fit in free GPU memory (else say what would)."""
     _quiet_transformers()
     dev, torch_dtype, quant = resolve_settings(spec, device, dtype, quantize)
     location = weights_location(spec, download, status)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if dev.type == "cuda":
+        from h2o_chat.memory import check_fits, footprint, free_gpu_bytes
+
+        config = AutoConfig.from_pretrained(location, local_files_only=not download)
+        context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
+        check_fits(spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes())
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
     if quant != "none":

@@ -77,11 +77,14 @@ def status(message: str) -> None:
     typer.echo(f"h2o-chat: {message}", err=True)
 
 
-def load_model(model, models_file, device, dtype, quantize, download):
+def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None):
+    """Resolve the name and load; `kv_tokens` (the budget) sizes the GPU memory check."""
     from h2o_chat.loading import load
 
     spec = load_registry(models_file).resolve(model)
-    return load(spec, device=device, dtype=dtype, quantize=quantize, download=download, status=status)
+    return load(
+        spec, device=device, dtype=dtype, quantize=quantize, download=download, status=status, kv_tokens=kv_tokens
+    )
 
 
 def build_policy(policy: str, budget: int, heavy_ratio: float, sinks: int | None):

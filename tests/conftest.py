@@ -100,7 +100,7 @@ def fast_load(monkeypatch, embedded):
     """Reuse the session's embedded model instead of loading it in every invocation."""
     calls = []
 
-    def load_model(model, models_file, device, dtype, quantize, download):
+    def load_model(model, models_file, device, dtype, quantize, download, kv_tokens=None):
         from h2o_chat.config import load_registry
         from h2o_chat.loading import load, resolve_settings
 
