@@ -26,7 +26,6 @@ from h2o_chat.options import (
     build_policy,
     check_positions,
     check_positive,
-    int_list,
     load_model,
     reported,
     status,
@@ -101,7 +100,7 @@ def main_command(
             json=json_out,
             raw=raw,
         )
-        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=pol.budget)
         if interactive:
             from h2o_chat.chat import run_interactive
 
@@ -188,7 +187,7 @@ def batch_command(
         def policy_for(line_budget: int | None):
             return build_policy(policy, line_budget if line_budget is not None else budget, heavy_ratio, sinks)
 
-        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget * batch_size)
         defaults = Defaults(
             max_new_tokens=max_new_tokens, temperature=temperature, budget=budget, system=system, raw=raw
         )
@@ -217,60 +216,10 @@ def batch_command(
             raise typer.Exit(2)
 
 
-@app.command("bench")
-def bench_command(
-    model: Model = None,
-    budget: Budget = 512,
-    lengths: Annotated[str, typer.Option(help="Tokens seen at which to time decoding, comma-separated.")] = (
-        "512,2048,4096,8192"
-    ),
-    configs: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated: dynamic (transformers DynamicCache), full, "
-            "h2o, h2o-nobound (budget above every length)."
-        ),
-    ] = ("dynamic,full,h2o,h2o-nobound"),
-    steps: Annotated[int, typer.Option(help="Timed decode steps per configuration and length.")] = 24,
-    batch: Annotated[int, typer.Option(help="Rows decoded together.")] = 1,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")] = False,
-    models_file: ModelsFile = None,
-) -> None:
-    """Decode speed and KV memory as the context grows: full cache vs h2o, side by side."""
-    with reported():
-        from h2o_chat import bench
-        from h2o_chat.ui import bench_table, make_console
+from h2o_chat.benchcli import bench_command  # noqa: E402  (commands kept in their own modules)
+from h2o_chat.evalcli import eval_app  # noqa: E402
 
-        points = int_list(lengths, "--lengths")
-        names = tuple(c.strip() for c in configs.split(",") if c.strip())
-        unknown = [c for c in names if c not in bench.CONFIGS]
-        if unknown:
-            raise H2OChatError(f"unknown bench config {unknown[0]!r}; choose from {', '.join(bench.CONFIGS)}")
-        check_positive("--steps", steps)
-        check_positive("--batch", batch)
-        build_policy("h2o", budget, 0.5, None)  # validates the budget
-        loaded = load_model(model, models_file, device, dtype, quantize, False)
-        records = bench.run_decode_bench(
-            loaded.model,
-            loaded.tokenizer,
-            points,
-            budget,
-            names,
-            steps=steps,
-            batch=batch,
-            progress=None if json_out else status,
-        )
-        if json_out:
-            typer.echo(bench.as_json_lines(records))
-        else:
-            make_console().print(bench_table(records, bench.ratios(records, budget)))
-
-
-from h2o_chat.evalcli import eval_app  # noqa: E402  (the eval command group)
-
+app.command("bench")(bench_command)
 app.add_typer(eval_app, name="eval")
 
 

@@ -212,3 +212,26 @@ def bench_table(records, ratios) -> Group:
         ok = value <= float(bound) if op == "<=" else value >= float(bound)
         lines.add_row(text, f"{value:.2f}x", f"target {target}", "met" if ok else "NOT met")
     return Group(table, lines)
+
+
+def throughput_table(records, model: str) -> Table:
+    """Tokens/s at the largest batch that fits the memory limit, full cache vs h2o."""
+    limit = human_bytes(records[0].memory_limit) if records else "?"
+    table = Table(title=f"generation throughput at {limit} ({model})", title_justify="left")
+    for col in ("cache", "batch", "prompt+gen", "tokens/s", "KV", "peak memory"):
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    for r in records:
+        label = "full" if r.config == "full" else f"h2o {r.budget}"
+        table.add_row(
+            label,
+            str(r.batch),
+            f"{r.prompt_tokens}+{r.generated_tokens}",
+            f"{r.tokens_per_second:.1f}",
+            human_bytes(r.kv_bytes),
+            human_bytes(r.peak_bytes),
+        )
+    full = next((r for r in records if r.config == "full"), None)
+    h2o = next((r for r in records if r.config == "h2o"), None)
+    if full and h2o and full.tokens_per_second:
+        table.caption = f"h2o / full throughput: {h2o.tokens_per_second / full.tokens_per_second:.2f}x (target >= 3)"
+    return table

@@ -1,0 +1,144 @@
+"""`h2o-chat bench`: decode speed and KV memory as the context grows, and throughput at equal memory.
+
+No torch import at module level (start-up stays fast for --help).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from h2o_chat.errors import H2OChatError
+from h2o_chat.options import (
+    Budget,
+    Device,
+    Dtype,
+    Model,
+    ModelsFile,
+    Quantize,
+    build_policy,
+    check_positive,
+    int_list,
+    load_model,
+    reported,
+    status,
+)
+
+
+def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
+    """The named model, or a random-weight model of a real shape (no download needed)."""
+    if shape is None:
+        return load_model(model, models_file, device, dtype, quantize, False, kv_tokens=kv_tokens)
+    if model is not None:
+        raise H2OChatError("give either --model or --shape, not both")
+    from h2o_chat.config import ModelSpec
+    from h2o_chat.loading import load, resolve_settings
+    from h2o_chat.throughput import SHAPES, random_model
+
+    if shape not in SHAPES:
+        raise H2OChatError(f"unknown --shape {shape!r}; choose from {', '.join(SHAPES)}")
+    spec = ModelSpec(name=f"{shape} (random weights)", source=shape, family=SHAPES[shape]["model_type"])
+    _, torch_dtype, _ = resolve_settings(spec, device, dtype, quantize)
+    status(f"building a random {shape} model (once) ...")
+    folder = random_model(shape, torch_dtype if torch_dtype.is_floating_point else None)
+    spec = ModelSpec(name=spec.name, source=str(folder), family=spec.family)
+    return load(spec, device=device, dtype=dtype, quantize=quantize, status=status, kv_tokens=kv_tokens)
+
+
+def bench_command(
+    model: Model = None,
+    shape: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead of --model: random weights of a real shape "
+            "(llama-2-7b, llama-2-13b, llama-3-8b, opt-6.7b, mistral-7b)."
+        ),
+    ] = None,
+    budget: Budget = 512,
+    lengths: Annotated[str, typer.Option(help="Tokens seen at which to time decoding, comma-separated.")] = (
+        "512,2048,4096,8192"
+    ),
+    configs: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: dynamic (transformers DynamicCache), full, "
+            "h2o, h2o-nobound (budget above every length)."
+        ),
+    ] = ("dynamic,full,h2o,h2o-nobound"),
+    steps: Annotated[int, typer.Option(help="Timed decode steps per configuration and length.")] = 24,
+    batch: Annotated[int, typer.Option(help="Rows decoded together.")] = 1,
+    throughput: Annotated[
+        bool,
+        typer.Option(
+            help="Instead: tokens/s over the largest batch that fits "
+            "--memory-limit, full cache vs h2o (the paper's metric)."
+        ),
+    ] = False,
+    memory_limit: Annotated[
+        float | None, typer.Option(help="GB for --throughput (default: the GPU's free memory; 4 on CPU).")
+    ] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="--throughput: prompt length per row.")] = 512,
+    gen_tokens: Annotated[int, typer.Option(help="--throughput: tokens generated per row.")] = 1536,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")] = False,
+    models_file: ModelsFile = None,
+) -> None:
+    """Decode speed and KV memory as the context grows: full cache vs h2o, side by side."""
+    with reported():
+        import json
+
+        from h2o_chat import bench
+        from h2o_chat.ui import bench_table, make_console, throughput_table
+
+        points = int_list(lengths, "--lengths")
+        names = tuple(c.strip() for c in configs.split(",") if c.strip())
+        unknown = [c for c in names if c not in bench.CONFIGS]
+        if unknown:
+            raise H2OChatError(f"unknown bench config {unknown[0]!r}; choose from {', '.join(bench.CONFIGS)}")
+        for name, value in (
+            ("--steps", steps),
+            ("--batch", batch),
+            ("--prompt-tokens", prompt_tokens),
+            ("--gen-tokens", gen_tokens),
+        ):
+            check_positive(name, value)
+        if memory_limit is not None and memory_limit <= 0:
+            raise H2OChatError(f"--memory-limit must be a positive number of GB, got {memory_limit}")
+        build_policy("h2o", budget, 0.5, None)  # validates the budget
+        loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
+        tokenizer = None if shape else loaded.tokenizer
+        if throughput:
+            from h2o_chat.throughput import as_dicts, run_throughput
+
+            if memory_limit is None:
+                import torch
+
+                free = (
+                    torch.cuda.mem_get_info()[0] + torch.cuda.memory_allocated() if loaded.device.type == "cuda" else 0
+                )
+                limit = free or 4 * 2**30
+            else:
+                limit = int(memory_limit * 2**30)
+            records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget)
+            if json_out:
+                typer.echo("\n".join(json.dumps(r) for r in as_dicts(records)))
+            else:
+                make_console().print(throughput_table(records, loaded.spec.name))
+            return
+        records = bench.run_decode_bench(
+            loaded.model,
+            tokenizer,
+            points,
+            budget,
+            names,
+            steps=steps,
+            batch=batch,
+            progress=None if json_out else status,
+        )
+        if json_out:
+            typer.echo(bench.as_json_lines(records))
+        else:
+            make_console().print(bench_table(records, bench.ratios(records, budget)))

@@ -1,0 +1,214 @@
+"""The paper's metric: generation throughput at a fixed memory limit, and random models of real shapes.
+
+At a fixed memory limit, a full cache must hold prompt + generated tokens for every row, so few rows fit;
+H2O holds `budget` tokens per row, so the batch can be much larger and tokens/s over the batch grows. The
+batch for each configuration is the largest whose weights + KV cache (+ slack) fit the limit, as the
+`memory.Footprint` estimate says; the run then reports the peak memory it really used.
+
+Speed needs no trained weights, and no weights can be downloaded on our GPU machines: `random_model` builds
+a model of a real shape (LLaMA-2-7B, ...) with random weights once, saves it as safetensors, and the bench
+loads it through the normal loading path (so --quantize 4bit|8bit exercises bitsandbytes as users do).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from h2o_chat.cache import H2OCache
+from h2o_chat.config import user_cache_dir
+from h2o_chat.generate import decode_one, prefill
+from h2o_chat.memory import OVERHEAD, footprint
+from h2o_chat.policies import make_policy
+
+SHAPES: dict[str, dict] = {
+    "llama-2-7b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "llama-2-13b": dict(
+        model_type="llama",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "opt-6.7b": dict(
+        model_type="opt",
+        hidden_size=4096,
+        ffn_dim=16384,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=4096,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        sliding_window=None,
+    ),
+    # small enough for a CPU smoke test of the whole path
+    "llama-tiny": dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=8192,
+    ),
+}
+
+
+def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | None = None) -> Path:
+    """A model of a real shape with random weights, saved once (safetensors + a placeholder tokenizer)."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if shape not in SHAPES:
+        from h2o_chat.errors import ConfigError
+
+        raise ConfigError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    folder = folder or user_cache_dir() / "random" / f"{shape}-{dtype_name}"
+    if (folder / "config.json").exists():
+        return folder
+    params = dict(SHAPES[shape])
+    config = AutoConfig.for_model(params.pop("model_type"), **params)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}  # ids only: the bench feeds random tokens
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")), eos_token="t1", pad_token="t0"
+    )
+    tok.save_pretrained(folder)
+    return folder
+
+
+@dataclass(frozen=True)
+class ThroughputRecord:
+    config: str
+    budget: int | None
+    batch: int
+    prompt_tokens: int
+    generated_tokens: int
+    tokens_per_second: float
+    kv_bytes: int
+    peak_bytes: int
+    memory_limit: int
+    device: str
+
+
+def largest_batch(fp, dtype, weight_bytes: int, kv_tokens: int, limit: int, config, chunk: int) -> int:
+    """The most rows whose KV cache and per-row transients fit beside the weights under `limit`. Transients
+    per row: a prefill chunk's fp32 attention logits and its MLP activations, and the last fp32 logits."""
+    text = config.get_text_config()
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    elem = fp.kv_bytes(1, dtype) // (2 * fp.layers * fp.kv_heads * fp.head_dim)
+    transient = chunk * (heads * (kv_tokens + chunk) * 4 + 16 * hidden * elem) + 4 * text.vocab_size
+    per_row = OVERHEAD * (fp.kv_bytes(kv_tokens, dtype) + transient)
+    return max(0, int((limit - OVERHEAD * weight_bytes) // per_row))
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@torch.inference_mode()
+def run_throughput(
+    loaded,
+    memory_limit: int,
+    prompt_tokens: int = 512,
+    generated_tokens: int = 1536,
+    budget: int = 512,
+    max_batch: int = 256,
+    chunk: int = 512,
+) -> list[ThroughputRecord]:
+    """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    dtype = loaded.dtype
+    fp = footprint(model.config)
+    vocab = model.config.get_text_config().vocab_size
+    weights = fp.weight_bytes(dtype, loaded.quantize)
+    total = prompt_tokens + generated_tokens
+    out = []
+    for config, cap in (("full", total), ("h2o", budget)):
+        batch = min(max_batch, largest_batch(fp, dtype, weights, cap, memory_limit, model.config, chunk))
+
+        if batch == 0:
+            out.append(ThroughputRecord(config, cap, 0, prompt_tokens, 0, 0.0, 0, 0, memory_limit, device.type))
+            continue
+        # a budget >= the whole sequence never evicts: the full cache, allocated once
+        cache = H2OCache.for_model(model, make_policy("h2o", cap), "absolute", context=total + 1)
+        ids = torch.randint(3, vocab, (batch, prompt_tokens), device=device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        logits = prefill(model, cache, ids, chunk_size=chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(generated_tokens):
+            logits = decode_one(model, cache, logits.argmax(-1))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t
+        out.append(
+            ThroughputRecord(
+                config,
+                cap,
+                batch,
+                prompt_tokens,
+                generated_tokens,
+                round(batch * generated_tokens / seconds, 2),
+                cache.stats().kv_bytes,
+                _peak(device),
+                memory_limit,
+                device.type,
+            )
+        )
+        del cache, logits
+    return out
+
+
+def as_dicts(records: list[ThroughputRecord]) -> list[dict]:
+    return [asdict(r) for r in records]

@@ -1,0 +1,153 @@
+"""The GPU path: memory estimates and equal-memory throughput (on CPU), and CUDA checks that skip without one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_model
+from h2o_chat import cli
+from h2o_chat.cache import H2OCache
+from h2o_chat.config import ModelSpec
+from h2o_chat.errors import DeviceError
+from h2o_chat.generate import decode_one, prefill
+from h2o_chat.memory import check_fits, footprint
+from h2o_chat.policies import make_policy
+from h2o_chat.throughput import SHAPES, random_model, run_throughput
+
+GB = 2**30
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+
+
+def shape_config(name: str):
+    from transformers import AutoConfig
+
+    params = dict(SHAPES[name])
+    return AutoConfig.for_model(params.pop("model_type"), **params)
+
+
+def test_footprint_of_real_shapes():
+    llama = footprint(shape_config("llama-2-7b"))
+    assert 6.7e9 < llama.linear_params + llama.other_params < 6.8e9  # LLaMA-2-7B: 6.74B parameters
+    assert 12.4 * GB < llama.weight_bytes(torch.float16) < 12.7 * GB
+    assert 3.6 * GB < llama.weight_bytes(torch.float16, "4bit") < 4.1 * GB  # NF4 + fp16 embeddings/head
+    assert llama.kv_bytes(4096, torch.float16) == 2 * GB  # 32 layers x 32 heads x 128 x 2 x fp16
+    gqa = footprint(shape_config("llama-3-8b"))
+    assert gqa.kv_heads == 8 and gqa.kv_bytes(4096, torch.float16) == GB // 2
+    opt = footprint(shape_config("opt-6.7b"))
+    assert 6.6e9 < opt.linear_params + opt.other_params < 6.7e9
+
+
+def test_does_not_fit_says_what_would():
+    llama = footprint(shape_config("llama-2-7b"))
+    with pytest.raises(DeviceError, match=r"needs ~16\.\d GB.*8\.0 GB free.*--quantize 4bit needs ~\d\.\d GB"):
+        check_fits("llama-2-7b", llama, torch.float16, "none", 4096, 8 * GB)
+    with pytest.raises(DeviceError, match=r"--budget \d+ fits"):  # the weights fit, a smaller cache would
+        check_fits("llama-2-7b", llama, torch.float16, "4bit", 200_000, 6 * GB)
+    with pytest.raises(DeviceError, match="no setting fits"):
+        check_fits("llama-2-7b", llama, torch.float16, "4bit", 512, GB)
+    check_fits("llama-2-7b", llama, torch.float16, "4bit", 512, 8 * GB)  # fits: no error
+
+
+def test_throughput_at_equal_memory_on_cpu(tmp_path):
+    from h2o_chat.loading import load
+
+    folder = random_model("llama-tiny", torch.float32, tmp_path / "tiny")
+    loaded = load(ModelSpec(name="llama-tiny", source=str(folder)), device="cpu")
+    records = run_throughput(
+        loaded, memory_limit=64 * 2**20, prompt_tokens=256, generated_tokens=16, budget=32, chunk=32
+    )
+    full, h2o = records
+    assert full.config == "full" and h2o.config == "h2o" and h2o.budget == 32
+    assert h2o.batch > full.batch > 0  # a small cache per row fits more rows in the same memory
+    assert h2o.kv_bytes / h2o.batch < full.kv_bytes / full.batch
+    assert full.tokens_per_second > 0 and h2o.tokens_per_second > 0
+
+
+def test_bench_command_with_a_random_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    result = CliRunner().invoke(
+        cli.app,
+        [
+            "bench",
+            "--shape",
+            "llama-tiny",
+            "--lengths",
+            "40,80",
+            "--budget",
+            "32",
+            "--steps",
+            "2",
+            "--configs",
+            "dynamic,h2o",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {r["config"] for r in records} == {"dynamic", "h2o", "h2o@first"}
+    bad = CliRunner().invoke(cli.app, ["bench", "--shape", "gpt-9"])
+    assert bad.exit_code == 2 and "unknown --shape" in bad.stderr
+
+
+# -- CUDA only ------------------------------------------------------------------------------------------------
+@needs_cuda
+def test_cuda_fp16_parity_and_eviction_on_device():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", seed=31).to("cuda", torch.float16)
+    ids = torch.randint(0, 256, (2, 40), device="cuda")
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        expected = model(ids, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
+    model.set_attn_implementation("h2o")
+    cache = H2OCache.for_model(model, make_policy("h2o", 64))
+    got = prefill(model, cache, ids)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    layer = cache.layers[0]
+    assert layer.keys.device.type == "cuda" and layer.keys.dtype == torch.float16 and layer.score.dtype == torch.float32
+
+
+@needs_cuda
+def test_cuda_decode_steps_never_sync_with_the_host():
+    model = tiny_model("llama", seed=32).to("cuda", torch.float16)
+    cache = H2OCache.for_model(model, make_policy("h2o", 32))
+    prefill(model, cache, torch.randint(0, 256, (2, 48), device="cuda"))
+    token = torch.tensor([1, 2], device="cuda")
+    decode_one(model, cache, token)  # warm-up (allocations, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):  # a full cache: every step evicts, all on the device
+            logits = decode_one(model, cache, token)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (2, 256) and cache.stats().kept == 32
+
+
+@needs_cuda
+def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'h2o-chat[cuda]')")
+    from h2o_chat.loading import load
+    from h2o_chat.ui import process_memory
+
+    loaded = load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda", quantize="4bit")
+    assert loaded.quantize == "4bit" and loaded.dtype in (torch.bfloat16, torch.float16)
+    cache = H2OCache.for_model(loaded.model, make_policy("h2o", 16))
+    logits = prefill(loaded.model, cache, torch.randint(0, 256, (1, 30), device="cuda"))
+    assert torch.isfinite(logits).all() and cache.stats().kept == 16
+    mem = process_memory()
+    assert mem["gpu_allocated"] > 0 and mem["gpu_reserved"] >= mem["gpu_allocated"]
+
+
+@needs_cuda
+def test_cuda_load_refuses_what_cannot_fit(monkeypatch, tiny_folder):
+    from h2o_chat import memory
+    from h2o_chat.loading import load
+
+    monkeypatch.setattr(memory, "free_gpu_bytes", lambda: 1024)
+    with pytest.raises(DeviceError, match="free"):
+        load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda")
