@@ -83,9 +83,9 @@ def prefill(
 ) -> torch.Tensor:
     """Feed a (left-padded) prompt (B, L); returns the last position's logits (B, V). A policy that
     compresses prompts (snap) gets its two-pass selection; every other policy a chunked prefill."""
-    if getattr(getattr(cache, "policy", None), "compresses_prompts", False):
-        from h2o_chat.snap import compress_prompt
+    from h2o_chat.snap import compress_prompt, compresses
 
+    if compresses(cache):
         return compress_prompt(model, cache, input_ids, attention_mask, chunk_size, prefill_chunks)
     return prefill_chunks(model, cache, input_ids, attention_mask, chunk_size)
 

@@ -24,7 +24,6 @@ import copy
 
 import torch
 
-from h2o_chat.cache import H2OCache
 from h2o_chat.policies import Snap, observation_mass, pool_logits
 
 
@@ -108,28 +107,44 @@ class Observation:
         layer.observation = None
 
 
+def h2o_layers(cache) -> list:
+    """Every H2OLayer of a cache, in a fixed order (a GroupedCache's layers hold one per group)."""
+    return [sub for layer in cache.layers for sub in getattr(layer, "subs", [layer])]
+
+
+def compresses(cache) -> bool:
+    return any(layer.policy.compresses_prompts for layer in h2o_layers(cache))
+
+
 @torch.inference_mode()
-def compress_prompt(model, cache: H2OCache, input_ids: torch.Tensor, attention_mask, chunk_size: int, prefill):
-    """Prefill a prompt with question-aware selection when it overflows the budget; returns last logits.
-    `prefill` is the plain chunked prefill (passed in to keep this module free of the generation loop)."""
-    policy: Snap = cache.policy
-    held = cache.layers[0].n if cache.layers[0].is_initialized else 0
-    if held + input_ids.shape[1] <= policy.budget:  # it all fits: nothing to choose
+def compress_prompt(model, cache, input_ids: torch.Tensor, attention_mask, chunk_size: int, prefill):
+    """Prefill a prompt with question-aware selection in the layers whose policy compresses prompts and whose
+    budget the prompt overflows (every layer of an H2OCache, or some groups of a GroupedCache); returns the
+    last logits. `prefill` is the plain chunked prefill (passed in to keep this module free of the loop)."""
+    layers = h2o_layers(cache)
+
+    def overflows(layer) -> bool:
+        held = layer.n if layer.is_initialized else 0
+        return layer.policy.compresses_prompts and held + input_ids.shape[1] > layer.policy.budget
+
+    chosen = [i for i, layer in enumerate(layers) if overflows(layer)]
+    if not chosen:  # it all fits: nothing to choose
         return prefill(model, cache, input_ids, attention_mask, chunk_size)
 
     probe_cache = copy.deepcopy(cache)
-    probes = [Probe(policy.window) for _ in probe_cache.layers]
-    for layer, probe in zip(probe_cache.layers, probes, strict=True):
-        layer.probe = probe
+    probe_layers = h2o_layers(probe_cache)
+    probes = {i: Probe(layers[i].policy.window) for i in chosen}
+    for i, probe in probes.items():
+        probe_layers[i].probe = probe
     prefill(model, probe_cache, input_ids, attention_mask, chunk_size)
-    del probe_cache
+    del probe_cache, probe_layers
 
-    for layer, probe in zip(cache.layers, probes, strict=True):
-        layer.observation = Observation(probe, policy)
+    for i, probe in probes.items():
+        layers[i].observation = Observation(probe, layers[i].policy)
     try:
         logits = prefill(model, cache, input_ids, attention_mask, chunk_size)
     finally:
-        for layer in cache.layers:
-            if layer.observation is not None:
-                layer.observation.finish(layer)
+        for i in chosen:
+            if layers[i].observation is not None:
+                layers[i].observation.finish(layers[i])
     return logits

@@ -126,3 +126,20 @@ def test_snap_settings_are_validated():
     with pytest.raises(ConfigError, match="odd"):
         make_policy("snap", 64, kernel=4)
     assert "last 32 queries" in make_policy("snap", 512).describe()
+
+
+def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
+    from h2o_chat.grouped import GroupedCache
+
+    model = tiny_model("llama", seed=25)
+    ids = torch.randint(0, 256, (1, 90))
+    policies = [make_policy("h2o", 24), make_policy("snap", 24, window=6)]
+    grouped = GroupedCache.for_model(model, policies)
+    together = prefill(model, grouped, ids.expand(2, -1), chunk_size=30)
+    for row, policy in enumerate(policies):
+        alone = H2OCache.for_model(model, policy)
+        expected = prefill(model, alone, ids, chunk_size=30)
+        torch.testing.assert_close(together[row], expected[0], atol=1e-5, rtol=1e-5)
+        assert [set(p.tolist()) for p in grouped.groups[row].layers[1].pos[0]] == [
+            set(p.tolist()) for p in alone.layers[1].pos[0]
+        ]
