@@ -1,13 +1,237 @@
 """`h2o-chat eval`: what a budget costs in quality (perplexity, needle retrieval, generation agreement).
 
-No torch import at module level (start-up stays fast for --help).
+Options in, calls out: the work is in `h2o_chat.evaluate`, tables and figures in `h2o_chat.plots`. Every input
+is checked before the weights load. No torch import at module level (start-up stays fast for --help).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from h2o_chat.errors import ConfigError, InputError
+from h2o_chat.options import (
+    ChunkSize,
+    Device,
+    Download,
+    Dtype,
+    HeavyRatio,
+    Model,
+    ModelsFile,
+    Quantize,
+    Sinks,
+    check_positive,
+    load_model,
+    reported,
+    status,
+)
 
 eval_app = typer.Typer(
     no_args_is_help=True,
     help="Measure what a cache budget costs in quality: perplexity, long-context retrieval, agreement.",
 )
+
+DEFAULT_BUDGETS = ("10%", "20%")
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+Budgets = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--budget",
+        "-b",
+        help="KV budget per layer and head: tokens (256) or a share of the text or prompt (20%). "
+        "Repeat for several. Default: 10% and 20%.",
+    ),
+]
+Policies = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--policy", "-p", help="Policy to compare with the full cache; repeat for several. Default: h2o, recent, sink."
+    ),
+]
+Positions = Annotated[str, typer.Option(help="How the cache numbers tokens: absolute (kept keys keep their position).")]
+JsonOut = Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")]
+Plot = Annotated[Path | None, typer.Option(help="Also draw a figure to this file (.png, .svg or .pdf).")]
+MarkdownOut = Annotated[Path | None, typer.Option("--markdown", help="Also write the table as markdown here.")]
+Texts = Annotated[
+    list[Path] | None, typer.Option(help="UTF-8 text file; repeat for several. Default: the two shipped novels.")
+]
+
+
+def _plan(budgets, policies, n: int, heavy_ratio: float, sinks: int | None, positions: str, plot, markdown_path):
+    """Parse and validate what does not need the model; -> (budget specs, policy names)."""
+    from h2o_chat import evaluate as ev
+
+    specs = [ev.BudgetSpec.parse(b) for b in budgets or DEFAULT_BUDGETS]
+    names = list(policies or ev.DEFAULT_POLICIES)
+    ev.make_configs(names, specs, n, heavy_ratio, sinks)  # unknown policies, impossible budgets
+    ev.check_positions(positions)
+    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
+    for path in (plot, markdown_path):
+        if path is not None and not path.parent.exists():
+            raise InputError(f"output folder does not exist: {path.parent}")
+    return specs, names
+
+
+def _texts(paths: list[Path] | None) -> dict[str, str]:
+    from h2o_chat import evaluate as ev
+
+    if not paths:
+        return {name: ev.read_text(shipped=name) for name in ev.SHIPPED}
+    return {path.name: ev.read_text(path) for path in paths}
+
+
+def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None, plot: Path | None, draw: Callable):
+    from h2o_chat import plots
+
+    if json_out:
+        for record in records:
+            typer.echo(json.dumps(record, ensure_ascii=False))
+    else:
+        from h2o_chat.ui import make_console
+
+        make_console().print(plots.rich_table(table))
+    if markdown_path is not None:
+        markdown_path.write_text(plots.markdown(table), encoding="utf-8")
+    if plot is not None:
+        draw(records, plot)
+        status(f"wrote {plot}")
+
+
+@eval_app.command("ppl")
+def ppl_command(
+    text: Annotated[Path | None, typer.Option(help="UTF-8 text to score. Default: the shipped Alice.")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens of the text to score (all of it if shorter).")] = 2048,
+    budget: Budgets = None,
+    policy: Policies = None,
+    positions: Positions = "absolute",
+    heavy_ratio: HeavyRatio = 0.5,
+    sinks: Sinks = None,
+    json_out: JsonOut = False,
+    plot: Plot = None,
+    markdown_path: MarkdownOut = None,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    models_file: ModelsFile = None,
+    download: Download = False,
+) -> None:
+    """Streaming perplexity: teacher-force a text token by token through the cache, per policy and budget."""
+    with reported():
+        check_positive("--tokens", tokens)
+        if tokens < 2:
+            raise ConfigError("--tokens must be at least 2 (the first token is context, the rest are predicted)")
+        specs, names = _plan(budget, policy, tokens, heavy_ratio, sinks, positions, plot, markdown_path)
+        from h2o_chat import evaluate as ev
+        from h2o_chat import plots
+
+        content = ev.read_text(text)
+        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        import torch
+
+        ids = ev.token_ids(loaded.tokenizer, content)[:tokens]
+        if len(ids) < 2:
+            raise InputError(f"{text} has fewer than 2 tokens")
+        if len(ids) < tokens:
+            status(f"the text has {len(ids)} tokens; scoring all of them")
+        configs = ev.make_configs(names, specs, len(ids), heavy_ratio, sinks)
+        status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
+        results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, progress=status)
+        source = text.name if text else "alice.txt"
+        records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
+        _emit(records, plots.ppl_table(records), json_out, markdown_path, plot, plots.ppl_plot)
+
+
+@eval_app.command("needle")
+def needle_command(
+    haystack: Texts = None,
+    haystack_tokens: Annotated[int, typer.Option(help="Tokens of filler text per haystack.")] = 1500,
+    depth: Annotated[
+        list[float] | None, typer.Option(help="Where the code goes, 0 (start) to 1 (end); repeat. Default: 0.1 0.5 0.9")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for the random 4-digit codes.")] = 0,
+    answer_tokens: Annotated[int, typer.Option(help="Greedy tokens of answer.")] = 16,
+    budget: Budgets = None,
+    policy: Policies = None,
+    positions: Positions = "absolute",
+    heavy_ratio: HeavyRatio = 0.5,
+    sinks: Sinks = None,
+    chunk_size: ChunkSize = 512,
+    json_out: JsonOut = False,
+    plot: Plot = None,
+    markdown_path: MarkdownOut = None,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    models_file: ModelsFile = None,
+    download: Download = False,
+) -> None:
+    """Needle in a haystack: a secret code hidden at several depths of a long text, asked for at the end."""
+    with reported():
+        for name, value in (("--haystack-tokens", haystack_tokens), ("--answer-tokens", answer_tokens)):
+            check_positive(name, value)
+        check_positive("--chunk-size", chunk_size)
+        depths = list(depth or (0.1, 0.5, 0.9))
+        if not all(0 <= d <= 1 for d in depths):
+            raise ConfigError(f"--depth must be between 0 and 1, got {', '.join(f'{d:g}' for d in depths)}")
+        specs, names = _plan(budget, policy, haystack_tokens, heavy_ratio, sinks, positions, plot, markdown_path)
+        from h2o_chat import evaluate as ev
+        from h2o_chat import plots
+
+        texts = _texts(haystack)
+        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        trials = ev.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
+        longest = max(len(t.ids) for t in trials)
+        configs = ev.make_configs(names, specs, longest, heavy_ratio, sinks)
+        status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
+        records = ev.needle(loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions)
+        records = [{**r, "model": loaded.spec.name} for r in records]
+        _emit(records, plots.needle_table(records), json_out, markdown_path, plot, plots.needle_plot)
+
+
+@eval_app.command("agree")
+def agree_command(
+    text: Texts = None,
+    prompts: Annotated[int, typer.Option(help="Excerpts, shared among the texts.")] = 4,
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens per excerpt.")] = 1000,
+    tokens: Annotated[int, typer.Option(help="Greedy tokens generated per prompt.")] = 128,
+    budget: Budgets = None,
+    policy: Policies = None,
+    positions: Positions = "absolute",
+    heavy_ratio: HeavyRatio = 0.5,
+    sinks: Sinks = None,
+    chunk_size: ChunkSize = 512,
+    json_out: JsonOut = False,
+    markdown_path: MarkdownOut = None,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    models_file: ModelsFile = None,
+    download: Download = False,
+) -> None:
+    """Generation agreement: ROUGE-L F1 of each policy's greedy continuation against the full cache's."""
+    with reported():
+        for name, value in (("--prompts", prompts), ("--prompt-tokens", prompt_tokens), ("--tokens", tokens)):
+            check_positive(name, value)
+        check_positive("--chunk-size", chunk_size)
+        specs, names = _plan(budget, policy, prompt_tokens, heavy_ratio, sinks, positions, None, markdown_path)
+        from h2o_chat import evaluate as ev
+        from h2o_chat import plots
+
+        texts = _texts(text)
+        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        items = ev.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
+        longest = max(len(ids) for _, ids in items)
+        configs = ev.make_configs(names, specs, longest, heavy_ratio, sinks)
+        status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
+        records = ev.agreement(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions)
+        records = [{**r, "model": loaded.spec.name} for r in records]
+        _emit(records, plots.agree_table(records), json_out, markdown_path, None, None)

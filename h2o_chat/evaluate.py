@@ -1,0 +1,405 @@
+"""Quality evaluation: what a cache budget costs, measured through the same cache and decode steps as the chat.
+
+- perplexity: teacher-forced, token by token (the text's first token is the only prefill, then one
+  `decode_one` per token), every (policy, budget) as a row of one `GroupedCache`: decoding cost is dominated
+  by reading the weights, so all configurations read the text together for little more than one.
+- needle: a 4-digit code hidden at several depths of a long text and asked for at the end (exact match).
+- agreement: ROUGE-L F1 (LCS over token ids) of each configuration's greedy continuation against the full
+  cache's.
+
+Budgets are tokens per layer and KV head, typed as tokens ("256") or as a share of the reference length
+("20%": of the text for perplexity, of the longest prompt for needle and agreement). Every cache here comes
+from `make_eval_cache`, so cache options (e.g. how positions are assigned) live in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from h2o_chat.batch import left_pad
+from h2o_chat.errors import ConfigError, InputError
+from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, stop_token_ids
+from h2o_chat.grouped import GroupedCache
+from h2o_chat.policies import Policy, make_policy
+
+POSITIONS = ("absolute",)  # how the cache numbers tokens; "rolling" comes with issue #5
+SHIPPED = ("alice.txt", "moby_dick.txt")
+DEFAULT_POLICIES = ("h2o", "recent", "sink")
+Progress = Callable[[str], None] | None
+
+
+# -- budgets and configurations ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetSpec:
+    """A budget as the user typed it: a number of tokens, or a percentage of the reference length."""
+
+    value: float
+    percent: bool
+
+    @classmethod
+    def parse(cls, text: str) -> BudgetSpec:
+        s = text.strip()
+        percent = s.endswith("%")
+        try:
+            value = float(s[:-1]) if percent else int(s)
+        except ValueError:
+            raise ConfigError(
+                f"budget must be a number of tokens (e.g. 256) or a percentage (e.g. 20%), got {text!r}"
+            ) from None
+        if percent and not 0 < value <= 100:
+            raise ConfigError(f"a percentage budget must be above 0% and at most 100%, got {text!r}")
+        if not percent and value <= 0:
+            raise ConfigError(f"budget must be a positive number of tokens, got {text!r}")
+        return cls(value, percent)
+
+    def tokens(self, n: int) -> int:
+        return max(1, round(self.value * n / 100)) if self.percent else int(self.value)
+
+    def __str__(self) -> str:
+        return f"{self.value:g}%" if self.percent else str(int(self.value))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One row of an evaluation: a policy at a budget, and the budget as typed and as a share of the reference."""
+
+    policy: Policy
+    spec: str | None = None  # "20%" or "256"; None for the full cache
+    budget_pct: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.policy.name if self.policy.budget is None else f"{self.policy.name} {self.policy.budget}"
+
+    def record(self) -> dict:
+        return {"policy": self.policy.name, "budget": self.policy.budget, "budget_pct": self.budget_pct}
+
+
+def make_configs(
+    policies: Sequence[str],
+    budgets: Sequence[BudgetSpec],
+    n: int,
+    heavy_ratio: float | None = None,
+    sinks: int | None = None,
+) -> list[EvalConfig]:
+    """The full cache (the reference, first) and every (policy, budget), resolved against reference length n."""
+    configs = [EvalConfig(make_policy("full"))]
+    for name in dict.fromkeys(policies):
+        if name == "full":
+            continue
+        for spec in budgets:
+            tokens = spec.tokens(n)
+            policy = make_policy(name, tokens, heavy_ratio=heavy_ratio, sinks=sinks)
+            configs.append(EvalConfig(policy, str(spec), round(100 * tokens / n, 2)))
+    return configs
+
+
+def check_positions(positions: str) -> None:
+    if positions not in POSITIONS:
+        raise ConfigError(f"--positions must be one of: {', '.join(POSITIONS)}; got {positions!r}")
+
+
+def make_eval_cache(
+    model, policies: Sequence[Policy], rows: Sequence[int] | None = None, positions: str = "absolute"
+) -> GroupedCache:
+    """The one place evaluation caches are built: policy g serves `rows[g]` consecutive batch rows (default 1)."""
+    check_positions(positions)
+    return GroupedCache.for_model(model, list(policies), list(rows) if rows else None)
+
+
+# -- texts and prompts ---------------------------------------------------------------------------------------
+def read_text(path: Path | None = None, shipped: str = "alice.txt") -> str:
+    """A user's text file, or one of the shipped public-domain texts (h2o_chat/data)."""
+    if path is None:
+        return resources.files("h2o_chat").joinpath("data", shipped).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"text file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    if not text.strip():
+        raise InputError(f"text file is empty: {path}")
+    return text
+
+
+def token_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    """One user message rendered with the chat template (plain tokens for a model without one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return token_ids(tokenizer, content)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return ids if isinstance(ids, list) else list(ids["input_ids"])
+
+
+# -- perplexity ----------------------------------------------------------------------------------------------
+@dataclass
+class PplResult:
+    """Teacher-forced perplexity of one configuration; `nll[t]` = -log p(token t+1 | tokens 0..t)."""
+
+    config: EvalConfig
+    nll: torch.Tensor  # (tokens - 1,) fp32
+    seconds: float  # of the whole run (all configurations together)
+    kept: float  # tokens held per layer and head at the end
+    window: int = 1000
+
+    @property
+    def tokens(self) -> int:
+        return self.nll.numel() + 1
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(float(self.nll.mean()))
+
+    def window_ppl(self, window: int | None = None) -> list[float]:
+        """Perplexity per window of `window` predicted tokens (the last window may be shorter)."""
+        w = window or self.window
+        return [math.exp(float(chunk.mean())) for chunk in self.nll.split(w)]
+
+    def record(self) -> dict:
+        return {
+            **self.config.record(),
+            "tokens": self.tokens,
+            "ppl": round(self.ppl, 4),
+            "nll": round(float(self.nll.mean()), 5),
+            "kept": round(self.kept, 1),
+            "window": self.window,
+            "window_ppl": [round(p, 3) for p in self.window_ppl()],
+            "spec": self.config.spec,
+            "seconds": round(self.seconds, 1),
+        }
+
+
+@torch.inference_mode()
+def streaming_nll(
+    model, ids: torch.Tensor, policies: Sequence[Policy], positions: str = "absolute", progress: Progress = None
+) -> tuple[torch.Tensor, GroupedCache]:
+    """Teacher-force ids (1, N) through one cache row per policy; returns the NLL of tokens 1..N-1, (G, N-1)."""
+    device = next(model.parameters()).device
+    G, N = len(policies), ids.shape[1]
+    x = ids.to(device).expand(G, -1)  # (G, N)
+    cache = make_eval_cache(model, policies, positions=positions)
+    nll = torch.empty(G, N - 1)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, x[:, :1])  # (G, V)
+    for t in range(1, N):
+        nll[:, t - 1] = F.cross_entropy(logits.float(), x[:, t], reduction="none").cpu()
+        if t < N - 1:
+            logits = decode_one(model, cache, x[:, t])
+        if progress and (t % 256 == 0 or t == N - 1):
+            progress(f"ppl: {t + 1}/{N} tokens x {G} rows, {t / (time.perf_counter() - t0):.1f} tokens/s")
+    return nll, cache
+
+
+def perplexity(
+    model, ids: torch.Tensor, configs: Sequence[EvalConfig], positions: str = "absolute", progress: Progress = None
+) -> list[PplResult]:
+    t0 = time.perf_counter()
+    nll, cache = streaming_nll(model, ids, [c.policy for c in configs], positions, progress)
+    seconds = time.perf_counter() - t0
+    return [PplResult(c, nll[g], seconds, s.kept) for g, (c, s) in enumerate(zip(configs, cache.stats(), strict=True))]
+
+
+# -- greedy continuations for many prompts x configurations --------------------------------------------------
+@torch.inference_mode()
+def greedy_rows(
+    model,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    configs: Sequence[EvalConfig],
+    max_new_tokens: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    positions: str = "absolute",
+) -> list[list[list[int]]]:
+    """Greedy continuation of every prompt under every configuration, all as rows of one left-padded batch.
+    Returns out[c][p]: prompt p under configs[c], cut before the first stop token."""
+    device = next(model.parameters()).device
+    P = len(prompts)
+    ids, mask = left_pad(list(prompts) * len(configs), tokenizer.pad_token_id or 0)
+    cache = make_eval_cache(model, [c.policy for c in configs], rows=[P] * len(configs), positions=positions)
+    stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=device)
+    logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    steps = []
+    for i in range(max_new_tokens):
+        tokens = logits.argmax(-1)  # (B,)
+        steps.append(tokens)
+        done |= torch.isin(tokens, stops)
+        if bool(done.all()) or i == max_new_tokens - 1:
+            break
+        logits = decode_one(model, cache, tokens)
+    rows = torch.stack(steps, 1).tolist()  # (B, steps)
+    stop_set = set(stops.tolist())
+    cut = [next((row[:j] for j, t in enumerate(row) if t in stop_set), row) for row in rows]
+    return [cut[c * P : (c + 1) * P] for c in range(len(configs))]
+
+
+# -- needle in a haystack ------------------------------------------------------------------------------------
+NEEDLE = "The secret code is {code}."
+# The tiny embedded model answers every depth with the full cache only when told up front to look for the code
+# and asked again after the text; the answer is a sentence ("The secret code is 4831.") of about 12 tokens.
+NEEDLE_PROMPT = (
+    "There is a secret code hidden in the following text. Find it.\n\n<text>\n{haystack}\n</text>\n\n"
+    "What is the secret code? Reply with the number only."
+)
+
+
+@dataclass(frozen=True)
+class Trial:
+    haystack: str
+    depth: float
+    code: str
+    ids: list[int]
+
+
+def hide(text: str, needle: str, depth: float) -> str:
+    """Insert the needle at `depth` of the text (by characters), moved on to the next sentence or paragraph end."""
+    at = round(len(text) * depth)
+    if 0 < at < len(text):
+        ends = [i for i in (text.find(". ", at) + 1, text.find("\n\n", at)) if i > 0]
+        at = min(ends, default=len(text))
+    return f"{text[:at]} {needle} {text[at:]}".strip()
+
+
+def needle_trials(
+    tokenizer, haystacks: dict[str, str], depths: Sequence[float], haystack_tokens: int = 1500, seed: int = 0
+) -> list[Trial]:
+    """One prompt per (haystack, depth), each with its own random 4-digit code (repeatable by seed)."""
+    rng = random.Random(seed)
+    trials = []
+    for name, text in haystacks.items():
+        filler = tokenizer.decode(token_ids(tokenizer, text)[:haystack_tokens])
+        for depth in depths:
+            code = str(rng.randint(1000, 9999))
+            prompt = NEEDLE_PROMPT.format(haystack=hide(filler, NEEDLE.format(code=code), depth))
+            trials.append(Trial(name, depth, code, chat_ids(tokenizer, prompt)))
+    return trials
+
+
+def needle(
+    model,
+    tokenizer,
+    trials: Sequence[Trial],
+    configs: Sequence[EvalConfig],
+    answer_tokens: int = 16,
+    chunk_size: int = DEFAULT_CHUNK,
+    positions: str = "absolute",
+) -> list[dict]:
+    """Accuracy per configuration and depth: a trial is correct when its 4 digits appear in the greedy answer."""
+    outs = greedy_rows(model, tokenizer, [t.ids for t in trials], configs, answer_tokens, chunk_size, positions)
+    records = []
+    for config, answers in zip(configs, outs, strict=True):
+        for depth in dict.fromkeys(t.depth for t in trials):
+            rows = []
+            for trial, answer in zip(trials, answers, strict=True):
+                if trial.depth == depth:
+                    text = tokenizer.decode(answer, skip_special_tokens=True)
+                    rows.append(
+                        {"haystack": trial.haystack, "code": trial.code, "answer": text, "correct": trial.code in text}
+                    )
+            correct = sum(r["correct"] for r in rows)
+            records.append(
+                {
+                    **config.record(),
+                    "depth": depth,
+                    "accuracy": correct / len(rows),
+                    "correct": correct,
+                    "trials": len(rows),
+                    "prompt_tokens": max(len(t.ids) for t in trials),
+                    "spec": config.spec,
+                    "answers": rows,
+                }
+            )
+    return records
+
+
+# -- generation agreement ------------------------------------------------------------------------------------
+CONTINUE = "Continue the story from where this excerpt ends, in the same style."
+
+
+def agree_prompts(
+    tokenizer, texts: dict[str, str], n: int = 4, prompt_tokens: int = 1000
+) -> list[tuple[str, list[int]]]:
+    """n excerpts of `prompt_tokens` tokens, shared among the texts and evenly spaced within each, each followed
+    by an instruction to continue the story; -> [(source@token offset, chat ids)]."""
+    names = list(texts)
+    prompts = []
+    for j, name in enumerate(names):
+        ids = token_ids(tokenizer, texts[name])
+        count = n // len(names) + (j < n % len(names))
+        span = max(0, len(ids) - prompt_tokens)
+        for k in range(count):
+            start = span * k // count
+            excerpt = tokenizer.decode(ids[start : start + prompt_tokens])
+            prompts.append((f"{name}@{start}", chat_ids(tokenizer, f"{excerpt}\n\n{CONTINUE}")))
+    return prompts
+
+
+def rouge_l(candidate: Sequence[int], reference: Sequence[int]) -> float:
+    """ROUGE-L F1: longest common subsequence over token ids (two empty sequences agree fully)."""
+    if not candidate or not reference:
+        return float(len(candidate) == len(reference))
+    prev = [0] * (len(reference) + 1)
+    for a in candidate:
+        cur = [0]
+        for j, b in enumerate(reference):
+            cur.append(prev[j] + 1 if a == b else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(candidate), lcs / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens generated before the first divergence."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def agreement(
+    model,
+    tokenizer,
+    prompts: Sequence[tuple[str, list[int]]],
+    configs: Sequence[EvalConfig],
+    max_new_tokens: int = 128,
+    chunk_size: int = DEFAULT_CHUNK,
+    positions: str = "absolute",
+) -> list[dict]:
+    """ROUGE-L F1 of each configuration's continuation against the full cache's (configs[0] is the reference)."""
+    if configs[0].policy.budget is not None:
+        raise ConfigError("agreement needs the full cache as the first configuration")
+    outs = greedy_rows(model, tokenizer, [ids for _, ids in prompts], configs, max_new_tokens, chunk_size, positions)
+    records = []
+    for config, rows in zip(configs, outs, strict=True):
+        scores = [rouge_l(row, ref) for row, ref in zip(rows, outs[0], strict=True)]
+        records.append(
+            {
+                **config.record(),
+                "rouge_l": round(sum(scores) / len(scores), 4),
+                "per_prompt": [round(s, 4) for s in scores],
+                "identical": sum(row == ref for row, ref in zip(rows, outs[0], strict=True)),
+                "same_prefix": [common_prefix(row, ref) for row, ref in zip(rows, outs[0], strict=True)],
+                "prompts": len(prompts),
+                "prompt_tokens": max(len(ids) for _, ids in prompts),
+                "tokens": max_new_tokens,
+                "generated": [len(r) for r in rows],
+                "spec": config.spec,
+                "sources": [name for name, _ in prompts],
+            }
+        )
+    return records

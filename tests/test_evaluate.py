@@ -1,0 +1,215 @@
+"""Evaluation: streaming perplexity equals a one-pass forward, needle and agreement end to end, the eval CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from conftest import tiny_model, tiny_tokenizer
+from h2o_chat import cli, plots
+from h2o_chat import evaluate as ev
+from h2o_chat.bench import attention
+from h2o_chat.errors import ConfigError
+
+runner = CliRunner()
+
+
+def budgets(*texts: str) -> list[ev.BudgetSpec]:
+    return [ev.BudgetSpec.parse(t) for t in texts]
+
+
+# -- pure parts ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, n, tokens", [("256", 1000, 256), ("20%", 2048, 410), ("5%", 2048, 102), ("100%", 300, 300), (" 7 ", 9, 7)]
+)
+def test_budget_in_tokens_or_percent(text, n, tokens):
+    assert ev.BudgetSpec.parse(text).tokens(n) == tokens
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "0%", "150%", "-5", "12.5", "%", "nan%", ""])
+def test_impossible_budgets_are_config_errors(text):
+    with pytest.raises(ConfigError, match="budget"):
+        ev.BudgetSpec.parse(text)
+
+
+def test_configs_put_the_full_cache_first_and_resolve_percentages():
+    configs = ev.make_configs(["h2o", "sink", "full", "h2o"], budgets("10%", "64"), 1000)
+    assert [c.label for c in configs] == ["full", "h2o 100", "h2o 64", "sink 100", "sink 64"]
+    assert [c.budget_pct for c in configs] == [None, 10.0, 6.4, 10.0, 6.4]
+    assert [c.spec for c in configs] == [None, "10%", "64", "10%", "64"]
+    with pytest.raises(ConfigError, match="positions"):
+        ev.make_eval_cache(tiny_model(), [configs[0].policy], positions="rolling")
+
+
+def test_rouge_l_is_lcs_f1():
+    assert ev.rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert ev.rouge_l([1, 2], [3, 4]) == 0.0
+    p, r = 3 / 5, 3 / 4  # LCS [1, 3, 5]
+    assert ev.rouge_l([1, 2, 3, 4, 5], [1, 3, 5, 6]) == pytest.approx(2 * p * r / (p + r))
+    assert ev.rouge_l([], []) == 1.0 and ev.rouge_l([], [1]) == 0.0
+
+
+def test_needle_goes_between_sentences():
+    text = "One two. Three four. Five six. Seven eight."
+    assert ev.hide(text, "X.", 0).startswith("X. One") and ev.hide(text, "X.", 1).endswith("eight. X.")
+    middle = ev.hide(text, "X.", 0.5)
+    assert "six. X.  Seven" in middle and middle.replace(" X. ", "", 1) == text
+
+
+# -- perplexity through the cache ----------------------------------------------------------------------------
+def test_streaming_perplexity_equals_one_pass_forward(embedded):
+    model, tok = embedded.model, embedded.tokenizer
+    n = 128
+    ids = torch.tensor([ev.token_ids(tok, ev.read_text())[:n]])
+    results = ev.perplexity(model, ids, ev.make_configs(["h2o"], budgets("200", "25%"), n))
+    with attention(model, "sdpa"), torch.inference_mode():
+        nll = F.cross_entropy(model(ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")
+    full, roomy, small = results
+    assert full.config.label == "full" and full.tokens == n
+    assert full.ppl == pytest.approx(math.exp(float(nll.mean())), rel=5e-3)
+    torch.testing.assert_close(full.nll, nll, atol=2e-3, rtol=2e-3)
+    assert roomy.config.label == "h2o 200" and roomy.ppl == pytest.approx(full.ppl, rel=1e-5)  # nothing evicted
+    assert small.config.label == "h2o 32" and small.kept == 32 and small.ppl > full.ppl
+    assert len(full.window_ppl(50)) == 3 and full.record()["window_ppl"] == [round(full.ppl, 3)]
+
+
+# -- greedy rows, needle and agreement -----------------------------------------------------------------------
+def test_batched_rows_equal_separate_runs():
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    prompts = [torch.randint(4, 256, (n,)).tolist() for n in (20, 33)]
+    configs = ev.make_configs(["h2o", "sink"], budgets("16"), 33)
+    together = ev.greedy_rows(model, tok, prompts, configs, 12)
+    for p, prompt in enumerate(prompts):
+        alone = ev.greedy_rows(model, tok, [prompt], configs, 12)
+        assert [rows[p] for rows in together] == [rows[0] for rows in alone]
+
+
+def test_agreement_with_room_is_identical_to_full():
+    model, tok = tiny_model("llama", seed=5), tiny_tokenizer()
+    texts = {"a": " ".join(f"w{4 + i % 250}" for i in range(400)), "b": " ".join(f"w{9 + i % 90}" for i in range(300))}
+    prompts = ev.agree_prompts(tok, texts, n=3, prompt_tokens=60)
+    assert [name for name, _ in prompts] == ["a@0", "a@170", "b@0"]
+    configs = ev.make_configs(["h2o", "recent"], budgets("100", "10%"), 80)
+    records = ev.agreement(model, tok, prompts, configs, max_new_tokens=16)
+    by = {(r["policy"], r["budget"]): r for r in records}
+    assert by["full", None]["rouge_l"] == 1.0 and by["h2o", 100]["rouge_l"] == 1.0 and by["h2o", 100]["identical"] == 3
+    assert by["h2o", 100]["same_prefix"] == by["full", None]["generated"]
+    assert all(0.0 <= r["rouge_l"] <= 1.0 and len(r["per_prompt"]) == 3 for r in records)
+
+
+def test_embedded_model_finds_the_needle_with_the_full_cache(embedded):
+    tok = embedded.tokenizer
+    trials = ev.needle_trials(tok, {"alice.txt": ev.read_text()}, [0.5], haystack_tokens=200, seed=1)
+    records = ev.needle(embedded.model, tok, trials, ev.make_configs(["h2o"], budgets("100%"), 300))
+    assert [r["accuracy"] for r in records] == [1.0, 1.0], records
+    answer = records[0]["answers"][0]
+    assert answer["code"] in answer["answer"] and len(answer["code"]) == 4
+
+
+# -- the CLI -------------------------------------------------------------------------------------------------
+def invoke(*args: str):
+    return runner.invoke(cli.app, ["eval", *args])
+
+
+def test_ppl_command_json_table_plot_and_markdown(fast_load, tmp_path, capsys):
+    png, md = tmp_path / "ppl.png", tmp_path / "ppl.md"
+    result = invoke(
+        "ppl",
+        "--tokens",
+        "40",
+        "-b",
+        "50%",
+        "-b",
+        "30",
+        "-p",
+        "h2o",
+        "--json",
+        "--plot",
+        str(png),
+        "--markdown",
+        str(md),
+    )
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["policy"], r["budget"], r["budget_pct"]) for r in records] == [
+        ("full", None, None),
+        ("h2o", 20, 50.0),
+        ("h2o", 30, 75.0),
+    ]
+    assert all(r["tokens"] == 40 and r["ppl"] > 1 and r["text"] == "alice.txt" for r in records)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "| h2o |" in md.read_text() and "50% (20)" in md.read_text()
+    (tmp_path / "ppl.json").write_text(result.stdout)
+    plots.main(["ppl", str(tmp_path / "ppl.json")])  # re-rendered from the saved records
+    assert capsys.readouterr().out == md.read_text()
+    table = invoke("ppl", "--tokens", "8", "-b", "6", "-p", "recent")
+    assert table.exit_code == 0 and "full (reference)" in table.stdout and "6 (75%)" in table.stdout
+
+
+def test_needle_and_agree_commands_end_to_end_on_a_tiny_model(fast_load, tiny_folder, tmp_path):
+    heat = tmp_path / "needle.png"
+    common = ["--model", str(tiny_folder), "-b", "50%", "-p", "h2o", "-p", "sink", "--json"]
+    result = invoke(
+        "needle", "--haystack-tokens", "60", "--depth", "0.2", "--depth", "0.8", *common, "--plot", str(heat)
+    )
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["policy"], r["depth"]) for r in records] == [(p, d) for p in ("full", "h2o", "sink") for d in (0.2, 0.8)]
+    for r in records:
+        assert r["trials"] == 2 and 0 <= r["accuracy"] <= 1 and {a["haystack"] for a in r["answers"]} == set(ev.SHIPPED)
+    assert heat.read_bytes()[:4] == b"\x89PNG"
+    result = invoke("agree", "--prompts", "2", "--prompt-tokens", "50", "--tokens", "8", *common)
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["policy"] for r in records] == ["full", "h2o", "sink"] and records[0]["rouge_l"] == 1.0
+
+
+def test_eval_help_imports_no_torch():
+    code = "import sys, h2o_chat.cli as c\ntry:\n    c.app(['eval', 'ppl', '--help'])\nexcept SystemExit:\n    pass\n"
+    code += "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().endswith("NO-TORCH") and "--budget" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["ppl", "--text", "/nonexistent/book.txt"], "text file not found"),
+        (["ppl", "-b", "abc"], "budget must be a number"),
+        (["ppl", "-b", "0"], "budget must be a positive"),
+        (["ppl", "-b", "0%"], "percentage budget"),
+        (["ppl", "-b", "150%"], "percentage budget"),
+        (["ppl", "-b", "3", "-p", "sink"], "sink"),
+        (["ppl", "-p", "lru"], "unknown policy"),
+        (["ppl", "--positions", "rolling"], "--positions"),
+        (["ppl", "--tokens", "1"], "--tokens"),
+        (["ppl", "--plot", "out.gif"], "--plot"),
+        (["ppl", "--markdown", "/nonexistent/dir/ppl.md"], "output folder"),
+        (["needle", "--depth", "1.5"], "--depth"),
+        (["needle", "-b", "150%"], "percentage budget"),
+        (["needle", "--haystack", "/nonexistent/hay.txt"], "text file not found"),
+        (["agree", "-b", "abc"], "budget must be a number"),
+        (["agree", "--tokens", "0"], "--tokens"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(fast_load, args, fragment):
+    result = invoke(*args)
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("h2o-chat: error:") and fragment in lines[0], result.stderr
+    assert fast_load == []  # rejected before any weights load
+
+
+def test_empty_text_file(fast_load, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    result = invoke("agree", "--text", str(empty))
+    assert result.exit_code != 0 and result.stderr.strip() == f"h2o-chat: error: text file is empty: {empty}"
