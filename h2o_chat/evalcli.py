@@ -22,6 +22,7 @@ from h2o_chat.options import (
     HeavyRatio,
     Model,
     ModelsFile,
+    Positions,
     Quantize,
     Sinks,
     check_positive,
@@ -53,7 +54,6 @@ Policies = Annotated[
         "--policy", "-p", help="Policy to compare with the full cache; repeat for several. Default: h2o, recent, sink."
     ),
 ]
-Positions = Annotated[str, typer.Option(help="How the cache numbers tokens: absolute (kept keys keep their position).")]
 JsonOut = Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")]
 Plot = Annotated[Path | None, typer.Option(help="Also draw a figure to this file (.png, .svg or .pdf).")]
 MarkdownOut = Annotated[Path | None, typer.Option("--markdown", help="Also write the table as markdown here.")]
@@ -183,15 +183,15 @@ def needle_command(
             raise ConfigError(f"--depth must be between 0 and 1, got {', '.join(f'{d:g}' for d in depths)}")
         specs, names = _plan(budget, policy, haystack_tokens, heavy_ratio, sinks, positions, plot, markdown_path)
         from h2o_chat import evaluate as ev
-        from h2o_chat import plots
+        from h2o_chat import plots, tasks
 
         texts = _texts(haystack)
         loaded = load_model(model, models_file, device, dtype, quantize, download)
-        trials = ev.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
+        trials = tasks.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
         longest = max(len(t.ids) for t in trials)
         configs = ev.make_configs(names, specs, longest, heavy_ratio, sinks)
         status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        records = ev.needle(loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions)
+        records = tasks.needle(loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions)
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.needle_table(records), json_out, markdown_path, plot, plots.needle_plot)
 
@@ -224,14 +224,14 @@ def agree_command(
         check_positive("--chunk-size", chunk_size)
         specs, names = _plan(budget, policy, prompt_tokens, heavy_ratio, sinks, positions, None, markdown_path)
         from h2o_chat import evaluate as ev
-        from h2o_chat import plots
+        from h2o_chat import plots, tasks
 
         texts = _texts(text)
         loaded = load_model(model, models_file, device, dtype, quantize, download)
-        items = ev.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
+        items = tasks.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, heavy_ratio, sinks)
         status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        records = ev.agreement(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions)
+        records = tasks.agreement(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions)
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.agree_table(records), json_out, markdown_path, None, None)

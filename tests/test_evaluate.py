@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from h2o_chat import cli, plots
+from h2o_chat import cli, plots, tasks
 from h2o_chat import evaluate as ev
 from h2o_chat.bench import attention
 from h2o_chat.errors import ConfigError
@@ -45,21 +45,21 @@ def test_configs_put_the_full_cache_first_and_resolve_percentages():
     assert [c.budget_pct for c in configs] == [None, 10.0, 6.4, 10.0, 6.4]
     assert [c.spec for c in configs] == [None, "10%", "64", "10%", "64"]
     with pytest.raises(ConfigError, match="positions"):
-        ev.make_eval_cache(tiny_model(), [configs[0].policy], positions="rolling")
+        ev.make_eval_cache(tiny_model(), [configs[0].policy], positions="sideways")
 
 
 def test_rouge_l_is_lcs_f1():
-    assert ev.rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
-    assert ev.rouge_l([1, 2], [3, 4]) == 0.0
+    assert tasks.rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert tasks.rouge_l([1, 2], [3, 4]) == 0.0
     p, r = 3 / 5, 3 / 4  # LCS [1, 3, 5]
-    assert ev.rouge_l([1, 2, 3, 4, 5], [1, 3, 5, 6]) == pytest.approx(2 * p * r / (p + r))
-    assert ev.rouge_l([], []) == 1.0 and ev.rouge_l([], [1]) == 0.0
+    assert tasks.rouge_l([1, 2, 3, 4, 5], [1, 3, 5, 6]) == pytest.approx(2 * p * r / (p + r))
+    assert tasks.rouge_l([], []) == 1.0 and tasks.rouge_l([], [1]) == 0.0
 
 
 def test_needle_goes_between_sentences():
     text = "One two. Three four. Five six. Seven eight."
-    assert ev.hide(text, "X.", 0).startswith("X. One") and ev.hide(text, "X.", 1).endswith("eight. X.")
-    middle = ev.hide(text, "X.", 0.5)
+    assert tasks.hide(text, "X.", 0).startswith("X. One") and tasks.hide(text, "X.", 1).endswith("eight. X.")
+    middle = tasks.hide(text, "X.", 0.5)
     assert "six. X.  Seven" in middle and middle.replace(" X. ", "", 1) == text
 
 
@@ -94,10 +94,10 @@ def test_batched_rows_equal_separate_runs():
 def test_agreement_with_room_is_identical_to_full():
     model, tok = tiny_model("llama", seed=5), tiny_tokenizer()
     texts = {"a": " ".join(f"w{4 + i % 250}" for i in range(400)), "b": " ".join(f"w{9 + i % 90}" for i in range(300))}
-    prompts = ev.agree_prompts(tok, texts, n=3, prompt_tokens=60)
+    prompts = tasks.agree_prompts(tok, texts, n=3, prompt_tokens=60)
     assert [name for name, _ in prompts] == ["a@0", "a@170", "b@0"]
     configs = ev.make_configs(["h2o", "recent"], budgets("100", "10%"), 80)
-    records = ev.agreement(model, tok, prompts, configs, max_new_tokens=16)
+    records = tasks.agreement(model, tok, prompts, configs, max_new_tokens=16)
     by = {(r["policy"], r["budget"]): r for r in records}
     assert by["full", None]["rouge_l"] == 1.0 and by["h2o", 100]["rouge_l"] == 1.0 and by["h2o", 100]["identical"] == 3
     assert by["h2o", 100]["same_prefix"] == by["full", None]["generated"]
@@ -106,8 +106,8 @@ def test_agreement_with_room_is_identical_to_full():
 
 def test_embedded_model_finds_the_needle_with_the_full_cache(embedded):
     tok = embedded.tokenizer
-    trials = ev.needle_trials(tok, {"alice.txt": ev.read_text()}, [0.5], haystack_tokens=200, seed=1)
-    records = ev.needle(embedded.model, tok, trials, ev.make_configs(["h2o"], budgets("100%"), 300))
+    trials = tasks.needle_trials(tok, {"alice.txt": ev.read_text()}, [0.5], haystack_tokens=200, seed=1)
+    records = tasks.needle(embedded.model, tok, trials, ev.make_configs(["h2o"], budgets("100%"), 300))
     assert [r["accuracy"] for r in records] == [1.0, 1.0], records
     answer = records[0]["answers"][0]
     assert answer["code"] in answer["answer"] and len(answer["code"]) == 4
@@ -188,7 +188,7 @@ def test_eval_help_imports_no_torch():
         (["ppl", "-b", "150%"], "percentage budget"),
         (["ppl", "-b", "3", "-p", "sink"], "sink"),
         (["ppl", "-p", "lru"], "unknown policy"),
-        (["ppl", "--positions", "rolling"], "--positions"),
+        (["ppl", "--positions", "sideways"], "--positions"),
         (["ppl", "--tokens", "1"], "--tokens"),
         (["ppl", "--plot", "out.gif"], "--plot"),
         (["ppl", "--markdown", "/nonexistent/dir/ppl.md"], "output folder"),
