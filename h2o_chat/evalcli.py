@@ -107,6 +107,13 @@ def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None
 def ppl_command(
     text: Annotated[Path | None, typer.Option(help="UTF-8 text to score. Default: the shipped Alice.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of the text to score (all of it if shorter).")] = 2048,
+    prompt_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Read the first P tokens as one prompt (chunked; compressed "
+            "by snap), then score the rest token by token."
+        ),
+    ] = 1,
     budget: Budgets = None,
     policy: Policies = None,
     positions: Positions = "absolute",
@@ -127,6 +134,8 @@ def ppl_command(
         check_positive("--tokens", tokens)
         if tokens < 2:
             raise ConfigError("--tokens must be at least 2 (the first token is context, the rest are predicted)")
+        if not 1 <= prompt_tokens < tokens:
+            raise ConfigError(f"--prompt-tokens must be at least 1 and below --tokens ({tokens}), got {prompt_tokens}")
         specs, names = _plan(budget, policy, tokens, heavy_ratio, sinks, positions, plot, markdown_path)
         from h2o_chat import evaluate as ev
         from h2o_chat import plots
@@ -136,13 +145,13 @@ def ppl_command(
         import torch
 
         ids = ev.token_ids(loaded.tokenizer, content)[:tokens]
-        if len(ids) < 2:
-            raise InputError(f"{text} has fewer than 2 tokens")
+        if len(ids) <= prompt_tokens:
+            raise InputError(f"{text or 'the text'} has {len(ids)} tokens, not more than --prompt-tokens")
         if len(ids) < tokens:
             status(f"the text has {len(ids)} tokens; scoring all of them")
         configs = ev.make_configs(names, specs, len(ids), heavy_ratio, sinks)
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
-        results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, progress=status)
+        results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, status, prompt_tokens)
         source = text.name if text else "alice.txt"
         records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
         _emit(records, plots.ppl_table(records), json_out, markdown_path, plot, plots.ppl_plot)

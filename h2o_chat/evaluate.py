@@ -161,10 +161,11 @@ class PplResult:
     seconds: float  # of the whole run (all configurations together)
     kept: float  # tokens held per layer and head at the end
     window: int = 1000
+    prompt_tokens: int = 1  # read as one prompt before scoring
 
     @property
     def tokens(self) -> int:
-        return self.nll.numel() + 1
+        return self.nll.numel() + self.prompt_tokens
 
     @property
     def ppl(self) -> float:
@@ -179,6 +180,7 @@ class PplResult:
         return {
             **self.config.record(),
             "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
             "ppl": round(self.ppl, 4),
             "nll": round(float(self.nll.mean()), 5),
             "kept": round(self.kept, 1),
@@ -197,34 +199,46 @@ def streaming_nll(
     positions: str | Sequence[str] = "absolute",
     progress: Progress = None,
     on_step: Callable[[int, GroupedCache], None] | None = None,
+    prompt_tokens: int = 1,
 ) -> tuple[torch.Tensor, GroupedCache]:
-    """Teacher-force ids (1, N) through one cache row per policy; returns the NLL of tokens 1..N-1, (G, N-1).
-    `on_step(t, cache)` runs after token t is predicted (the soak samples memory there)."""
+    """Teacher-force ids (1, N) through one cache row per policy. The first `prompt_tokens` are one prefill (a
+    prompt: chunked, and compressed by policies that compress prompts), then one decode step per token.
+    Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache)` runs after
+    token t is predicted (the soak samples memory there)."""
     device = next(model.parameters()).device
-    G, N = len(policies), ids.shape[1]
+    G, N, P = len(policies), ids.shape[1], prompt_tokens
     x = ids.to(device).expand(G, -1)  # (G, N)
     cache = make_eval_cache(model, policies, positions=positions)
-    nll = torch.empty(G, N - 1)
+    nll = torch.empty(G, N - P)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, x[:, :1])  # (G, V)
-    for t in range(1, N):
-        nll[:, t - 1] = F.cross_entropy(logits.float(), x[:, t], reduction="none").cpu()
+    logits = prefill(model, cache, x[:, :P])  # (G, V)
+    for t in range(P, N):
+        nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none").cpu()
         if on_step is not None:
             on_step(t, cache)
         if t < N - 1:
             logits = decode_one(model, cache, x[:, t])
         if progress and (t % 256 == 0 or t == N - 1):
-            progress(f"ppl: {t + 1}/{N} tokens x {G} rows, {t / (time.perf_counter() - t0):.1f} tokens/s")
+            progress(f"ppl: {t + 1}/{N} tokens x {G} rows, {(t - P + 1) / (time.perf_counter() - t0):.1f} tokens/s")
     return nll, cache
 
 
 def perplexity(
-    model, ids: torch.Tensor, configs: Sequence[EvalConfig], positions: str = "absolute", progress: Progress = None
+    model,
+    ids: torch.Tensor,
+    configs: Sequence[EvalConfig],
+    positions: str = "absolute",
+    progress: Progress = None,
+    prompt_tokens: int = 1,
 ) -> list[PplResult]:
     t0 = time.perf_counter()
-    nll, cache = streaming_nll(model, ids, [c.policy for c in configs], positions, progress)
+    nll, cache = streaming_nll(model, ids, [c.policy for c in configs], positions, progress, None, prompt_tokens)
     seconds = time.perf_counter() - t0
-    return [PplResult(c, nll[g], seconds, s.kept) for g, (c, s) in enumerate(zip(configs, cache.stats(), strict=True))]
+    stats = cache.stats()
+    return [
+        PplResult(c, nll[g], seconds, s.kept, prompt_tokens=prompt_tokens)
+        for g, (c, s) in enumerate(zip(configs, stats, strict=True))
+    ]
 
 
 # -- greedy continuations for many prompts x configurations --------------------------------------------------

@@ -213,3 +213,15 @@ def test_empty_text_file(fast_load, tmp_path):
     empty.write_text("  \n")
     result = invoke("agree", "--text", str(empty))
     assert result.exit_code != 0 and result.stderr.strip() == f"h2o-chat: error: text file is empty: {empty}"
+
+
+def test_ppl_after_a_compressed_prompt(embedded):
+    """--prompt-tokens: the first tokens are one prompt (snap compresses it), the rest are scored."""
+    ids = torch.tensor([ev.token_ids(embedded.tokenizer, ev.read_text())[:200]])
+    configs = ev.make_configs(["h2o", "snap"], [ev.BudgetSpec.parse("64")], 200)
+    results = ev.perplexity(embedded.model, ids, configs, prompt_tokens=150)
+    assert [r.tokens for r in results] == [200, 200, 200] and all(r.nll.numel() == 50 for r in results)
+    full, h2o, snap = (r.ppl for r in results)
+    assert full < 1.5 * min(h2o, snap) and h2o != snap  # snap chose different prompt tokens than h2o
+    whole = ev.perplexity(embedded.model, ids, configs[:1])[0]
+    assert abs(whole.nll[-50:].mean() - results[0].nll.mean()) < 1e-3  # the full cache: same either way

@@ -125,7 +125,7 @@ def test_snap_settings_are_validated():
         make_policy("snap", 16, window=16)
     with pytest.raises(ConfigError, match="odd"):
         make_policy("snap", 64, kernel=4)
-    assert "last 32 queries" in make_policy("snap", 512).describe()
+    assert "last 16 queries" in make_policy("snap", 512).describe()
 
 
 def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
