@@ -40,9 +40,10 @@ def _pivot(records: list[dict], cell: Callable[[dict], str]) -> tuple[list[str],
 
 
 def ppl_table(records: list[dict]) -> Table:
-    n = records[0]["tokens"]
+    n, prompt = records[0]["tokens"], records[0].get("prompt_tokens", 1)
     header, rows = _pivot(records, lambda r: f"{r['ppl']:.2f}")
-    return f"perplexity over {n} tokens, teacher-forced (budget: tokens per layer and head)", header, rows
+    scored = f"the last {n - prompt} of {n} tokens after a {prompt}-token prompt" if prompt > 1 else f"{n} tokens"
+    return f"perplexity over {scored}, teacher-forced (budget: tokens per layer and head)", header, rows
 
 
 def agree_table(records: list[dict]) -> Table:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
 
     kind, path = argv or sys.argv[1:]
     records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    print(markdown(TABLES[kind](records)), end="")
+    print(markdown(TABLES[kind.split("_")[0]](records)), end="")  # e.g. ppl_prompt -> ppl
 
 
 if __name__ == "__main__":
