@@ -142,3 +142,56 @@ def bench_command(
             typer.echo(bench.as_json_lines(records))
         else:
             make_console().print(bench_table(records, bench.ratios(records, budget)))
+
+
+def soak_command(
+    model: Model = None,
+    shape: Annotated[str | None, typer.Option(help="Instead of --model: random weights of a real shape.")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens to read, teacher-forced one by one.")] = 20_000,
+    budget: Budget = 256,
+    window: Annotated[int, typer.Option(help="Report memory and perplexity every N tokens.")] = 1000,
+    sinks: Annotated[int, typer.Option(help="Sink tokens for the configurations with sinks.")] = 4,
+    context: Annotated[
+        int | None, typer.Option(help="Pretend the model was trained on this many positions (default: its config).")
+    ] = None,
+    text: Annotated[
+        str | None, typer.Option(help="UTF-8 text (repeated as needed). Default: the shipped Alice.")
+    ] = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    quantize: Quantize = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON record per window instead of a table.")] = False,
+    models_file: ModelsFile = None,
+) -> None:
+    """Read far past the trained context with a fixed budget: memory and perplexity per window, for absolute
+    and rolling positions, with and without attention sinks."""
+    with reported():
+        import json
+        from pathlib import Path
+
+        from h2o_chat.ui import make_console, soak_table
+
+        for name, value in (("--tokens", tokens), ("--window", window), ("--context", context)):
+            check_positive(name, value)
+        if sinks < 0:
+            raise H2OChatError(f"--sinks must be >= 0, got {sinks}")
+        build_policy("h2o", budget, 0.5, sinks)  # validates budget and sinks
+        loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
+        import torch
+
+        from h2o_chat import evaluate as ev
+        from h2o_chat.soak import run_soak, soak_configs
+
+        content = ev.read_text(Path(text) if text else None)
+        if shape:  # random weights: any ids will do
+            vocab = loaded.model.config.get_text_config().vocab_size
+            ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+        else:
+            base = ev.token_ids(loaded.tokenizer, content)
+            ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
+        configs = soak_configs(budget, sinks)
+        records = run_soak(loaded.model, ids, configs, window, context, progress=None if json_out else status)
+        if json_out:
+            typer.echo("\n".join(json.dumps(r) for r in records))
+        else:
+            make_console().print(soak_table(records, loaded.spec.name, budget))

@@ -216,10 +216,11 @@ def batch_command(
             raise typer.Exit(2)
 
 
-from h2o_chat.benchcli import bench_command  # noqa: E402  (commands kept in their own modules)
+from h2o_chat.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
 from h2o_chat.evalcli import eval_app  # noqa: E402
 
 app.command("bench")(bench_command)
+app.command("soak")(soak_command)
 app.add_typer(eval_app, name="eval")
 
 

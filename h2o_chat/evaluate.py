@@ -112,13 +112,14 @@ def make_eval_cache(
     policies: Sequence[Policy],
     rows: Sequence[int] | None = None,
     positions: str | Sequence[str] = "absolute",
+    context: int | None = None,
 ) -> GroupedCache:
     """The one place evaluation caches are built: policy g serves `rows[g]` consecutive batch rows (default 1),
     numbering tokens by `positions` (one mode for all, or one per policy)."""
     modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
     for mode in modes:
         check_positions(mode)
-    return GroupedCache.for_model(model, list(policies), list(rows) if rows else None, positions=modes)
+    return GroupedCache.for_model(model, list(policies), list(rows) if rows else None, modes, context)
 
 
 # -- texts and prompts ---------------------------------------------------------------------------------------
@@ -200,15 +201,16 @@ def streaming_nll(
     progress: Progress = None,
     on_step: Callable[[int, GroupedCache], None] | None = None,
     prompt_tokens: int = 1,
+    context: int | None = None,
 ) -> tuple[torch.Tensor, GroupedCache]:
     """Teacher-force ids (1, N) through one cache row per policy. The first `prompt_tokens` are one prefill (a
     prompt: chunked, and compressed by policies that compress prompts), then one decode step per token.
     Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache)` runs after
-    token t is predicted (the soak samples memory there)."""
+    token t is predicted (the soak samples memory there). `context` overrides the trained context."""
     device = next(model.parameters()).device
     G, N, P = len(policies), ids.shape[1], prompt_tokens
     x = ids.to(device).expand(G, -1)  # (G, N)
-    cache = make_eval_cache(model, policies, positions=positions)
+    cache = make_eval_cache(model, policies, positions=positions, context=context)
     nll = torch.empty(G, N - P)
     t0 = time.perf_counter()
     logits = prefill(model, cache, x[:, :P])  # (G, V)

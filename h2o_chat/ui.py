@@ -235,3 +235,25 @@ def throughput_table(records, model: str) -> Table:
     if full and h2o and full.tokens_per_second:
         table.caption = f"h2o / full throughput: {h2o.tokens_per_second / full.tokens_per_second:.2f}x (target >= 3)"
     return table
+
+
+def soak_table(records, model: str, budget: int) -> Group:
+    """Per window: tokens seen, process memory, perplexity per configuration; then memory flatness."""
+    from h2o_chat.soak import flatness
+
+    labels = list(records[0]["ppl"]) if records else []
+    table = Table(title=f"soak: {model}, budget {budget}: perplexity per window", title_justify="left")
+    table.add_column("tokens", justify="right")
+    table.add_column("RSS", justify="right")
+    for label in labels:
+        table.add_column(label, justify="right")
+    for r in records:
+        table.add_row(
+            f"{r['window'][0]}-{r['window'][1]}", human_bytes(r["rss"]), *(f"{r['ppl'][k]:.2f}" for k in labels)
+        )
+    lines = Table(box=None, show_header=False)
+    if len(records) > 1:
+        lines.add_row("process memory after the first window: max / min", f"{flatness(records):.3f}", "target <= 1.05")
+        if "gpu_allocated" in records[0]:
+            lines.add_row("GPU memory after the first window: max / min", f"{flatness(records, 'gpu_allocated'):.3f}")
+    return Group(table, lines)

@@ -135,3 +135,39 @@ def test_twenty_thousand_steps_past_a_short_context_stay_in_budget(single_thread
     stats = cache.stats()
     assert stats.seen == 8 + 19_999 and stats.kept == 256 and cache.rolling
     assert set(range(4)) <= set(cache.layers[0].pos[0, 0].tolist())  # the sinks survived
+
+
+def test_soak_command_reports_memory_and_perplexity_per_window(monkeypatch, tmp_path, single_thread):
+    import json
+
+    from typer.testing import CliRunner
+
+    from h2o_chat import cli
+
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    result = CliRunner().invoke(
+        cli.app,
+        [
+            "soak",
+            "--shape",
+            "llama-tiny",
+            "--tokens",
+            "600",
+            "--window",
+            "200",
+            "--budget",
+            "32",
+            "--context",
+            "64",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["window"] for r in records] == [[1, 200], [200, 400], [400, 600]]
+    labels = ["absolute", "rolling", "absolute + 4 sinks", "rolling + 4 sinks", "auto + 4 sinks"]
+    assert all(list(r["ppl"]) == labels and r["rss"] > 0 for r in records)
+    assert records[-1]["positions"][4].startswith("auto: rolling")  # auto switched past the 64-token context
+    assert records[0]["kv_bytes"] == records[-1]["kv_bytes"]  # five fixed budgets: nothing grows
+    bad = CliRunner().invoke(cli.app, ["soak", "--budget", "8", "--sinks", "8"])
+    assert bad.exit_code == 2 and "sink" in bad.stderr

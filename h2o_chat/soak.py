@@ -1,0 +1,95 @@
+"""Soak: read far past the trained context with a fixed budget, and watch memory and perplexity per window.
+
+Every configuration (absolute vs rolling positions, with and without attention sinks, and auto) reads the
+same text as a row of one grouped cache, teacher-forced token by token; after each window of tokens the
+process memory and each configuration's perplexity over that window are recorded. A bounded cache should give
+flat memory after warm-up; positions decide whether perplexity stays flat past the trained context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from h2o_chat.evaluate import streaming_nll
+from h2o_chat.policies import Policy, make_policy
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    label: str
+    policy: Policy
+    positions: str
+
+
+def soak_configs(budget: int, sinks: int) -> list[SoakConfig]:
+    h2o, pinned = make_policy("h2o", budget), make_policy("h2o", budget, sinks=sinks)
+    return [
+        SoakConfig("absolute", h2o, "absolute"),
+        SoakConfig("rolling", h2o, "rolling"),
+        SoakConfig(f"absolute + {sinks} sinks", pinned, "absolute"),
+        SoakConfig(f"rolling + {sinks} sinks", pinned, "rolling"),
+        SoakConfig(f"auto + {sinks} sinks", pinned, "auto"),
+    ]
+
+
+def memory_now(device: torch.device) -> dict[str, int]:
+    import psutil
+
+    out = {"rss": psutil.Process().memory_info().rss}
+    if device.type == "cuda":
+        out["gpu_allocated"] = torch.cuda.memory_allocated(device)
+    return out
+
+
+def run_soak(
+    model,
+    ids: torch.Tensor,
+    configs: list[SoakConfig],
+    window: int = 1000,
+    context: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """One record per window: tokens seen, memory, KV bytes, and each configuration's perplexity."""
+    device = next(model.parameters()).device
+    marks: list[dict] = []
+
+    def on_step(t: int, cache) -> None:
+        if (t + 1) % window == 0 or t == ids.shape[1] - 1:
+            stats = cache.stats()
+            marks.append(
+                {
+                    "seen": t + 1,
+                    **memory_now(device),
+                    "kv_bytes": sum(s.kv_bytes for s in stats),
+                    "positions": [s.positions for s in stats],
+                }
+            )
+            if progress:
+                progress(f"soak: {t + 1}/{ids.shape[1]} tokens, RSS {marks[-1]['rss'] / 2**20:.0f} MB")
+
+    nll, _ = streaming_nll(
+        model, ids, [c.policy for c in configs], [c.positions for c in configs], on_step=on_step, context=context
+    )
+    records, start = [], 0
+    for mark in marks:
+        end = mark["seen"] - 1  # nll[:, i] predicts token i + 1
+        chunk = nll[:, start:end]
+        records.append(
+            {
+                **mark,
+                "window": [start + 1, mark["seen"]],
+                "ppl": {c.label: round(math.exp(float(chunk[g].mean())), 3) for g, c in enumerate(configs)},
+            }
+        )
+        start = end
+    return records
+
+
+def flatness(records: list[dict], key: str = "rss", warmup: int = 1) -> float:
+    """max / min of a memory figure over the windows after warm-up."""
+    values = [r[key] for r in records[warmup:]] or [r[key] for r in records]
+    return max(values) / min(values)
