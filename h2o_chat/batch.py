@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.cache import H2OCache
+from h2o_chat.config import read_user_text
 from h2o_chat.errors import InputError
 from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, sample_rows, stop_token_ids
 from h2o_chat.loading import Loaded
@@ -107,14 +108,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
 
 
 def read_items(path: Path, tokenizer, defaults: Defaults, summary: Summary) -> list[Item]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise InputError(f"input file not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    lines = read_user_text(path, "input file").splitlines()
     items, seen = [], set()
     for number, text in enumerate(lines, start=1):
         if not text.strip():

@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.errors import ConfigError, UnknownModelError
+from h2o_chat.errors import ConfigError, H2OChatError, InputError, UnknownModelError
 
 PACKAGE_MODELS = Path(__file__).with_name("models.toml")
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
@@ -126,13 +126,22 @@ def _guess_family(path: Path) -> str:
     return _guess_family_from_name(path.name)
 
 
-def _read_toml(path: Path) -> dict:
+def read_user_text(path: Path, what: str = "file", error: type[H2OChatError] = InputError) -> str:
+    """A user's UTF-8 file, or one clear error saying what is wrong with it."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return Path(path).expanduser().read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"models file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read models file {path}: {e}") from None
+        raise error(f"{what} not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"cannot read {what} {path}: not UTF-8 text (byte offset {e.start})") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def _read_toml(path: Path) -> dict:
+    text = read_user_text(path, "models file", ConfigError)
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"models file {path} is not valid TOML: {e}") from None
 

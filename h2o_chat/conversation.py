@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h2o_chat.cache import H2OCache
+from h2o_chat.config import read_user_text
 from h2o_chat.errors import InputError
 from h2o_chat.generate import DEFAULT_CHUNK, Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.loading import Loaded
@@ -200,12 +201,10 @@ class Conversation:
 
     def load(self, path: str | Path) -> int:
         """Replace the conversation by a saved one; it is prefilled on the next turn. Returns message count."""
-        path = Path(path).expanduser()
+        text = read_user_text(path, "conversation file")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise InputError(f"cannot read {path}: {e.strerror}") from None
-        except (ValueError, UnicodeDecodeError) as e:
+            data = json.loads(text)
+        except ValueError as e:
             raise InputError(f"{path} is not a saved conversation (invalid JSON: {e})") from None
         messages = data.get("messages") if isinstance(data, dict) else None
         if not isinstance(messages, list) or not all(

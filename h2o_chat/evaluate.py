@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from h2o_chat.batch import left_pad
+from h2o_chat.config import read_user_text
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, stop_token_ids
 from h2o_chat.grouped import GroupedCache
@@ -127,14 +128,7 @@ def read_text(path: Path | None = None, shipped: str = "alice.txt") -> str:
     """A user's text file, or one of the shipped public-domain texts (h2o_chat/data)."""
     if path is None:
         return resources.files("h2o_chat").joinpath("data", shipped).read_text(encoding="utf-8")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"text file not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    text = read_user_text(path, "text file")
     if not text.strip():
         raise InputError(f"text file is empty: {path}")
     return text
