@@ -107,7 +107,7 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
 HELP = """\
 /help              this list
 /budget N          set the cache budget (tokens per layer); a smaller one evicts now
-/policy NAME       h2o | recent | sink | full
+/policy NAME       h2o | snap | sink | recent | full
 /system TEXT       set the system prompt (the conversation is re-read on the next turn)
 /reset             start over, keeping the system prompt
 /save FILE         save the conversation as JSON

@@ -29,7 +29,7 @@ Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in 
 HeavyRatio = Annotated[
     float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
 ]
-PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | recent | sink | full")]
+PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | snap | sink | recent | full")]
 Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
 ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
 Positions = Annotated[

@@ -65,7 +65,7 @@ cpu=$(python -c "import platform, os; print(f'{platform.processor() or platform.
     echo
     echo "![needle accuracy per policy, budget and depth](needle.png)"
     echo
-    echo "The same with other codes and places (--seed 1; needle_seed1.json, $(cat "$tmp/needle_seed1.seconds") s):"
+    echo "The same with other random codes (--seed 1; needle_seed1.json, $(cat "$tmp/needle_seed1.seconds") s):"
     echo
     cat "$tmp/needle_seed1.md"
     echo
