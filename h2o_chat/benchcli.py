@@ -107,7 +107,7 @@ def bench_command(
             check_positive(name, value)
         if memory_limit is not None and memory_limit <= 0:
             raise H2OChatError(f"--memory-limit must be a positive number of GB, got {memory_limit}")
-        build_policy("h2o", budget, 0.5, None)  # validates the budget
+        build_policy("h2o", budget, {})  # validates the budget
         loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
         tokenizer = None if shape else loaded.tokenizer
         if throughput:
@@ -175,7 +175,7 @@ def soak_command(
             check_positive(name, value)
         if sinks < 0:
             raise H2OChatError(f"--sinks must be >= 0, got {sinks}")
-        build_policy("h2o", budget, 0.5, sinks)  # validates budget and sinks
+        build_policy("h2o", budget, {"sinks": sinks})  # validates budget and sinks
         loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
         import torch
 

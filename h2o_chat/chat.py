@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import sys
@@ -17,6 +18,7 @@ from h2o_chat.config import user_data_dir
 from h2o_chat.conversation import ChatSettings, Conversation
 from h2o_chat.errors import H2OChatError, InputError
 from h2o_chat.loading import Loaded
+from h2o_chat.options import DEFAULT_POLICY
 from h2o_chat.policies import Policy
 from h2o_chat.ui import (
     PanelView,
@@ -235,8 +237,10 @@ class ChatSession:
         from h2o_chat.policies import make_policy
 
         old = self.conv.policy
-        sinks = getattr(old, "sinks", None) if name == old.name else None
-        policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio, sinks=sinks)
+        if name == old.name and old.budget is not None:  # a new budget: keep the other settings (sinks, window)
+            policy = dataclasses.replace(old, budget=budget)
+        else:
+            policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio)
         before = self.conv.cache.stats().evicted
         self.conv.set_policy(policy)
         dropped = self.conv.cache.stats().evicted - before
@@ -252,7 +256,7 @@ class ChatSession:
         except ValueError:
             raise InputError(f"/budget takes a number of tokens, got {arg!r}") from None
         name = self.conv.policy.name
-        self._set_policy("h2o" if name == "full" else name, budget)
+        self._set_policy(DEFAULT_POLICY if name == "full" else name, budget)
 
     def cmd_policy(self, arg: str) -> None:
         if not arg:

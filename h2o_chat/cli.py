@@ -11,6 +11,7 @@ import typer
 from h2o_chat.config import load_registry
 from h2o_chat.errors import H2OChatError
 from h2o_chat.options import (
+    DEFAULT_POLICY,
     Budget,
     ChunkSize,
     Device,
@@ -23,10 +24,13 @@ from h2o_chat.options import (
     Positions,
     Quantize,
     Sinks,
+    SnapKernel,
+    SnapWindow,
     build_policy,
     check_positions,
     check_positive,
     load_model,
+    policy_knobs,
     reported,
     status,
 )
@@ -46,8 +50,10 @@ def main_command(
     model: Model = None,
     budget: Budget = 512,
     heavy_ratio: HeavyRatio = 0.5,
-    policy: PolicyName = "h2o",
+    policy: PolicyName = DEFAULT_POLICY,
     sinks: Sinks = None,
+    snap_window: SnapWindow = None,
+    snap_kernel: SnapKernel = None,
     chunk_size: ChunkSize = 512,
     positions: Positions = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per reply.")] = 512,
@@ -76,7 +82,8 @@ def main_command(
         check_positions(positions)
         if temperature < 0 or not 0 < top_p <= 1:
             raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
-        pol = build_policy(policy, budget, heavy_ratio, sinks)
+        knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
+        pol = build_policy(policy, budget, knobs)
         interactive = sys.stdin.isatty()
         prompt = None
         if not interactive:
@@ -151,8 +158,10 @@ def batch_command(
     model: Model = None,
     budget: Budget = 512,
     heavy_ratio: HeavyRatio = 0.5,
-    policy: PolicyName = "h2o",
+    policy: PolicyName = DEFAULT_POLICY,
     sinks: Sinks = None,
+    snap_window: SnapWindow = None,
+    snap_kernel: SnapKernel = None,
     chunk_size: ChunkSize = 512,
     positions: Positions = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
@@ -182,10 +191,11 @@ def batch_command(
             raise InputError(f"input file not found: {input_path}")
         if not output.parent.exists():
             raise InputError(f"output folder does not exist: {output.parent}")
-        build_policy(policy, budget, heavy_ratio, sinks)  # fail before loading weights
+        knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
+        build_policy(policy, budget, knobs)  # fail before loading weights
 
         def policy_for(line_budget: int | None):
-            return build_policy(policy, line_budget if line_budget is not None else budget, heavy_ratio, sinks)
+            return build_policy(policy, line_budget if line_budget is not None else budget, knobs)
 
         loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget * batch_size)
         defaults = Defaults(

@@ -25,8 +25,11 @@ from h2o_chat.options import (
     Positions,
     Quantize,
     Sinks,
+    SnapKernel,
+    SnapWindow,
     check_positive,
     load_model,
+    policy_knobs,
     reported,
     status,
 )
@@ -62,13 +65,13 @@ Texts = Annotated[
 ]
 
 
-def _plan(budgets, policies, n: int, heavy_ratio: float, sinks: int | None, positions: str, plot, markdown_path):
+def _plan(budgets, policies, n: int, knobs: dict, positions: str, plot, markdown_path):
     """Parse and validate what does not need the model; -> (budget specs, policy names)."""
     from h2o_chat import evaluate as ev
 
     specs = [ev.BudgetSpec.parse(b) for b in budgets or DEFAULT_BUDGETS]
     names = list(policies or ev.DEFAULT_POLICIES)
-    ev.make_configs(names, specs, n, heavy_ratio, sinks)  # unknown policies, impossible budgets
+    ev.make_configs(names, specs, n, **knobs)  # unknown policies, impossible budgets
     ev.check_positions(positions)
     if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
         raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
@@ -119,6 +122,8 @@ def ppl_command(
     positions: Positions = "absolute",
     heavy_ratio: HeavyRatio = 0.5,
     sinks: Sinks = None,
+    snap_window: SnapWindow = None,
+    snap_kernel: SnapKernel = None,
     json_out: JsonOut = False,
     plot: Plot = None,
     markdown_path: MarkdownOut = None,
@@ -130,13 +135,14 @@ def ppl_command(
     download: Download = False,
 ) -> None:
     """Streaming perplexity: teacher-force a text token by token through the cache, per policy and budget."""
+    knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
     with reported():
         check_positive("--tokens", tokens)
         if tokens < 2:
             raise ConfigError("--tokens must be at least 2 (the first token is context, the rest are predicted)")
         if not 1 <= prompt_tokens < tokens:
             raise ConfigError(f"--prompt-tokens must be at least 1 and below --tokens ({tokens}), got {prompt_tokens}")
-        specs, names = _plan(budget, policy, tokens, heavy_ratio, sinks, positions, plot, markdown_path)
+        specs, names = _plan(budget, policy, tokens, knobs, positions, plot, markdown_path)
         from h2o_chat import evaluate as ev
         from h2o_chat import plots
 
@@ -149,7 +155,7 @@ def ppl_command(
             raise InputError(f"{text or 'the text'} has {len(ids)} tokens, not more than --prompt-tokens")
         if len(ids) < tokens:
             status(f"the text has {len(ids)} tokens; scoring all of them")
-        configs = ev.make_configs(names, specs, len(ids), heavy_ratio, sinks)
+        configs = ev.make_configs(names, specs, len(ids), **knobs)
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
         results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, status, prompt_tokens)
         source = text.name if text else "alice.txt"
@@ -171,6 +177,8 @@ def needle_command(
     positions: Positions = "absolute",
     heavy_ratio: HeavyRatio = 0.5,
     sinks: Sinks = None,
+    snap_window: SnapWindow = None,
+    snap_kernel: SnapKernel = None,
     chunk_size: ChunkSize = 512,
     json_out: JsonOut = False,
     plot: Plot = None,
@@ -183,6 +191,7 @@ def needle_command(
     download: Download = False,
 ) -> None:
     """Needle in a haystack: a secret code hidden at several depths of a long text, asked for at the end."""
+    knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
     with reported():
         for name, value in (("--haystack-tokens", haystack_tokens), ("--answer-tokens", answer_tokens)):
             check_positive(name, value)
@@ -190,7 +199,7 @@ def needle_command(
         depths = list(depth or (0.1, 0.5, 0.9))
         if not all(0 <= d <= 1 for d in depths):
             raise ConfigError(f"--depth must be between 0 and 1, got {', '.join(f'{d:g}' for d in depths)}")
-        specs, names = _plan(budget, policy, haystack_tokens, heavy_ratio, sinks, positions, plot, markdown_path)
+        specs, names = _plan(budget, policy, haystack_tokens, knobs, positions, plot, markdown_path)
         from h2o_chat import evaluate as ev
         from h2o_chat import plots, tasks
 
@@ -198,7 +207,7 @@ def needle_command(
         loaded = load_model(model, models_file, device, dtype, quantize, download)
         trials = tasks.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
         longest = max(len(t.ids) for t in trials)
-        configs = ev.make_configs(names, specs, longest, heavy_ratio, sinks)
+        configs = ev.make_configs(names, specs, longest, **knobs)
         status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
         records = tasks.needle(loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions)
         records = [{**r, "model": loaded.spec.name} for r in records]
@@ -216,6 +225,8 @@ def agree_command(
     positions: Positions = "absolute",
     heavy_ratio: HeavyRatio = 0.5,
     sinks: Sinks = None,
+    snap_window: SnapWindow = None,
+    snap_kernel: SnapKernel = None,
     chunk_size: ChunkSize = 512,
     json_out: JsonOut = False,
     markdown_path: MarkdownOut = None,
@@ -227,11 +238,12 @@ def agree_command(
     download: Download = False,
 ) -> None:
     """Generation agreement: ROUGE-L F1 of each policy's greedy continuation against the full cache's."""
+    knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
     with reported():
         for name, value in (("--prompts", prompts), ("--prompt-tokens", prompt_tokens), ("--tokens", tokens)):
             check_positive(name, value)
         check_positive("--chunk-size", chunk_size)
-        specs, names = _plan(budget, policy, prompt_tokens, heavy_ratio, sinks, positions, None, markdown_path)
+        specs, names = _plan(budget, policy, prompt_tokens, knobs, positions, None, markdown_path)
         from h2o_chat import evaluate as ev
         from h2o_chat import plots, tasks
 
@@ -239,7 +251,7 @@ def agree_command(
         loaded = load_model(model, models_file, device, dtype, quantize, download)
         items = tasks.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
         longest = max(len(ids) for _, ids in items)
-        configs = ev.make_configs(names, specs, longest, heavy_ratio, sinks)
+        configs = ev.make_configs(names, specs, longest, **knobs)
         status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
         records = tasks.agreement(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions)
         records = [{**r, "model": loaded.spec.name} for r in records]

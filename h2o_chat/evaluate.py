@@ -88,17 +88,17 @@ def make_configs(
     policies: Sequence[str],
     budgets: Sequence[BudgetSpec],
     n: int,
-    heavy_ratio: float | None = None,
-    sinks: int | None = None,
+    **knobs,
 ) -> list[EvalConfig]:
-    """The full cache (the reference, first) and every (policy, budget), resolved against reference length n."""
+    """The full cache (the reference, first) and every (policy, budget), resolved against reference length n;
+    knobs are make_policy's keyword settings (heavy_ratio, sinks, window, kernel)."""
     configs = [EvalConfig(make_policy("full"))]
     for name in dict.fromkeys(policies):
         if name == "full":
             continue
         for spec in budgets:
             tokens = spec.tokens(n)
-            policy = make_policy(name, tokens, heavy_ratio=heavy_ratio, sinks=sinks)
+            policy = make_policy(name, tokens, **knobs)
             configs.append(EvalConfig(policy, str(spec), round(100 * tokens / n, 2)))
     return configs
 

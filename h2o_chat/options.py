@@ -29,8 +29,23 @@ Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in 
 HeavyRatio = Annotated[
     float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
 ]
-PolicyName = Annotated[str, typer.Option("--policy", "-p", help="h2o | snap | sink | recent | full")]
+# snap reads each prompt with its last queries (keeps what the question needs), then evicts as h2o does.
+DEFAULT_POLICY = "snap"
+PolicyName = Annotated[
+    str,
+    typer.Option(
+        "--policy",
+        "-p",
+        help="snap (prompt kept by what its last queries attend to, then h2o) | h2o (the paper) | sink | recent | full",
+    ),
+]
 Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
+SnapWindow = Annotated[
+    int | None, typer.Option(help="snap: how many of the prompt's last queries choose what it keeps [default: 16].")
+]
+SnapKernel = Annotated[
+    int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps (odd) [default: 11].")
+]
 ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
 Positions = Annotated[
     str,
@@ -87,10 +102,17 @@ def load_model(model, models_file, device, dtype, quantize, download, kv_tokens:
     )
 
 
-def build_policy(policy: str, budget: int, heavy_ratio: float, sinks: int | None):
+def policy_knobs(
+    heavy_ratio: float | None, sinks: int | None, snap_window: int | None = None, snap_kernel: int | None = None
+) -> dict:
+    """The policy settings a command was given, as keyword arguments for make_policy."""
+    return {"heavy_ratio": heavy_ratio, "sinks": sinks, "window": snap_window, "kernel": snap_kernel}
+
+
+def build_policy(policy: str, budget: int, knobs: dict):
     from h2o_chat.policies import make_policy
 
-    return make_policy(policy, budget, heavy_ratio=heavy_ratio, sinks=sinks)
+    return make_policy(policy, budget, **knobs)
 
 
 def check_positions(value: str) -> str:

@@ -24,10 +24,10 @@ from h2o_chat.generate import Sampler
 from h2o_chat.policies import make_policy
 
 
-def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, terminal=False):
+def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, terminal=False, policy=None):
     console = Console(file=io.StringIO(), force_terminal=terminal, width=100, no_color=True)
     options = RunOptions(
-        policy=make_policy("h2o", budget),
+        policy=policy or make_policy("h2o", budget),
         settings=ChatSettings(max_new_tokens=max_new_tokens, sampler=Sampler(temperature=0)),
         panel=panel,
     )
@@ -65,6 +65,19 @@ def test_slash_commands_budget_save_load(embedded, tmp_path):
     assert chat.conv.cache.stats().kept <= 32
     history = (tmp_path / "history").read_text()
     assert "What is two plus two?" in history and "/budget 32" in history
+
+
+def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
+    chat = session(embedded, tmp_path, policy=make_policy("snap", 64, sinks=2, window=8, kernel=3))
+    chat.cmd_budget("48")
+    assert chat.conv.policy == make_policy("snap", 48, sinks=2, window=8, kernel=3)
+    chat.cmd_policy("h2o")
+    assert chat.conv.policy == make_policy("h2o", 48)
+    chat.cmd_policy("full")
+    chat.cmd_budget("40")  # from the full cache a budget means the default policy again
+    assert chat.conv.policy == make_policy("snap", 40)
+    out = chat.console.file.getvalue()
+    assert "cache: snap 48 = 2 sink + 22 heavy + 24 recent; prompts kept by their last 8 queries" in out
 
 
 def test_cache_carries_over_between_turns(embedded, tmp_path):

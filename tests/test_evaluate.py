@@ -165,10 +165,13 @@ def test_needle_and_agree_commands_end_to_end_on_a_tiny_model(fast_load, tiny_fo
     for r in records:
         assert r["trials"] == 2 and 0 <= r["accuracy"] <= 1 and {a["haystack"] for a in r["answers"]} == set(ev.SHIPPED)
     assert heat.read_bytes()[:4] == b"\x89PNG"
-    result = invoke("agree", "--prompts", "2", "--prompt-tokens", "50", "--tokens", "8", *common)
+    snap = ["-p", "snap", "--snap-window", "4", "--snap-kernel", "3"]
+    result = invoke("agree", "--prompts", "2", "--prompt-tokens", "50", "--tokens", "8", *common, *snap)
     assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["policy"] for r in records] == ["full", "h2o", "sink"] and records[0]["rouge_l"] == 1.0
+    assert [r["policy"] for r in records] == ["full", "h2o", "sink", "snap"] and records[0]["rouge_l"] == 1.0
+    bad = invoke("agree", "--prompts", "2", "--prompt-tokens", "50", *common, "-p", "snap", "--snap-kernel", "2")
+    assert bad.exit_code != 0 and "odd" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_eval_help_imports_no_torch():
