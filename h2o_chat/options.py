@@ -39,7 +39,12 @@ PolicyName = Annotated[
         help="snap (prompt kept by what its last queries attend to, then h2o) | h2o (the paper) | sink | recent | full",
     ),
 ]
-Sinks = Annotated[int | None, typer.Option(help="Always keep the first K tokens (h2o: 0 by default; sink: 4).")]
+Sinks = Annotated[
+    int | None,
+    typer.Option(
+        help="Always keep the first K tokens (snap, h2o: 0 by default, as the soak measured no gain; sink: 4)."
+    ),
+]
 SnapWindow = Annotated[
     int | None, typer.Option(help="snap: how many of the prompt's last queries choose what it keeps [default: 16].")
 ]

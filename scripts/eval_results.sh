@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Reproduce docs/results: what a KV budget costs the embedded SmolLM2-135M in quality (CPU is enough).
-#   perplexity: 2048 tokens of Alice, budgets 5/10/20/50%, h2o/recent/sink vs the full cache -> ppl.json, ppl.png
+#   perplexity: 2048 tokens of Alice, budgets 5/10/20/50%, h2o/snap/sink/recent vs the full cache -> ppl.json, .png
+#               and the last 512 tokens after a 1536-token prompt -> ppl_prompt.json
 #   needle:     4-digit code at depth 0.1/0.5/0.9 of ~1500 tokens of each shipped novel, 10/20% -> needle.json, .png
+#               and again with other random codes (--seed 1) -> needle_seed1.json
 #   agreement:  ROUGE-L of 128 greedy tokens after 4 excerpts of 1000 tokens, 10/20/50% -> agree.json
 # and docs/results/results.md with the markdown tables. Extra arguments go to every eval command (e.g. --device).
 # On a busy 2-core machine OMP_NUM_THREADS=1 can be several times faster than torch's default.
