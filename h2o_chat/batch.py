@@ -18,7 +18,7 @@ import torch
 
 from h2o_chat.cache import H2OCache
 from h2o_chat.config import read_user_text
-from h2o_chat.errors import InputError
+from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, sample_rows, stop_token_ids
 from h2o_chat.loading import Loaded
 from h2o_chat.policies import Policy
@@ -107,9 +107,12 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
     return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget)
 
 
-def read_items(path: Path, tokenizer, defaults: Defaults, summary: Summary) -> list[Item]:
+def read_items(
+    path: Path, tokenizer, defaults: Defaults, summary: Summary, make_policy: Callable[[int | None], Policy]
+) -> tuple[list[Item], dict[int | None, Policy]]:
+    """The well-formed lines, and a policy for every budget they ask for; bad lines go to summary.malformed."""
     lines = read_user_text(path, "input file").splitlines()
-    items, seen = [], set()
+    items, seen, policies = [], set(), {}
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -117,12 +120,14 @@ def read_items(path: Path, tokenizer, defaults: Defaults, summary: Summary) -> l
             item = parse_line(text, number, tokenizer, defaults)
             if item.id in seen:
                 raise ValueError(f'duplicate id "{item.id}"')
-        except ValueError as e:
+            if item.budget not in policies:
+                policies[item.budget] = make_policy(item.budget)  # an impossible budget skips its line
+        except (ValueError, ConfigError) as e:
             summary.malformed.append(f"{path.name} line {number}: {e}")
             continue
         seen.add(item.id)
         items.append(item)
-    return items
+    return items, policies
 
 
 def finished_ids(out: Path) -> set[str]:
@@ -236,11 +241,11 @@ def run_batch(
     positions: str = "auto",
 ) -> Summary:
     summary = Summary()
-    items = read_items(input_path, loaded.tokenizer, defaults, summary)
+    items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
     done = finished_ids(output_path)
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)
-    policies = {b: make_policy(b) for b in {it.budget for it in todo}}  # validates every budget up front
+    policies = {b: by_budget[b] for b in {it.budget for it in todo}}
     t0 = time.perf_counter()
     try:
         out = output_path.open("a", encoding="utf-8")

@@ -152,7 +152,7 @@ class ChatSession:
         s = self.conv.cache.stats()
         return (
             f" {describe_policy(s)} | {s.seen} seen, {s.kept:.0f} kept | {s.evicted:.0f} evicted | "
-            f"KV {human_bytes(s.kv_bytes)} (full {human_bytes(s.full_kv_bytes)}) | /help"
+            f"KV {human_bytes(s.kv_bytes)} held (full cache {human_bytes(s.full_kv_bytes)}) | /help"
         )
 
     def run(self) -> None:

@@ -46,7 +46,10 @@ Sinks = Annotated[
     ),
 ]
 SnapWindow = Annotated[
-    int | None, typer.Option(help="snap: how many of the prompt's last queries choose what it keeps [default: 16].")
+    int | None,
+    typer.Option(
+        help="snap: how many of the prompt's last queries choose what it keeps [default: 16, at most budget/4]."
+    ),
 ]
 SnapKernel = Annotated[
     int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps (odd) [default: 11].")

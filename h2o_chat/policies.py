@@ -184,14 +184,17 @@ class Snap(H2O):
     final question needs survive; generation then evicts like h2o. See h2o_chat/snap.py."""
 
     name: ClassVar[str] = "snap"
-    window: int = 16  # defaults from the needle runs: see the README's results
+    window: int = 16  # defaults from the needle runs (see the README); make_policy caps it at budget // 4
     kernel: int = 11
     compresses_prompts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.window < self.budget:
-            raise ConfigError(f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}")
+            hint = "; snap needs a budget of at least 2" if self.budget < 2 else ""
+            raise ConfigError(
+                f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}{hint}"
+            )
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ConfigError(f"the snap pooling kernel must be a positive odd number, got {self.kernel}")
 
@@ -241,5 +244,7 @@ def make_policy(
     if sinks is not None and issubclass(cls, (H2O, Sink)):
         kwargs["sinks"] = sinks
     if cls is Snap:
+        if window is None and budget:  # the measured default, or a quarter of a budget too small for it
+            window = min(Snap.window, max(1, budget // 4))
         kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
     return cls(**kwargs)

@@ -44,7 +44,8 @@ def summary_line(response, stats) -> str:
         f"{response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s "
         f"(prompt {response.prompt_tokens} tokens, {response.prompt_tps:.0f} tok/s) | "
         f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
-        f"evicted {stats.evicted:.0f} | KV {human_bytes(stats.kv_bytes)} vs {human_bytes(stats.full_kv_bytes)} full"
+        f"evicted {stats.evicted:.0f} | KV {human_bytes(stats.kv_bytes)} held, "
+        f"full cache {human_bytes(stats.full_kv_bytes)}"
     )
 
 
@@ -87,8 +88,9 @@ class PanelView:
         grid.add_column()
         grid.add_column(style="bold")
         grid.add_column()
-        kv = f"{human_bytes(stats.kv_bytes)} of {human_bytes(stats.full_kv_bytes)} full"
-        if stats.full_kv_bytes:
+        # held = the slots allocated (the whole budget, from the first token); full = what a full cache holds now
+        kv = f"{human_bytes(stats.kv_bytes)} held, full cache {human_bytes(stats.full_kv_bytes)}"
+        if stats.full_kv_bytes and stats.kv_bytes < stats.full_kv_bytes:
             kv += f" ({100 * stats.kv_bytes / stats.full_kv_bytes:.0f}%)"
         memory = f"RSS {human_bytes(mem['rss'])}"
         if "gpu_allocated" in mem:

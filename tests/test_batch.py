@@ -41,13 +41,14 @@ def test_malformed_lines_are_reported_and_the_rest_run(fast_load, tmp_path):
             {"id": "e", "messages": [{"role": "robot", "content": "x"}]},
             {"id": "f", "prompt": "Name a fruit.", "budget": 16, "temperature": 0.7},
             {"prompt": "no id"},
+            {"id": "g", "prompt": "x", "budget": 1},  # valid JSON, but snap cannot split one slot
         ],
     )
     out = tmp_path / "out.jsonl"
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out), "--max-new-tokens", "12", "-b", "48"])
     assert result.exit_code == 2
     skipped = [line for line in result.stderr.splitlines() if "skipped" in line]
-    assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "4", "5", "6", "7", "9"]
+    assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "4", "5", "6", "7", "9", "10"]
     assert "not valid JSON" in skipped[0] and 'duplicate id "a"' in skipped[1] and "budget" in skipped[2]
     assert "Traceback" not in result.output
     got = {r["id"]: r for r in records(out)}
@@ -73,7 +74,9 @@ def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path):
     prompts = ["Name three animals.", "What is 2+2? Answer briefly please.", "Write one sentence about rain."]
     inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(prompts)])
     summary = Summary()
-    items = read_items(inp, embedded.tokenizer, Defaults(max_new_tokens=24, budget=40), summary)
+    items, _ = read_items(
+        inp, embedded.tokenizer, Defaults(max_new_tokens=24, budget=40), summary, lambda b: make_policy("h2o", b)
+    )
     together = {r["id"]: r["text"] for r in generate_batch(embedded, items, make_policy("h2o", 40))}
     assert {r["batch_rows"] for r in generate_batch(embedded, items[:1], make_policy("h2o", 40))} == {1}
     for item in items:

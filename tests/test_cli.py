@@ -41,7 +41,7 @@ def test_piped_prompt_streams_only_text_to_stdout(fast_load):
     assert "Paris" in result.stdout
     assert "tok/s" not in result.stdout
     summary = result.stderr.strip().splitlines()[-1]
-    assert summary.startswith("h2o-chat:") and "h2o 32 (16 heavy + 16 recent)" in summary and "evicted" in summary
+    assert summary.startswith("h2o-chat:") and "snap 32 (16 heavy + 16 recent)" in summary and "evicted" in summary
 
 
 def test_piped_json_record(fast_load):
