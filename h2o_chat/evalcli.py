@@ -54,7 +54,7 @@ Budgets = Annotated[
 Policies = Annotated[
     list[str] | None,
     typer.Option(
-        "--policy", "-p", help="Policy to compare with the full cache; repeat for several. Default: h2o, recent, sink."
+        "--policy", "-p", help="Policy to compare with the full cache; repeat. Default: h2o, snap, sink, recent."
     ),
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")]

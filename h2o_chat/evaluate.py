@@ -33,7 +33,7 @@ from h2o_chat.policies import Policy, make_policy
 
 POSITIONS = ("absolute", "rolling", "auto")  # how the cache numbers tokens (see H2OCache.for_model)
 SHIPPED = ("alice.txt", "moby_dick.txt")
-DEFAULT_POLICIES = ("h2o", "recent", "sink")
+DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, and the baselines
 Progress = Callable[[str], None] | None
 
 
