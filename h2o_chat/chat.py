@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import signal
 import sys
@@ -234,11 +233,11 @@ class ChatSession:
     cmd_quit = cmd_exit
 
     def _set_policy(self, name: str, budget: int | None) -> None:
-        from h2o_chat.policies import make_policy
+        from h2o_chat.policies import make_policy, with_budget
 
         old = self.conv.policy
         if name == old.name and old.budget is not None:  # a new budget: keep the other settings (sinks, window)
-            policy = dataclasses.replace(old, budget=budget)
+            policy = with_budget(old, budget)
         else:
             policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio)
         before = self.conv.cache.stats().evicted

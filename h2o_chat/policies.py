@@ -9,6 +9,7 @@ Budgets are in tokens per layer (per KV head and batch row: every head keeps `bu
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -244,7 +245,20 @@ def make_policy(
     if sinks is not None and issubclass(cls, (H2O, Sink)):
         kwargs["sinks"] = sinks
     if cls is Snap:
-        if window is None and budget:  # the measured default, or a quarter of a budget too small for it
-            window = min(Snap.window, max(1, budget // 4))
+        if window is None and budget:
+            window = default_snap_window(budget)
         kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
     return cls(**kwargs)
+
+
+def default_snap_window(budget: int) -> int:
+    """The measured default (16), or a quarter of a budget too small for it."""
+    return min(Snap.window, max(1, budget // 4))
+
+
+def with_budget(policy: Policy, budget: int) -> Policy:
+    """The same policy and settings at another budget; a snap window left at its default follows the budget."""
+    settings = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init and f.name != "budget"}
+    if isinstance(policy, Snap) and policy.window == default_snap_window(policy.budget):
+        del settings["window"]
+    return make_policy(policy.name, budget, **settings)

@@ -73,6 +73,9 @@ def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     assert chat.conv.policy == make_policy("snap", 48, sinks=2, window=8, kernel=3)
     chat.cmd_policy("h2o")
     assert chat.conv.policy == make_policy("h2o", 48)
+    chat.cmd_policy("snap")  # a default window (12 at budget 48) follows the budget down
+    chat.cmd_budget("12")
+    assert chat.conv.policy == make_policy("snap", 12) and chat.conv.policy.window == 3
     chat.cmd_policy("full")
     chat.cmd_budget("40")  # from the full cache a budget means the default policy again
     assert chat.conv.policy == make_policy("snap", 40)
