@@ -62,15 +62,21 @@ class H2OLayer(CacheLayerMixin):
 
     def _grow(self, needed: int) -> None:
         """Only for the `full` policy: double the buffers (amortised O(1) per token)."""
-        cap = max(2 * self.capacity, needed)
-        pad = cap - self.capacity
+        held = torch.arange(self.n, device=self.device).expand(*self.pos.shape[:2], self.n)
+        self._move_slots(held, max(2 * self.capacity, needed))
 
-        def extend(t: torch.Tensor, fill: float) -> torch.Tensor:
-            extra = t.new_full((*t.shape[:2], pad, *t.shape[3:]), fill)
-            return torch.cat((t, extra), dim=2)
+    def _move_slots(self, keep: torch.Tensor, cap: int) -> None:
+        """Re-allocate the slot buffers with `cap` slots, holding the slots `keep` (B, H, k) first, in order."""
+        kept = keep.shape[-1]
 
-        self.keys, self.values = extend(self.keys, 0), extend(self.values, 0)
-        self.pos, self.score = extend(self.pos, -1), extend(self.score, 0)
+        def moved(t: torch.Tensor, fill: float) -> torch.Tensor:
+            out = t.new_full((*t.shape[:2], cap, *t.shape[3:]), fill)
+            out[:, :, :kept] = t.gather(2, _per_slot(keep, t))
+            return out
+
+        self.keys, self.values = moved(self.keys, 0), moved(self.values, 0)
+        self.pos, self.score = moved(self.pos, -1), moved(self.score, 0)
+        self.n = kept
 
     # -- the transformers Cache protocol ----------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -235,8 +241,7 @@ class H2OLayer(CacheLayerMixin):
         victim = self.policy.victim(self.score, self.pos, self.seen - 1)[..., None]  # (B, H, 1)
         self.evicted += (self.pos.gather(-1, victim) >= 0).sum()
         for buf, values in zip(self._buffers(), new, strict=True):
-            idx = victim.view(*victim.shape, *([1] * (buf.dim() - 3))).expand(*victim.shape, *buf.shape[3:])
-            buf.scatter_(2, idx, values)
+            buf.scatter_(2, _per_slot(victim, buf), values)
 
     def _replace_k_lowest(self, new: list[torch.Tensor]) -> None:
         """A chunk of T new tokens: keep the `cap` best of the n stored + T new, writing survivors in place."""
@@ -278,17 +283,7 @@ class H2OLayer(CacheLayerMixin):
             self.evicted += (self.pos[..., :n] >= 0).sum() - (self.pos.gather(-1, keep) >= 0).sum()
         else:
             keep = torch.arange(n, device=self.device).expand(*self.pos.shape[:2], n)
-        kept = min(n, cap)
-
-        def moved(t: torch.Tensor, fill: float) -> torch.Tensor:
-            out = t.new_full((*t.shape[:2], cap, *t.shape[3:]), fill)
-            idx = keep.view(*keep.shape, *([1] * (t.dim() - 3))).expand(*keep.shape, *t.shape[3:])
-            out[:, :, :kept] = t.gather(2, idx)
-            return out
-
-        self.keys, self.values = moved(self.keys, 0), moved(self.values, 0)
-        self.pos, self.score = moved(self.pos, -1), moved(self.score, 0)
-        self.n = kept
+        self._move_slots(keep, cap)
 
     # -- inspection -------------------------------------------------------------------------------
     def kept(self) -> torch.Tensor:
@@ -297,3 +292,8 @@ class H2OLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values)) if self.is_initialized else 0
+
+
+def _per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """A slot index (B, H, k) expanded over buf's trailing dims, for gather/scatter along dim 2."""
+    return index.view(*index.shape, *([1] * (buf.dim() - 3))).expand(*index.shape, *buf.shape[3:])
