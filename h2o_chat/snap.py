@@ -54,12 +54,12 @@ class Observation:
         self.lse: torch.Tensor | None = None  # (B, H, Q) log-sum-exp over every prompt key seen
         self._new: torch.Tensor | None = None
 
-    def _true_keys(self, layer, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return layer.rope.rotate(keys, pos.clamp(min=0)) if layer.rolling else keys
-
-    def _logits(self, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, D) keys -> (B, H, Q, N) fp32 logits; empty or padding slots, and keys after the
-        observing query (causal, as its real attention), -inf."""
+    def _logits(self, layer, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, D) keys at positions pos -> (B, H, Q, N) fp32 logits; empty or padding slots, and keys
+        after the observing query (causal, as its real attention), -inf. Rolling layers store raw keys: they
+        are rotated to their true positions, the frame of the probe's queries."""
+        if layer.rolling:
+            keys = layer.rope.rotate(keys, pos.clamp(min=0))
         logits = (self.q @ keys.transpose(-1, -2)).float()
         hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > self.q_pos[:, None, :, None])
         return logits.masked_fill(hidden, -torch.inf)
@@ -73,7 +73,7 @@ class Observation:
         n = layer.n
         self.obs = torch.full((B, H, layer.capacity, self.q.shape[2]), -torch.inf, device=layer.device)
         if n:  # tokens held from earlier turns compete too
-            held = self._logits(self._true_keys(layer, layer.keys[:, :, :n], layer.pos[:, :, :n]), layer.pos[:, :, :n])
+            held = self._logits(layer, layer.keys[:, :, :n], layer.pos[:, :, :n])
             self.obs[:, :, :n] = held.transpose(-1, -2)
             self.lse = held.logsumexp(-1)
         else:
@@ -83,7 +83,7 @@ class Observation:
         """Observation logits of a chunk, (B, H, T, Q), pooled over neighbours; updates the log-sum-exp."""
         if self.obs is None:
             self._start(layer)
-        logits = self._logits(self._true_keys(layer, k_new, pos_new), pos_new)  # (B, H, Q, T)
+        logits = self._logits(layer, k_new, pos_new)  # (B, H, Q, T)
         self.lse = torch.logaddexp(self.lse, logits.logsumexp(-1))
         self._new = pool_logits(logits, self.policy.kernel).transpose(-1, -2)
         return self._new
