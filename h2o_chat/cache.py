@@ -30,6 +30,13 @@ from h2o_chat.rope import Rope
 POSITIONS = ("auto", "absolute", "rolling")
 
 
+def check_positions(positions: str) -> str:
+    """The one check of a --positions value (the CLI runs it before loading a model)."""
+    if positions not in POSITIONS:
+        raise ConfigError(f"--positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+    return positions
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """A snapshot for the panel, batch records and benchmarks. Token counts are per row and KV head."""
@@ -85,8 +92,7 @@ class H2OCache(Cache):
     ):
         super().__init__(layers=[H2OLayer(policy, i) for i in range(num_layers)])
         self.policy = policy
-        if positions not in POSITIONS:
-            raise ConfigError(f"--positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+        check_positions(positions)
         if positions == "rolling" and rope is None:
             raise ConfigError(
                 "--positions rolling needs rotary position embeddings; this model has learned absolute positions "

@@ -27,6 +27,7 @@ from h2o_chat.options import (
     Sinks,
     SnapKernel,
     SnapWindow,
+    check_positions,
     check_positive,
     load_model,
     policy_knobs,
@@ -72,7 +73,7 @@ def _plan(budgets, policies, n: int, knobs: dict, positions: str, plot, markdown
     specs = [ev.BudgetSpec.parse(b) for b in budgets or DEFAULT_BUDGETS]
     names = list(policies or ev.DEFAULT_POLICIES)
     ev.make_configs(names, specs, n, **knobs)  # unknown policies, impossible budgets
-    ev.check_positions(positions)
+    check_positions(positions)
     if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
         raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
     for path in (plot, markdown_path):

@@ -31,7 +31,6 @@ from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, stop_token_ids
 from h2o_chat.grouped import GroupedCache
 from h2o_chat.policies import Policy, make_policy
 
-POSITIONS = ("absolute", "rolling", "auto")  # how the cache numbers tokens (see H2OCache.for_model)
 SHIPPED = ("alice.txt", "moby_dick.txt")
 DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, and the baselines
 Progress = Callable[[str], None] | None
@@ -103,11 +102,6 @@ def make_configs(
     return configs
 
 
-def check_positions(positions: str) -> None:
-    if positions not in POSITIONS:
-        raise ConfigError(f"--positions must be one of: {', '.join(POSITIONS)}; got {positions!r}")
-
-
 def make_eval_cache(
     model,
     policies: Sequence[Policy],
@@ -118,8 +112,6 @@ def make_eval_cache(
     """The one place evaluation caches are built: policy g serves `rows[g]` consecutive batch rows (default 1),
     numbering tokens by `positions` (one mode for all, or one per policy)."""
     modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
-    for mode in modes:
-        check_positions(mode)
     return GroupedCache.for_model(model, list(policies), list(rows) if rows else None, modes, context)
 
 

@@ -124,9 +124,9 @@ def build_policy(policy: str, budget: int, knobs: dict):
 
 
 def check_positions(value: str) -> str:
-    if value not in ("auto", "absolute", "rolling"):
-        raise H2OChatError(f"--positions must be auto, absolute or rolling, got {value!r}")
-    return value
+    from h2o_chat.cache import check_positions as check  # torch: only once a command runs, never for --help
+
+    return check(value)
 
 
 def check_positive(name: str, value: int | None) -> None:
