@@ -46,15 +46,18 @@ def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
     return load(spec, device=device, dtype=dtype, quantize=quantize, status=status, kv_tokens=kv_tokens)
 
 
+Shape = Annotated[
+    str | None,
+    typer.Option(
+        help="Instead of --model: random weights of a real shape "
+        "(llama-2-7b, llama-2-13b, llama-3-8b, opt-6.7b, mistral-7b; llama-tiny for a smoke test)."
+    ),
+]
+
+
 def bench_command(
     model: Model = None,
-    shape: Annotated[
-        str | None,
-        typer.Option(
-            help="Instead of --model: random weights of a real shape "
-            "(llama-2-7b, llama-2-13b, llama-3-8b, opt-6.7b, mistral-7b)."
-        ),
-    ] = None,
+    shape: Shape = None,
     budget: Budget = 512,
     lengths: Annotated[str, typer.Option(help="Tokens seen at which to time decoding, comma-separated.")] = (
         "512,2048,4096,8192"
@@ -146,7 +149,7 @@ def bench_command(
 
 def soak_command(
     model: Model = None,
-    shape: Annotated[str | None, typer.Option(help="Instead of --model: random weights of a real shape.")] = None,
+    shape: Shape = None,
     tokens: Annotated[int, typer.Option(help="Tokens to read, teacher-forced one by one.")] = 20_000,
     budget: Budget = 256,
     window: Annotated[int, typer.Option(help="Report memory and perplexity every N tokens.")] = 1000,
@@ -182,12 +185,11 @@ def soak_command(
         from h2o_chat import evaluate as ev
         from h2o_chat.soak import run_soak, soak_configs
 
-        content = ev.read_text(Path(text) if text else None)
         if shape:  # random weights: any ids will do
             vocab = loaded.model.config.get_text_config().vocab_size
             ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
         else:
-            base = ev.token_ids(loaded.tokenizer, content)
+            base = ev.token_ids(loaded.tokenizer, ev.read_text(Path(text) if text else None))
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
         configs = soak_configs(budget, sinks)
         records = run_soak(loaded.model, ids, configs, window, context, progress=None if json_out else status)
