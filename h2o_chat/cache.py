@@ -17,6 +17,7 @@ they were written with, and `get_seq_length()` reports tokens seen, so the model
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,20 +60,7 @@ class CacheStats:
         return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
 
     def as_dict(self) -> dict:
-        return {
-            "policy": self.policy,
-            "budget": self.budget,
-            "split": dict(self.split),
-            "layers": self.layers,
-            "seen": self.seen,
-            "kept": round(self.kept, 1),
-            "kept_min": self.kept_min,
-            "kept_max": self.kept_max,
-            "evicted": round(self.evicted, 1),
-            "kv_bytes": self.kv_bytes,
-            "full_kv_bytes": self.full_kv_bytes,
-            "positions": self.positions,
-        }
+        return {**dataclasses.asdict(self), "kept": round(self.kept, 1), "evicted": round(self.evicted, 1)}
 
 
 class H2OCache(Cache):
