@@ -1,40 +1,56 @@
-"""The attention function registered with transformers as "h2o".
+"""The attention function registered with transformers as "h2o", and how a model's attention finds its cache.
 
-H2O needs, for every cached token, the softmax attention mass it receives. `attention_with_mass` computes the
-attention of the new queries over two blocks -- the cached slots and the new tokens -- with one fp32 softmax,
-and returns the output together with the mass per key, summed over the queries and over the query heads that
-share a KV head (GQA: summing or averaging a group gives the same ranking; we sum, as the official code sums
-over heads and queries). The new tokens are never concatenated onto the cache: only the small logit rows are.
+H2O needs, for every cached token, the softmax attention mass it receives. Two kernels compute attention with
+that mass in one fp32 softmax:
 
-Plugging in: `H2OLayer.update` stashes the new keys/values and marks itself active; the model then calls
-`h2o_attention_forward`, which hands the queries to that layer. Without an H2O cache (a plain forward, or
-transformers' own caches) the function falls back to ordinary causal SDPA, so a prepared model still works
-everywhere. The registered mask function passes the 2D padding mask through untouched: the cache knows which
-slots are valid and builds its own (small) masks, so no (seq x seq) mask is ever materialised.
+- `attention_over_slots`: a decode step. The new token already sits in its layer's spare slot, so attention
+  runs over all slots of fixed shape, empty ones masked (static shapes: the step can be captured as a graph).
+- `attention_with_mass`: a prefill chunk of T tokens, over the stored slots and the chunk (causal among the new
+  tokens, padding masked), without concatenating the chunk onto the cache.
+
+Mass is summed over the queries and over the query heads that share a KV head (GQA: summing or averaging a
+group gives the same ranking; we sum, as the official code sums over heads and queries).
+
+Routing, without any side channel: `prepare_model` registers a forward pre-hook on every attention module.
+When the module is called with an H2O cache (`past_key_values` or `layer_past`), the hook asks the cache for
+that layer and passes it to the attention function as the keyword `h2o_layer` (transformers forwards the
+module's keyword arguments to its attention function). The hook refuses a model whose attention is not "h2o",
+and the cache refuses an update that did not come through the hook, so a bypass fails at once. In rolling
+mode the hook also hands the module an identity rotation (the cache rotates by rank itself).
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from h2o_chat.cache import H2OLayer
+from h2o_chat.errors import CacheUsageError
 
 ATTN_IMPLEMENTATION = "h2o"
 
-_ACTIVE = threading.local()  # the H2OLayer whose update() ran last on this thread
+# keyword arguments some models pass to their attention function, which h2o-chat's attention does not honour
+_UNSUPPORTED = {
+    "sliding_window": "sliding-window attention",
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks in the softmax",
+}
 
 
-def set_active(layer: H2OLayer | None) -> None:
-    _ACTIVE.layer = layer
-
-
-def get_active() -> H2OLayer | None:
-    return getattr(_ACTIVE, "layer", None)
+def attention_over_slots(
+    query: torch.Tensor,  # (B, Hq, 1, D)
+    keys: torch.Tensor,  # (B, H, S, D): every slot, the new token's included
+    values: torch.Tensor,  # (B, H, S, Dv)
+    scaling: float,
+    valid: torch.Tensor,  # (B, H, S) bool: slots holding a token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32)."""
+    B, Hq, T, D = query.shape
+    H = keys.shape[1]
+    qg = (query * scaling).reshape(B, H, (Hq // H) * T, D)  # query heads of a group share their KV head
+    logits = (qg @ keys.transpose(-1, -2)).float()  # (B, H, G, S)
+    probs = logits.masked_fill(~valid[:, :, None, :], -torch.inf).softmax(dim=-1)
+    out = probs.to(values.dtype) @ values  # (B, H, G, Dv)
+    return out.reshape(B, Hq, T, -1).transpose(1, 2), probs.sum(dim=-2)
 
 
 def attention_with_mass(
@@ -113,21 +129,42 @@ def h2o_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    h2o_layer=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-    layer = get_active()
-    if layer is not None and layer.owns(key):
-        set_active(None)
-        return layer.attend(query, padding, scaling), None
-    return causal_sdpa(query, key, value, padding, scaling), None
+    if h2o_layer is None:  # no H2O cache in this forward: plain causal attention
+        return causal_sdpa(query, key, value, padding, scaling), None
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise CacheUsageError(f"this model uses {what}, which the H2O cache does not support")
+    return h2o_layer.attend(query, key, value, padding, scaling), None
 
 
 def passthrough_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """Mask 'creation' for the h2o implementation: keep the 2D padding mask, build nothing."""
     return attention_mask
+
+
+def _route(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of an attention module: hand the H2O cache's layer to the attention function."""
+    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+    h2o_layer = getattr(cache, "h2o_layer", None)
+    if h2o_layer is None:
+        return None
+    if module.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise CacheUsageError(
+            f"an H2O cache was passed to a model whose attention is {module.config._attn_implementation!r}: "
+            "call h2o_chat.prepare_model(model) and keep its attention implementation 'h2o'"
+        )
+    hidden = args[0] if args else kwargs["hidden_states"]
+    kwargs["h2o_layer"] = h2o_layer(module.layer_idx, hidden.shape[1])
+    rotation = kwargs.get("position_embeddings")
+    if rotation is not None and cache.rolling:  # raw queries and keys: the cache rotates them by rank
+        kwargs["position_embeddings"] = cache.identity_rotation(rotation, module.layer_idx)
+    return args, kwargs
 
 
 _registered = False
@@ -146,9 +183,25 @@ def register() -> None:
     _registered = True
 
 
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules: they carry a layer index and call the registered attention function."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")
+    ]
+
+
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """Route the model's attention through h2o-chat (needed for the H2O cache); returns the model."""
     register()
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if not getattr(model, "_h2o_routed", False):
+        modules = attention_modules(model)
+        if not modules:
+            raise CacheUsageError(f"found no attention modules with a layer index in {type(model).__name__}")
+        for m in modules:
+            m.register_forward_pre_hook(_route, with_kwargs=True)
+        model._h2o_routed = True
     return model

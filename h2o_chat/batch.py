@@ -1,6 +1,7 @@
 """Scripted batch generation: JSONL in, JSONL out, written as each row finishes.
 
-Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature", "budget".
+Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature",
+"repetition_penalty", "budget".
 Rows with the same budget run together, sorted by length to limit padding, in batches of `batch_size`; a row
 that finishes is written at once and dropped from the batch (and from the cache). Output is appended, so a
 killed run loses nothing it finished, and a rerun skips the ids already in the output file.
@@ -18,10 +19,12 @@ import torch
 
 from h2o_chat.cache import H2OCache
 from h2o_chat.config import read_user_text
+from h2o_chat.engine import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, sample_rows, stop_token_ids
+from h2o_chat.generate import stop_token_ids
 from h2o_chat.loading import Loaded
 from h2o_chat.policies import Policy
+from h2o_chat.sampling import Sampler
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Item:
     max_new_tokens: int
     temperature: float
     budget: int | None
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Defaults:
     max_new_tokens: int = 256
     temperature: float = 0.0
     budget: int | None = 512
+    repetition_penalty: float = 1.0
     system: str | None = None
     raw: bool = False
 
@@ -70,7 +75,15 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         raise ValueError('needs an "id" (string or integer)')
     if ("prompt" in obj) == ("messages" in obj):
         raise ValueError('needs exactly one of "prompt" or "messages"')
-    unknown = set(obj) - {"id", "prompt", "messages", "max_new_tokens", "temperature", "budget"}
+    unknown = set(obj) - {
+        "id",
+        "prompt",
+        "messages",
+        "max_new_tokens",
+        "temperature",
+        "repetition_penalty",
+        "budget",
+    }
     if unknown:
         raise ValueError(f"unknown keys: {', '.join(sorted(unknown))}")
     if "prompt" in obj:
@@ -94,6 +107,9 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
     temperature = obj.get("temperature", defaults.temperature)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError('"temperature" must be a number >= 0')
+    penalty = obj.get("repetition_penalty", defaults.repetition_penalty)
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or penalty <= 0:
+        raise ValueError('"repetition_penalty" must be a number > 0 (1 = off)')
     budget = obj.get("budget", defaults.budget)
     if budget is not None:
         budget = _positive_int(budget, "budget")
@@ -104,7 +120,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
             messages = [{"role": "system", "content": defaults.system}, *messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids if isinstance(ids, list) else list(ids["input_ids"])
-    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget)
+    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty))
 
 
 def read_items(
@@ -149,17 +165,6 @@ def finished_ids(out: Path) -> set[str]:
     return ids
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
-@torch.inference_mode()
 def generate_batch(
     loaded: Loaded,
     items: list[Item],
@@ -168,25 +173,37 @@ def generate_batch(
     seed: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "auto",
+    decode: str = "auto",
 ) -> Iterator[dict]:
-    """Generate for the rows together; yield each row's result record as soon as the row is done."""
+    """Generate for the rows together; yield each row's result record as soon as the row is done. Finished rows
+    keep decoding (their tokens are ignored) until half the batch has finished, then leave it together, so
+    the decode step is captured again only a few times per batch."""
     model, tok = loaded.model, loaded.tokenizer
-    device = next(model.parameters()).device
     stops = stop_token_ids(tok, model)
     ids, mask = left_pad([it.ids for it in items], tok.pad_token_id or 0)
     cache = H2OCache.for_model(model, policy, positions, loaded.context)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    cache.reserve(ids.shape[1] + max(it.max_new_tokens for it in items))  # a full cache, once
+    engine = Engine(model, cache, decode)
+    sampler = Sampler(top_p=top_p, seed=seed)
+    engine.set_sampler(
+        sampler,
+        len(items),
+        temperature=[it.temperature for it in items],
+        repetition_penalty=[it.repetition_penalty for it in items],
+    )
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size)
-    prompt_seconds = time.perf_counter() - t0
-    active = list(range(len(items)))  # item index of each cache row
+    logits = engine.prefill(ids, mask, chunk_size)
+    prompt_seconds: float | None = None
+    rows = list(range(len(items)))  # item index of each cache row
+    done = [False] * len(items)
     out: list[list[int]] = [[] for _ in items]
-    temps = torch.tensor([it.temperature for it in items], device=device)
-    while True:
-        tokens = sample_rows(logits, temps[active], top_p, generator)  # (rows,)
-        keep = []
-        for row, token in enumerate(tokens.tolist()):
-            i = active[row]
+    for step_tokens in engine.tokens(logits, max(it.max_new_tokens for it in items)):
+        if prompt_seconds is None:
+            prompt_seconds = time.perf_counter() - t0
+        for row, token in enumerate(step_tokens):
+            i = rows[row]
+            if done[i]:
+                continue
             item = items[i]
             reason = "stop" if token in stops else None
             if reason is None:
@@ -194,37 +211,36 @@ def generate_batch(
                 if len(out[i]) >= item.max_new_tokens:
                     reason = "length"
             if reason is None:
-                keep.append(row)
                 continue
-            seconds = time.perf_counter() - t0
-            layer_rows = [lay for lay in cache.initialized_layers]
-            seen = int(layer_rows[0].seen[row])
-            kept = float(torch.stack([lay.kept()[row].float().mean() for lay in layer_rows]).mean())
+            done[i] = True
+            row_stats = cache.row_stats(row)
             yield {
                 "id": item.id,
                 "text": tok.decode(out[i], skip_special_tokens=True),
                 "finish_reason": reason,
                 "prompt_tokens": len(item.ids),
                 "generated_tokens": len(out[i]) + (reason == "stop"),
-                "seconds": round(seconds, 3),
+                "seconds": round(time.perf_counter() - t0, 3),
                 "prompt_seconds": round(prompt_seconds, 3),
                 "cache": {
                     "policy": policy.name,
                     "budget": policy.budget,
-                    "seen": seen,
-                    "kept": round(kept, 1),
-                    "evicted": round(seen - kept, 1),
+                    "seen": row_stats["seen"],
+                    "kept": _whole(row_stats["kept"]),
+                    "evicted": _whole(row_stats["evicted"]),
                 },
                 "batch_rows": len(items),
             }
-        if not keep:
+        active = [r for r, i in enumerate(rows) if not done[i]]
+        if not active:
             return
-        if len(keep) < len(active):  # drop finished rows from the batch and the cache
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            tokens = tokens[index]
-            active = [active[r] for r in keep]
-        logits = decode_one(model, cache, tokens)
+        if len(active) <= len(rows) // 2:  # half the rows are done: they leave the batch together
+            engine.keep_rows(torch.tensor(active))
+            rows = [rows[r] for r in active]
+
+
+def _whole(x: float) -> int | float:
+    return round(x) if abs(x - round(x)) < 1e-6 else round(x, 1)
 
 
 def run_batch(
@@ -239,6 +255,7 @@ def run_batch(
     chunk_size: int = DEFAULT_CHUNK,
     on_record: Callable[[dict], None] | None = None,
     positions: str = "auto",
+    decode: str = "auto",
 ) -> Summary:
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
@@ -256,7 +273,7 @@ def run_batch(
             group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
             for start in range(0, len(group), batch_size):
                 rows = group[start : start + batch_size]
-                for record in generate_batch(loaded, rows, policy, top_p, seed, chunk_size, positions):
+                for record in generate_batch(loaded, rows, policy, top_p, seed, chunk_size, positions, decode):
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
                     out.flush()  # a killed run keeps every finished row
                     summary.done += 1

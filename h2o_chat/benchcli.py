@@ -12,12 +12,14 @@ import typer
 from h2o_chat.errors import H2OChatError
 from h2o_chat.options import (
     Budget,
+    Decode,
     Device,
     Dtype,
     Model,
     ModelsFile,
     Quantize,
     build_policy,
+    check_decode,
     check_positive,
     int_list,
     load_model,
@@ -63,12 +65,14 @@ def bench_command(
         "512,2048,4096,8192"
     ),
     configs: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Comma-separated: dynamic (transformers DynamicCache), full, "
-            "h2o, h2o-nobound (budget above every length)."
+            help="Comma-separated: dynamic (transformers DynamicCache), static (StaticCache), static-compiled "
+            "(StaticCache + torch.compile), full, h2o, h2o-nobound (budget above every length). Default: "
+            "dynamic, full, h2o, h2o-nobound, plus static-compiled on CUDA (compiling on a CPU takes minutes).",
+            show_default=False,
         ),
-    ] = ("dynamic,full,h2o,h2o-nobound"),
+    ] = None,
     steps: Annotated[int, typer.Option(help="Timed decode steps per configuration and length.")] = 24,
     batch: Annotated[int, typer.Option(help="Rows decoded together.")] = 1,
     throughput: Annotated[
@@ -86,6 +90,7 @@ def bench_command(
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
+    decode: Decode = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")] = False,
     models_file: ModelsFile = None,
 ) -> None:
@@ -97,7 +102,8 @@ def bench_command(
         from h2o_chat.ui import bench_table, make_console, throughput_table
 
         points = int_list(lengths, "--lengths")
-        names = tuple(c.strip() for c in configs.split(",") if c.strip())
+        check_decode(decode)
+        names = tuple(c.strip() for c in (configs or "dynamic,full,h2o,h2o-nobound").split(",") if c.strip())
         unknown = [c for c in names if c not in bench.CONFIGS]
         if unknown:
             raise H2OChatError(f"unknown bench config {unknown[0]!r}; choose from {', '.join(bench.CONFIGS)}")
@@ -125,12 +131,14 @@ def bench_command(
                 limit = free or 4 * 2**30
             else:
                 limit = int(memory_limit * 2**30)
-            records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget)
+            records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget, decode=decode)
             if json_out:
                 typer.echo("\n".join(json.dumps(r) for r in as_dicts(records)))
             else:
                 make_console().print(throughput_table(records, loaded.spec.name))
             return
+        if configs is None and loaded.device.type == "cuda":
+            names = ("dynamic", "static-compiled", "full", "h2o", "h2o-nobound")
         records = bench.run_decode_bench(
             loaded.model,
             tokenizer,
@@ -140,6 +148,7 @@ def bench_command(
             steps=steps,
             batch=batch,
             progress=None if json_out else status,
+            decode=decode,
         )
         if json_out:
             typer.echo(bench.as_json_lines(records))

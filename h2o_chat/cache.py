@@ -1,34 +1,57 @@
-"""The H2O KV cache: a transformers `Cache` whose layers hold a fixed number of slots and evict in place.
+"""The H2O KV cache: a transformers `Cache` whose storage is allocated once and evicts in place.
 
-Per layer, storage for `budget` tokens is allocated once: keys/values (B, H, budget, D), the absolute position
-of the token in each slot (B, H, budget) and its accumulated attention mass (B, H, budget) in fp32. Each
-(row, KV head) keeps its own set of positions. A forward pass works like this:
+Storage (`Slots`) holds every layer stacked: keys/values (L, B, H, S, D), the absolute position of the token in
+each slot (L, B, H, S; -1 if empty or padding) and its accumulated attention mass (L, B, H, S) in fp32, plus the
+real tokens seen per row (B,). S is the capacity plus one spare slot. Each (layer, row, KV head) keeps its own
+set of positions. A forward pass works like this:
 
-1. `update()` (called by the model) stashes the new keys/values; nothing is concatenated.
-2. The registered attention function calls `attend()`: attention of the new queries over the stored slots and
-   the new tokens, with their attention mass added to the slots' scores (the paper's accumulation).
-3. The new tokens go in: appended while there is room; afterwards one decode token overwrites, per (row, head),
-   the slot the policy ranks lowest (an argmin and a scatter: O(1) writes, no Python loop over heads or rows);
-   a prefill chunk replaces the k lowest of "stored + new" in one vectorised pass.
+1. The attention hook (`attention.prepare_model`) asks `h2o_layer()` for the layer, which arms it.
+2. `update()` (called by the model): a decode step writes the new token into the spare slot and returns the
+   layer's slot buffers, always of the same shape; a prefill chunk passes its tokens through.
+3. The attention function calls the layer's `attend()`: attention with mass over the slots (and the chunk); the
+   mass is added to the scores (the paper's accumulation).
+4. `settle()`, when the forward has ended: a decode step evicts, per (layer, row, head), the slot the policy
+   ranks lowest -- empty slots first, so a filling cache appends -- by moving the spare slot into it (one argmin
+   and one scatter per buffer, for every layer at once: no Python loop, no host sync, no re-allocation).
+   A prefill chunk was already placed by its layer (the best `capacity` of stored + new are kept).
 
 Positions are tracked apart from the slot count (tokens seen != tokens stored): keys keep the rotary position
-they were written with, and `get_seq_length()` reports tokens seen, so the model numbers new tokens correctly.
+they were written with, and `get_seq_length()` reports the columns fed, so the model numbers new tokens right.
+Host-side bookkeeping (`before_forward`: context checks, the switch to rolling positions, growing a full
+cache) happens before a forward, outside anything a CUDA graph captures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from h2o_chat.errors import ConfigError, ContextLimitError
-from h2o_chat.layer import H2OLayer
-from h2o_chat.policies import Policy
-from h2o_chat.rope import Rope
+from h2o_chat.errors import CacheUsageError, ConfigError, ContextLimitError
+from h2o_chat.layer import H2OLayer, _ranks
+from h2o_chat.policies import Policy, highest
+from h2o_chat.rope import Rope, RopeUnsupported
 
 POSITIONS = ("auto", "absolute", "rolling")
+_FULL_INITIAL = 256  # a `full` cache without a reservation starts here and doubles
+
+
+def _inference(method):
+    """Run a method that changes the storage in inference mode (storage made in inference mode may only be
+    changed there), without entering it again where it is on (inside a forward or a compiled step)."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():  # a compiled decode step: the engine runs it in inference mode
+            return method(*args, **kwargs)
+        with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def check_positions(positions: str) -> str:
@@ -36,6 +59,79 @@ def check_positions(positions: str) -> str:
     if positions not in POSITIONS:
         raise ConfigError(f"--positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
     return positions
+
+
+def unsupported(config) -> str | None:
+    """Why the H2O cache cannot serve a model with this config, or None. Its attention must be plain causal
+    attention over every past token: the cache would silently turn a sliding window into global attention."""
+    text = config.get_text_config()
+    types = set(getattr(text, "layer_types", None) or ())
+    if types - {"full_attention"}:
+        return f"its layers use {' and '.join(sorted(t.replace('_', '-') for t in types))}"
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True):
+        return f"it uses sliding-window attention ({window} tokens)"
+    if getattr(text, "attn_logit_softcapping", None):
+        return "it soft-caps its attention logits"
+    return None
+
+
+@dataclass
+class Slots:
+    """Every layer's slot storage, allocated once. S = capacity + 1: the last slot is the spare."""
+
+    keys: torch.Tensor  # (L, B, H, S, D)
+    values: torch.Tensor  # (L, B, H, S, Dv)
+    pos: torch.Tensor  # (L, B, H, S) long, -1 = empty or padding
+    score: torch.Tensor  # (L, B, H, S) fp32
+    seen: torch.Tensor  # (B,) real tokens per row
+    evicted: torch.Tensor  # () real tokens evicted, all layers, rows and heads
+    valid: torch.Tensor | None = None  # decode step: pos >= 0, (L, B, H, S)
+    rank: torch.Tensor | None = None  # decode step with rolling positions: rank among held tokens
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3] - 1
+
+    @property
+    def spare(self) -> int:
+        return self.keys.shape[3] - 1
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    @classmethod
+    def allocate(cls, layers: int, key: torch.Tensor, value: torch.Tensor, capacity: int) -> Slots:
+        B, H, _, D = key.shape
+        L, S, dev = layers, capacity + 1, key.device
+        return cls(
+            keys=key.new_zeros(L, B, H, S, D),
+            values=value.new_zeros(L, B, H, S, value.shape[-1]),
+            pos=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
+            score=torch.zeros(L, B, H, S, dtype=torch.float32, device=dev),
+            seen=torch.zeros(B, dtype=torch.long, device=dev),
+            evicted=torch.zeros((), dtype=torch.long, device=dev),
+        )
+
+    def moved(self, keep: torch.Tensor, capacity: int) -> Slots:
+        """New storage of `capacity` (+ spare) slots holding the slots `keep` (L, B, H, k) first, in order."""
+        k = keep.shape[-1]
+
+        def move(t: torch.Tensor, fill: float) -> torch.Tensor:
+            out = t.new_full((*t.shape[:3], capacity + 1, *t.shape[4:]), fill)
+            index = keep.view(*keep.shape, *([1] * (t.dim() - 4))).expand(*keep.shape, *t.shape[4:])
+            out[:, :, :, :k] = t.gather(3, index)
+            return out
+
+        return Slots(
+            move(self.keys, 0), move(self.values, 0), move(self.pos, -1), move(self.score, 0), self.seen, self.evicted
+        )
+
+    def rows(self, index: torch.Tensor) -> Slots:
+        index = index.to(self.seen.device)
+        pick = [t.index_select(1, index) for t in (self.keys, self.values, self.pos, self.score)]
+        return Slots(*pick, self.seen.index_select(0, index), self.evicted)
 
 
 @dataclass(frozen=True)
@@ -51,7 +147,8 @@ class CacheStats:
     kept_min: int
     kept_max: int
     evicted: float  # tokens evicted per layer, row and head (mean)
-    kv_bytes: int  # bytes the key/value buffers occupy
+    kv_bytes: int  # bytes the key/value buffers occupy (allocated)
+    kv_used_bytes: int  # bytes of the tokens held now
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute (trained 8192)"
 
@@ -60,15 +157,42 @@ class CacheStats:
         return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kept": round(self.kept, 1), "evicted": round(self.evicted, 1)}
+        def whole(x: float) -> float | int:
+            return round(x) if abs(x - round(x)) < 1e-6 else round(x, 1)
+
+        return {**dataclasses.asdict(self), "kept": whole(self.kept), "evicted": whole(self.evicted)}
+
+    @classmethod
+    def combine(cls, parts: list[CacheStats]) -> CacheStats:
+        """Several caches side by side (the groups of a GroupedCache) as one."""
+        first = parts[0]
+        return cls(
+            policy=" | ".join(dict.fromkeys(p.policy for p in parts)),
+            budget=max((p.budget or 0 for p in parts), default=0) or None,
+            split=first.split,
+            layers=first.layers,
+            seen=max(p.seen for p in parts),
+            kept=sum(p.kept for p in parts) / len(parts),
+            kept_min=min(p.kept_min for p in parts),
+            kept_max=max(p.kept_max for p in parts),
+            evicted=sum(p.evicted for p in parts) / len(parts),
+            kv_bytes=sum(p.kv_bytes for p in parts),
+            kv_used_bytes=sum(p.kv_used_bytes for p in parts),
+            full_kv_bytes=sum(p.full_kv_bytes for p in parts),
+            positions=first.positions,
+        )
 
 
 class H2OCache(Cache):
     """A transformers Cache with one `H2OLayer` per decoder layer, all following `policy`.
 
-    Use it with a model prepared by `h2o_chat.prepare_model` (attention implementation "h2o"), either through
-    `model.generate(..., past_key_values=cache)` or a hand-written loop (see `h2o_chat.generate`).
+    Use it with a model prepared by `h2o_chat.prepare_model`, either through `model.generate(...,
+    past_key_values=cache)` or h2o-chat's decode engine (`h2o_chat.engine.Engine`), which captures decode steps.
     """
+
+    # generate() would compile its forward on CUDA for a compileable cache, with the hook's host bookkeeping inside;
+    # h2o-chat's engine captures decode steps itself
+    is_compileable = False
 
     def __init__(
         self,
@@ -77,21 +201,30 @@ class H2OCache(Cache):
         positions: str = "absolute",
         rope: Rope | None = None,
         context: int | None = None,
+        rope_problem: str | None = None,
     ):
-        super().__init__(layers=[H2OLayer(policy, i) for i in range(num_layers)])
+        super().__init__(layers=[H2OLayer(self, i) for i in range(num_layers)])
         self.policy = policy
         check_positions(positions)
         if positions == "rolling" and rope is None:
+            if rope_problem:
+                raise ConfigError(f"--positions rolling cannot be used with this model: {rope_problem}")
             raise ConfigError(
                 "--positions rolling needs rotary position embeddings; this model has learned absolute positions "
                 f"(OPT), which cannot be re-assigned: it stops at its trained context ({context} tokens)"
             )
-        self.positions, self.rope, self.context = positions, rope, context
+        self.positions, self.rope, self.context, self.rope_problem = positions, rope, context, rope_problem
+        self.rolling = positions == "rolling"  # keys stored un-rotated, rotated by rank at attention time
+        self.slots: Slots | None = None
+        self.columns = 0  # token columns fed, padding included: what the model calls "seen"
+        self.host_managed = False  # True when a decode engine calls before_forward() itself
+        self.version = 0  # bumps whenever storage is re-allocated or positions change (graphs re-capture)
         self.notices: list[str] = []  # things the user should be told once (the UI pops them)
+        self.advance: torch.Tensor | None = None  # (B,) real tokens of the pending prefill chunk
+        self._pending: str | None = None  # "step" | "chunk": a forward whose bookkeeping settle() finishes
+        self._reserved = 0  # a full cache makes room for this many tokens when it allocates
         self._warned_context = False
-        for layer in self.layers:
-            layer.rope = rope
-            layer.rolling = positions == "rolling"
+        self._identity: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_model(
@@ -104,103 +237,289 @@ class H2OCache(Cache):
         """`positions`: absolute (keys keep their true positions, the paper's default), rolling (positions by
         cache slot, StreamingLLM) or auto (absolute within the trained context, rolling past it)."""
         config = model.config.get_text_config()
+        reason = unsupported(model.config)
+        if reason:
+            raise ConfigError(f"h2o-chat cannot serve this model: {reason}")
         context = context or getattr(config, "max_position_embeddings", None)
-        return cls(policy, config.num_hidden_layers, positions, Rope.from_model(model), context)
+        rope, problem = None, None
+        try:
+            rope = Rope.from_model(model)
+        except RopeUnsupported as e:
+            problem = str(e)
+        return cls(policy, config.num_hidden_layers, positions, rope, context, problem)
 
-    @property
-    def rolling(self) -> bool:
-        return self.layers[0].rolling
+    # -- the transformers Cache protocol ----------------------------------------------------------
+    def h2o_layer(self, layer_idx: int, new_tokens: int) -> H2OLayer:
+        """Called by the attention hook before a layer's update: arm the layer (and, at the first layer of a
+        forward, finish the last one and do the host bookkeeping unless an engine does it)."""
+        if layer_idx == 0:
+            self.settle()
+            if not self.host_managed:
+                self.before_forward(new_tokens)
+        layer = self.layers[layer_idx]
+        layer.armed = True
+        return layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if not layer.armed:
+            raise CacheUsageError(
+                "the H2O cache was updated by attention that does not go through h2o-chat: "
+                "call h2o_chat.prepare_model(model) before using an H2OCache"
+            )
+        layer.armed = False
+        if self.slots is None:
+            self.allocate(key_states, value_states)
+        slots = self.slots
+        if key_states.device != slots.keys.device:  # a layer placed elsewhere by accelerate
+            key_states, value_states = key_states.to(slots.keys.device), value_states.to(slots.keys.device)
+        if key_states.shape[2] > 1:  # a prefill chunk: its layer inserts it after attention
+            if layer_idx == 0:
+                self._pending = "chunk"
+            return key_states, value_states
+        # a decode step: the new token goes into the spare slot; shapes never change
+        spare = slots.spare
+        slots.keys[layer_idx, :, :, spare] = key_states[:, :, 0]
+        slots.values[layer_idx, :, :, spare] = value_states[:, :, 0]
+        if layer_idx == 0:  # once for every layer: the new token's position, which slots are valid, ranks
+            slots.pos[:, :, :, spare] = slots.seen[None, :, None]
+            slots.valid = slots.pos >= 0
+            slots.rank = _ranks(slots.pos) if self.rolling else None
+            self._pending = "step"
+        return slots.keys[layer_idx], slots.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if torch.compiler.is_compiling() and self.slots is not None:
+            # inside a compiled step a host counter would be baked in (and recompiled every step): give a
+            # device value, as transformers' StaticCache does; h2o-chat passes position ids itself anyway
+            return self.slots.seen.max()
+        return self.columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.policy.capacity or -1
+
+    def reset(self) -> None:
+        self.slots, self.columns, self._pending, self.advance = None, 0, None, None
+        self.rolling = self.positions == "rolling"
+        self.version += 1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(beam_idx)
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("an evicting cache cannot be rolled back (no assisted decoding)")
+
+    # -- storage --------------------------------------------------------------------------------------
+    def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """First update: storage for every layer, shaped after the first layer's keys and values."""
+        capacity = self.policy.capacity
+        if capacity is None:
+            capacity = max(_FULL_INITIAL, self._reserved, self.columns)
+        self.slots = Slots.allocate(len(self.layers), key, value, capacity)
+        self._prepare_rope()
+        self.version += 1
+        if not torch.compiler.is_compiling():  # fixed addresses: compiled graphs may write into them in place
+            for t in (self.slots.keys, self.slots.values, self.slots.pos, self.slots.score, self.slots.seen):
+                torch._dynamo.mark_static_address(t)
+
+    @_inference
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` more tokens per row up front (only a full cache grows; a budget is fixed)."""
+        if self.policy.capacity is not None:
+            return
+        need = self.columns + tokens
+        if self.slots is None:
+            self._reserved = max(self._reserved, need)
+        elif need > self.slots.capacity:
+            self._resize(need)
+
+    @_inference
+    def _resize(self, capacity: int) -> None:
+        self.settle()
+        S = self.slots.keys.shape[3]
+        keep = torch.arange(S - 1, device=self.slots.pos.device).expand(*self.slots.pos.shape[:3], S - 1)
+        self.slots = self.slots.moved(keep, capacity)
+        self._prepare_rope()
+        self.version += 1
+
+    def _prepare_rope(self) -> None:
+        if self.rope is not None and self.slots is not None:
+            self.rope.prepare(self.slots.keys.shape[3] + 1, self.slots.keys.device)
+
+    @_inference
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows `index` (finished rows leave the batch)."""
+        self.settle()
+        if self.slots is not None:
+            self.slots = self.slots.rows(index)
+            self.version += 1
+
+    def clear_spare(self, layer_idx: int | None = None) -> None:
+        """Empty the spare slot (of one layer, or all)."""
+        s = self.slots
+        where = slice(None) if layer_idx is None else layer_idx
+        s.pos[where, :, :, s.spare] = -1
+        s.score[where, :, :, s.spare] = 0
+
+    def identity_rotation(
+        self, rotation: tuple[torch.Tensor, torch.Tensor], layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos = 1, sin = 0 shaped like the model's rotation: its rotary embedding becomes the identity. Made
+        once per forward, at the first layer (every layer of a forward gets the same shape)."""
+        cos, sin = rotation
+        if layer_idx == 0 or self._identity is None:
+            self._identity = (torch.ones_like(cos), torch.zeros_like(sin))
+        return self._identity
+
+    # -- finishing a forward ------------------------------------------------------------------------
+    @_inference
+    def settle(self) -> None:
+        """Finish the forward that ran: a decode step evicts into the spare slot's victim; rows advance."""
+        pending, self._pending = self._pending, None
+        if pending == "step":
+            self._evict_spare()
+            self.slots.seen += 1
+        elif pending == "chunk":
+            self.slots.seen += self.advance
+            self.advance = None
+
+    def _evict_spare(self) -> None:
+        """Per (layer, row, head): the policy's lowest-priority slot (an empty one first) takes the spare slot's
+        token. The spare holds the newest token, which every policy protects, so it is never its own victim."""
+        s = self.slots
+        victim = self.policy.victim(s.score, s.pos, s.seen)[..., None]  # (L, B, H, 1)
+        s.evicted += (s.pos.gather(-1, victim) >= 0).sum()
+        spare = s.spare
+        for buf in (s.keys, s.values, s.pos, s.score):
+            index = victim.view(*victim.shape, *([1] * (buf.dim() - 4))).expand(*victim.shape, *buf.shape[4:])
+            buf.scatter_(3, index, buf[:, :, :, spare : spare + 1])
+        self.clear_spare()
+
+    # -- host bookkeeping (never inside a captured step) --------------------------------------------
+    @_inference
+    def before_forward(self, new_tokens: int) -> None:
+        """Before a forward of `new_tokens` columns: switch `auto` to rolling, stop models that cannot go on,
+        warn once, make room in a full cache; then count the columns."""
+        self._check_context(new_tokens)
+        if self.policy.capacity is None and self.slots is not None:
+            need = self.columns + new_tokens
+            if need > self.slots.capacity:
+                self._resize(max(2 * self.slots.capacity, need))
+        self.columns += new_tokens
 
     def _check_context(self, new_tokens: int) -> None:
-        """Before a forward: switch `auto` to rolling, stop models that cannot go on, or warn once."""
-        columns = self.layers[0].columns  # tokens seen by the longest row (padding included): no device sync
+        columns = self.columns  # tokens seen by the longest row (padding included): no device sync
         if self.rolling or self.context is None or columns + new_tokens <= self.context:
             return
-        if self.rope is None:
+        if self.rope is None and self.rope_problem is None:
             raise ContextLimitError(
                 f"the model's learned positions end at {self.context} tokens (OPT): it cannot read or write past "
                 "them, whatever the budget; start a new conversation (/reset) or shorten the input"
             )
-        if self.positions == "auto":
-            for layer in self.layers:
-                layer.unrotate()
+        if self.positions == "auto" and self.rope is not None:
+            self._switch_to_rolling()
             self.notices.append(
                 f"passed the trained context ({self.context} tokens): switched to rolling positions, so the "
                 "kept tokens are re-numbered by cache slot and generation can go on"
             )
         elif not self._warned_context:
             self._warned_context = True
+            why = (
+                f"rolling positions are not possible ({self.rope_problem})"
+                if self.rope_problem
+                else "--positions rolling (or auto) keeps positions within the budget"
+            )
             self.notices.append(
                 f"passed the trained context ({self.context} tokens) with absolute positions: quality degrades "
-                "from here; --positions rolling (or auto) keeps positions within the budget"
+                f"from here; {why}"
             )
+
+    @_inference
+    def _switch_to_rolling(self) -> None:
+        """Undo each stored key's rotation at its true position; from now on keys are rotated by rank."""
+        self.settle()
+        s = self.slots
+        if s is not None:
+            s.keys.copy_(self.rope.unrotate(s.keys, s.pos.clamp(min=0)))
+        self.rolling = True
+        self.version += 1
 
     def pop_notices(self) -> list[str]:
         out, self.notices = self.notices, []
         return out
 
+    # -- policy changes -------------------------------------------------------------------------------
+    @_inference
     def set_policy(self, policy: Policy) -> None:
-        """Change budget or policy while keeping what is cached (a smaller budget evicts at once)."""
+        """Change budget or policy while keeping what is cached: a smaller budget keeps the new policy's best
+        slots (evicted tokens do not come back), a larger one re-allocates."""
+        self.settle()
         self.policy = policy
-        for layer in self.layers:
-            layer.repolicy(policy)
+        s = self.slots
+        if s is None:
+            return
+        held = int((s.pos >= 0).sum(-1).max())
+        capacity = policy.capacity or max(held, self.columns, _FULL_INITIAL)
+        C = s.capacity
+        if held > capacity:
+            keep = highest(policy.priority(s.score[..., :C], s.pos[..., :C], s.seen - 1), capacity, s.pos[..., :C])
+            s.evicted += (s.pos >= 0).sum() - (s.pos.gather(-1, keep) >= 0).sum()
+        else:  # the held tokens first, in slot order
+            order = torch.where(s.pos[..., :C] >= 0, 0, 1).argsort(dim=-1, stable=True)
+            keep = order[..., : min(C, capacity)]
+        self.slots = s.moved(keep, capacity)
+        self._prepare_rope()
+        self.version += 1
 
-    @property
-    def initialized_layers(self) -> list[H2OLayer]:
-        return [layer for layer in self.layers if layer.is_initialized]
-
-    def next_positions(self, batch_size: int, device: torch.device) -> torch.Tensor:
+    # -- inspection -------------------------------------------------------------------------------
+    def next_positions(self) -> torch.Tensor:
         """Absolute position the next real token of each row will get, (B,)."""
-        layers = self.initialized_layers
-        return layers[0].seen.to(device) if layers else torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.settle()
+        return self.slots.seen.clone()
 
-    def position_ids(self, mask: torch.Tensor) -> torch.Tensor:
-        """Position ids to give the model for new tokens with padding mask (B, T): their true positions, or
-        zeros when rolling (the model's rotary embedding is then the identity; the cache rotates by rank)."""
-        self._check_context(mask.shape[1])
+    def decode_positions(self) -> torch.Tensor:
+        """Position ids for a decode step, (B, 1), on the device (capturable): true positions, or zeros when
+        rolling (the hook makes the model's rotation the identity anyway)."""
+        self.settle()
+        seen = self.slots.seen
+        return torch.zeros_like(seen)[:, None] if self.rolling else seen[:, None]
+
+    def chunk_positions(self, mask: torch.Tensor) -> torch.Tensor:
+        """Position ids for a prefill chunk with padding mask (B, T): true positions, or zeros when rolling."""
+        self.settle()
         if self.rolling:
             return torch.zeros_like(mask, dtype=torch.long)
-        start = self.next_positions(mask.shape[0], mask.device)
-        return start[:, None] + (mask.long().cumsum(-1) - 1).clamp(min=0)
+        start = self.slots.seen if self.slots is not None else torch.zeros(mask.shape[0], dtype=torch.long)
+        return start.to(mask.device)[:, None] + (mask.long().cumsum(-1) - 1).clamp(min=0)
 
     def stats(self) -> CacheStats:
-        layers = self.initialized_layers
-        if not layers:
+        self.settle()
+        s = self.slots
+        if s is None:
             return CacheStats(
-                self.policy.name,
-                self.policy.budget,
-                self.policy.split(),
-                len(self.layers),
-                0,
-                0.0,
-                0,
-                0,
-                0.0,
-                0,
-                0,
-                self.positions_label(),
-            )
-        kept = torch.stack([layer.kept() for layer in layers])  # (L, B, H)
-        heads = kept[0].numel()
-        per_token = sum(  # bytes of K+V for one token in every layer, row and head
-            layer.num_heads
-            * layer.batch_size
-            * (layer.keys.shape[-1] + layer.values.shape[-1])
-            * layer.keys.element_size()
-            for layer in layers
-        )
+                self.policy.name, self.policy.budget, self.policy.split(), len(self.layers),
+                0, 0.0, 0, 0, 0.0, 0, 0, 0, self.positions_label(),
+            )  # fmt: skip
+        kept = (s.pos >= 0).sum(-1)  # (L, B, H)
+        per_token = s.keys.shape[2] * s.batch * (s.keys.shape[-1] + s.values.shape[-1]) * s.keys.element_size()
+        per_token *= s.keys.shape[0]  # bytes of K+V for one token in every layer, row and head
+        heads = s.batch * s.keys.shape[2]
         return CacheStats(
             policy=self.policy.name,
             budget=self.policy.budget,
             split=self.policy.split(),
             layers=len(self.layers),
-            seen=int(layers[0].seen.max()),
+            seen=int(s.seen.max()),
             kept=float(kept.float().mean()),
             kept_min=int(kept.min()),
             kept_max=int(kept.max()),
-            evicted=float(sum(int(layer.evicted) for layer in layers)) / (len(layers) * heads),
-            kv_bytes=sum(layer.nbytes() for layer in layers),
-            full_kv_bytes=layers[0].columns * per_token,
+            evicted=float(s.evicted) / (len(self.layers) * heads),
+            kv_bytes=s.keys.numel() * s.keys.element_size() + s.values.numel() * s.values.element_size(),
+            kv_used_bytes=int(kept.sum()) * per_token // (s.keys.shape[0] * heads),
+            full_kv_bytes=self.columns * per_token,
             positions=self.positions_label(),
         )
 
@@ -214,11 +533,17 @@ class H2OCache(Cache):
 
     def kept_fraction(self, start: int, end: int, row: int = 0) -> float:
         """Share of positions [start, end) still held, averaged over layers and heads (for /evicted)."""
-        if end <= start or not self.initialized_layers:
+        self.settle()
+        if end <= start or self.slots is None:
             return 1.0
-        fractions = []
-        for layer in self.initialized_layers:
-            pos = layer.pos[row]  # (H, cap)
-            inside = ((pos >= start) & (pos < end)).sum(-1).float()  # (H,)
-            fractions.append(inside / (end - start))
-        return float(torch.stack(fractions).mean())
+        pos = self.slots.pos[:, row]  # (L, H, S)
+        inside = ((pos >= start) & (pos < end)).sum(-1).float()  # (L, H)
+        return float(inside.mean()) / (end - start)
+
+    def row_stats(self, row: int) -> dict:
+        """Seen, kept and evicted tokens of one batch row (per layer and head), for batch records."""
+        self.settle()
+        s = self.slots
+        seen = int(s.seen[row])
+        kept = float((s.pos[:, row] >= 0).sum(-1).float().mean())
+        return {"seen": seen, "kept": kept, "evicted": seen - kept}

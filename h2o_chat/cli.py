@@ -9,11 +9,11 @@ from typing import Annotated
 import typer
 
 from h2o_chat.config import load_registry
-from h2o_chat.errors import H2OChatError
 from h2o_chat.options import (
     DEFAULT_POLICY,
     Budget,
     ChunkSize,
+    Decode,
     Device,
     Download,
     Dtype,
@@ -23,10 +23,12 @@ from h2o_chat.options import (
     PolicyName,
     Positions,
     Quantize,
+    RepetitionPenalty,
     Sinks,
     SnapKernel,
     SnapWindow,
     build_policy,
+    check_decode,
     check_positions,
     check_positive,
     load_model,
@@ -59,12 +61,14 @@ def main_command(
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per reply.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.9,
+    repetition_penalty: RepetitionPenalty = 1.1,
     seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     raw: Annotated[bool, typer.Option(help="Piped: continue stdin as plain text, without the chat template.")] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
+    decode: Decode = "auto",
     no_panel: Annotated[bool, typer.Option("--no-panel", help="Plain streamed text, no live panel.")] = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="Piped: print one JSON record (text and stats) instead of streamed text.")
@@ -80,8 +84,10 @@ def main_command(
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
         check_positions(positions)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
+        check_decode(decode)
+        from h2o_chat.sampling import Sampler
+
+        sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
         pol = build_policy(policy, budget, knobs)
         interactive = sys.stdin.isatty()
@@ -92,7 +98,6 @@ def main_command(
             prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights
         from h2o_chat.chat import RunOptions
         from h2o_chat.conversation import ChatSettings
-        from h2o_chat.generate import Sampler
 
         options = RunOptions(
             policy=pol,
@@ -101,7 +106,8 @@ def main_command(
                 chunk_size=chunk_size,
                 system=system,
                 positions=positions,
-                sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
+                sampler=sampler,
+                decode=decode,
             ),
             panel=not no_panel,
             json=json_out,
@@ -167,12 +173,16 @@ def batch_command(
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
     temperature: Annotated[float, typer.Option(help="Default for lines without temperature (0 = greedy).")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
+    repetition_penalty: Annotated[
+        float, typer.Option(help="Default for lines without repetition_penalty (1 = off; see the main command).")
+    ] = 1.1,
     seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
     raw: Annotated[bool, typer.Option(help='Feed "prompt" lines as plain text, no chat template.')] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
+    decode: Decode = "auto",
     models_file: ModelsFile = None,
     download: Download = False,
 ) -> None:
@@ -185,8 +195,10 @@ def batch_command(
         check_positions(positions)
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
+        check_decode(decode)
+        from h2o_chat.sampling import Sampler
+
+        Sampler(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)  # checks
         if not input_path.is_file():
             raise InputError(f"input file not found: {input_path}")
         if not output.parent.exists():
@@ -199,7 +211,12 @@ def batch_command(
 
         loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget * batch_size)
         defaults = Defaults(
-            max_new_tokens=max_new_tokens, temperature=temperature, budget=budget, system=system, raw=raw
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            budget=budget,
+            system=system,
+            raw=raw,
+            repetition_penalty=repetition_penalty,
         )
         summary = run_batch(
             loaded,
@@ -213,6 +230,7 @@ def batch_command(
             chunk_size=chunk_size,
             on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
             positions=positions,
+            decode=decode,
         )
         for problem in summary.malformed:
             typer.echo(f"h2o-chat: skipped {problem}", err=True)

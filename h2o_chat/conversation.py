@@ -15,8 +15,9 @@ from pathlib import Path
 
 from h2o_chat.cache import H2OCache
 from h2o_chat.config import read_user_text
+from h2o_chat.engine import DEFAULT_CHUNK, Engine, Progress
 from h2o_chat.errors import InputError
-from h2o_chat.generate import DEFAULT_CHUNK, Response, Sampler, stop_token_ids, stream_generate
+from h2o_chat.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.loading import Loaded
 from h2o_chat.policies import Policy
 
@@ -40,6 +41,7 @@ class ChatSettings:
     chunk_size: int = DEFAULT_CHUNK
     system: str | None = None
     positions: str = "auto"
+    decode: str = "auto"  # how decode steps run: auto | eager | graph | compile (see h2o_chat.engine)
 
 
 @dataclass
@@ -79,7 +81,9 @@ class Conversation:
         self._restart()
 
     def _new_cache(self, policy: Policy) -> H2OCache:
-        return H2OCache.for_model(self.loaded.model, policy, self.settings.positions, self.loaded.context)
+        cache = H2OCache.for_model(self.loaded.model, policy, self.settings.positions, self.loaded.context)
+        self.engine = Engine(self.loaded.model, cache, self.settings.decode)
+        return cache
 
     def _restart(self) -> None:
         """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
@@ -87,6 +91,7 @@ class Conversation:
         self.fed = 0  # tokens the cache has seen
         self.spans: list[Span] = []
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
+        self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self.warned: set[int] = set()
 
     # -- settings ---------------------------------------------------------------------------------
@@ -123,19 +128,22 @@ class Conversation:
         marked[last]["content"] = SENTINEL
         text = self._render([*marked, user], True)
         ids = self._encode(text.split(SENTINEL, 1)[1])
+        if self._fed_stop is not None and ids and ids[0] == self._fed_stop:
+            ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
         return ([self._unfed] if self._unfed is not None else []) + ids
 
     # -- a turn -----------------------------------------------------------------------------------
-    def send(self, text: str, max_new_tokens: int | None = None) -> Iterator[Response]:
+    def send(self, text: str, max_new_tokens: int | None = None, progress: Progress = None) -> Iterator[Response]:
         """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
-        reply in the conversation."""
+        reply in the conversation. `progress(done, total)` follows the prefill of the new text."""
         user = {"role": "user", "content": text}
         ids = self._new_turn_ids(user)
         self.messages.append(user)
         start = self.fed
         self.spans.append(Span("user", len(self.messages) - 1, start, start + len(ids)))
         self.fed += len(ids)
-        self._unfed = None
+        self._unfed = self._fed_stop = None
+        self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
         reply, last, count = [], None, 0
         reply_index = len(self.messages)
         try:
@@ -149,14 +157,21 @@ class Conversation:
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
                 stop_ids=self.stop_ids,
                 stop_strings=(PLAIN_STOP,) if self.plain else (),
+                progress=progress,
+                engine=self.engine,
             ):
                 last, count = r, count + 1
                 reply.append(r.text)
                 yield r
         finally:
-            # all sampled tokens but the last were fed; a stop token is re-fed by the template next turn
+            # every sampled token but the last has been fed; the last one too when the engine ran ahead. A stop
+            # token that was not fed is added by the template next turn; one that was is not added again.
             fed_reply = max(0, count - 1)
-            if last is not None and last.token not in self.stop_ids:
+            if last is not None and last.fed:
+                fed_reply += 1
+                if last.token in self.stop_ids:
+                    self._fed_stop = last.token
+            elif last is not None and last.token not in self.stop_ids:
                 self._unfed = last.token
             self.fed += fed_reply
             self.messages.append({"role": "assistant", "content": "".join(reply)})

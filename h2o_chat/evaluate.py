@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from h2o_chat.batch import left_pad
 from h2o_chat.config import read_user_text
+from h2o_chat.engine import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, stop_token_ids
+from h2o_chat.generate import stop_token_ids
 from h2o_chat.grouped import GroupedCache
 from h2o_chat.policies import Policy, make_policy
 
@@ -188,27 +188,29 @@ def streaming_nll(
     on_step: Callable[[int, GroupedCache], None] | None = None,
     prompt_tokens: int = 1,
     context: int | None = None,
+    decode: str = "auto",
 ) -> tuple[torch.Tensor, GroupedCache]:
     """Teacher-force ids (1, N) through one cache row per policy. The first `prompt_tokens` are one prefill (a
     prompt: chunked, and compressed by policies that compress prompts), then one decode step per token.
     Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache)` runs after
     token t is predicted (the soak samples memory there). `context` overrides the trained context."""
-    device = next(model.parameters()).device
     G, N, P = len(policies), ids.shape[1], prompt_tokens
-    x = ids.to(device).expand(G, -1)  # (G, N)
     cache = make_eval_cache(model, policies, positions=positions, context=context)
-    nll = torch.empty(G, N - P)
+    cache.reserve(N)  # the full cache's rows allocate once
+    engine = Engine(model, cache, decode)
+    x = ids.to(engine.device).expand(G, -1)  # (G, N)
+    nll = torch.empty(G, N - P, device=engine.device)  # filled on the device, read once at the end
     t0 = time.perf_counter()
-    logits = prefill(model, cache, x[:, :P])  # (G, V)
+    logits = engine.prefill(x[:, :P])  # (G, V)
     for t in range(P, N):
-        nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none").cpu()
+        nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none")
         if on_step is not None:
             on_step(t, cache)
         if t < N - 1:
-            logits = decode_one(model, cache, x[:, t])
+            logits, _ = engine.decode(x[:, t])
         if progress and (t % 256 == 0 or t == N - 1):
             progress(f"ppl: {t + 1}/{N} tokens x {G} rows, {(t - P + 1) / (time.perf_counter() - t0):.1f} tokens/s")
-    return nll, cache
+    return nll.cpu(), cache
 
 
 def perplexity(
@@ -222,7 +224,7 @@ def perplexity(
     t0 = time.perf_counter()
     nll, cache = streaming_nll(model, ids, [c.policy for c in configs], positions, progress, None, prompt_tokens)
     seconds = time.perf_counter() - t0
-    stats = cache.stats()
+    stats = cache.group_stats()
     return [
         PplResult(c, nll[g], seconds, s.kept, prompt_tokens=prompt_tokens)
         for g, (c, s) in enumerate(zip(configs, stats, strict=True))
@@ -239,24 +241,25 @@ def greedy_rows(
     max_new_tokens: int,
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "absolute",
+    decode: str = "auto",
 ) -> list[list[list[int]]]:
     """Greedy continuation of every prompt under every configuration, all as rows of one left-padded batch.
     Returns out[c][p]: prompt p under configs[c], cut before the first stop token."""
-    device = next(model.parameters()).device
     P = len(prompts)
     ids, mask = left_pad(list(prompts) * len(configs), tokenizer.pad_token_id or 0)
     cache = make_eval_cache(model, [c.policy for c in configs], rows=[P] * len(configs), positions=positions)
-    stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=device)
-    logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-    steps = []
-    for i in range(max_new_tokens):
-        tokens = logits.argmax(-1)  # (B,)
+    cache.reserve(ids.shape[1] + max_new_tokens)
+    engine = Engine(model, cache, decode)
+    stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=engine.device)
+    tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size))  # (B,)
+    done = torch.isin(tokens, stops)
+    steps = [tokens]
+    for i in range(1, max_new_tokens):
+        if i % 16 == 0 and bool(done.all()):  # a host sync every 16 steps, not every step
+            break
+        tokens = engine.decode(tokens if i == 1 else None)[1].clone()  # a captured step's output is reused
         steps.append(tokens)
         done |= torch.isin(tokens, stops)
-        if bool(done.all()) or i == max_new_tokens - 1:
-            break
-        logits = decode_one(model, cache, tokens)
     rows = torch.stack(steps, 1).tolist()  # (B, steps)
     stop_set = set(stops.tolist())
     cut = [next((row[:j] for j, t in enumerate(row) if t in stop_set), row) for row in rows]

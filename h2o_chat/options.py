@@ -63,6 +63,19 @@ Positions = Annotated[
     ),
 ]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+Decode = Annotated[
+    str,
+    typer.Option(
+        help="How decode steps run: auto (graph on CUDA, eager on CPU) | eager | graph (one CUDA graph per "
+        "step, captured in seconds) | compile (torch.compile; the first step compiles, which takes a while)."
+    ),
+]
+RepetitionPenalty = Annotated[
+    float,
+    typer.Option(
+        help="Make tokens of the last 64 less likely (1 = off; 1.1 is llama.cpp's and ollama's default).",
+    ),
+]
 Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
 Quantize = Annotated[
     str | None,
@@ -121,6 +134,14 @@ def build_policy(policy: str, budget: int, knobs: dict):
     from h2o_chat.policies import make_policy
 
     return make_policy(policy, budget, **knobs)
+
+
+def check_decode(value: str) -> str:
+    from h2o_chat.engine import DECODE_MODES
+
+    if value not in DECODE_MODES:
+        raise H2OChatError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {value!r}")
+    return value
 
 
 def check_positions(value: str) -> str:

@@ -1,8 +1,12 @@
 """Eviction policies: pure tensor code that ranks cached tokens; the cache evicts the lowest-ranked.
 
-A policy sees one cache layer's per-slot state -- accumulated attention `acc` and absolute position `pos`,
-both (B, H, N) -- plus the newest position per row, and returns a keep-priority of the same shape.
-The selection (argmin for one victim, k-smallest for a chunk) is written once, here in `Policy`.
+A policy sees per-slot state -- accumulated attention `acc` and absolute position `pos`, both (..., B, H, N)
+(one layer, or every layer stacked in front) -- plus the newest position of each row (B,), and returns a
+keep-priority of the same shape: +inf for protected slots, -inf for empty or padding ones.
+
+The selection is written once, here: `victim` (argmin: the one slot a decode step overwrites), `lowest`
+(the k slots a prefill chunk drops) and `highest` (the k slots a smaller budget keeps). The cache calls
+nothing else to choose.
 
 Budgets are in tokens per layer (per KV head and batch row: every head keeps `budget` slots).
 """
@@ -65,17 +69,39 @@ class Policy:
         return p.masked_fill(pos < 0, -INF)
 
     def victim(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        """The one slot to overwrite per (row, head), (B, H): the lowest priority."""
-        return self.priority(acc, pos, newest).argmin(dim=-1)
+        """The one slot to overwrite per (row, head), (..., B, H): the lowest priority, the oldest of equals.
+        Empty slots rank -inf and share position -1, so a filling cache takes them in slot order."""
+        prio = self.priority(acc, pos, newest)
+        lowest_prio = prio.amin(dim=-1, keepdim=True)
+        return torch.where(prio == lowest_prio, pos, torch.iinfo(pos.dtype).max).argmin(dim=-1)
 
-    def victims(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor, k: int) -> torch.Tensor:
-        """The k lowest-priority slots per (row, head), (B, H, k)."""
-        return self.priority(acc, pos, newest).topk(k, dim=-1, largest=False).indices
+
+def _by_priority(priority: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Slot indices ordered by (priority, position), ascending. Ties are broken by position, not by where a
+    token happens to sit, so a batch row evicts exactly as it would alone (snap's pooled scores tie often)."""
+    by_pos = pos.argsort(dim=-1, stable=True)
+    return by_pos.gather(-1, priority.gather(-1, by_pos).argsort(dim=-1, stable=True))
+
+
+def lowest(priority: torch.Tensor, k: int, pos: torch.Tensor) -> torch.Tensor:
+    """The k lowest-priority slots along the last dim (the ones to drop), the oldest of equals first, (..., k)."""
+    return _by_priority(priority, pos)[..., :k]
+
+
+def highest(priority: torch.Tensor, k: int, pos: torch.Tensor) -> torch.Tensor:
+    """The k highest-priority slots along the last dim (the ones to keep), in slot order, (..., k)."""
+    order = _by_priority(priority, pos)
+    return order[..., order.shape[-1] - k :].sort(dim=-1).values
+
+
+def _newest(newest: torch.Tensor) -> torch.Tensor:
+    """(B,) newest position per row -> broadcastable against (..., B, H, N)."""
+    return newest[:, None, None]
 
 
 def _recent_window(pos: torch.Tensor, newest: torch.Tensor, recent: int) -> torch.Tensor:
-    # newest: (B,) position of each row's latest token; the `recent` newest positions are protected
-    return pos > (newest - recent).view(-1, 1, 1)
+    # the `recent` newest positions of each row are protected
+    return pos > _newest(newest) - recent
 
 
 @dataclass(frozen=True)
@@ -106,7 +132,8 @@ class H2O(Policy):
 
     @property
     def heavy(self) -> int:
-        return round(self.budget * self.heavy_ratio)
+        # at least one recent slot: the newest token is always kept (its query is attending right now)
+        return min(round(self.budget * self.heavy_ratio), self.budget - 1)
 
     @property
     def recent(self) -> int:
@@ -213,10 +240,12 @@ def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
 
 
-def observation_mass(obs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def observation_mass(obs: torch.Tensor, lse: torch.Tensor, query_ok: torch.Tensor) -> torch.Tensor:
     """Softmax mass from the observation queries: obs (B, H, N, Q) pooled logits, lse (B, H, Q) the
-    log-sum-exp of each query over every key seen -> (B, H, N), summed over queries."""
-    return (obs - lse[:, :, None, :]).exp().sum(-1)
+    log-sum-exp of each query over every key seen, query_ok (B, Q) the real (non-padding) queries
+    -> (B, H, N), summed over real queries (a padding query sees nothing: its lse is -inf)."""
+    mass = (obs - lse[:, :, None, :]).exp()
+    return torch.where(query_ok[:, None, None, :], mass, 0.0).sum(-1)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap)}

@@ -1,15 +1,26 @@
 """Rotary position embedding applied by the cache, for `--positions rolling`.
 
-In rolling mode the model is given position 0 for every token, so its own rotary embedding is the identity
-and the cache receives un-rotated queries and keys. The cache then rotates them by their rank among the
-tokens it holds (StreamingLLM's "positions within the cache"): however long generation runs, positions stay
-below budget + chunk, inside the trained context. Same convention as transformers' `rotate_half` (LLaMA,
+In rolling mode the model's own rotary embedding is made the identity (the attention hook hands it cos = 1,
+sin = 0), so the cache receives un-rotated queries and keys. The cache then rotates them by their rank among
+the tokens it holds (StreamingLLM's "positions within the cache"): however long generation runs, positions
+stay below budget + chunk, inside the trained context. Same convention as transformers' `rotate_half` (LLaMA,
 Mistral, Qwen2, GPT-NeoX with partial rotary dims).
+
+Only rotary embeddings the cache can reproduce exactly are accepted: one per model, with fixed inverse
+frequencies ("default", "linear", "llama3", "yarn" with its cos/sin scale; "dynamic" below its original
+length). Anything else (two embeddings as in Gemma-3, "longrope") is refused with the reason.
 """
 
 from __future__ import annotations
 
 import torch
+
+# rope types whose rotation at a position depends only on fixed inverse frequencies (and a cos/sin scale)
+_STATIC_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+class RopeUnsupported(Exception):
+    """The model's rotary embedding cannot be re-applied by the cache; the message says why."""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -20,24 +31,45 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rope:
     """Rotations by integer positions, from the model's inverse frequencies."""
 
-    def __init__(self, inv_freq: torch.Tensor):
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
         self.inv_freq = inv_freq.detach().float()  # (dims/2,)
+        self.scale = float(scale)  # yarn multiplies cos and sin by an attention factor
         self.dims = 2 * self.inv_freq.numel()  # rotated head dims (the rest pass through: partial rotary)
         self._cos = self._sin = None  # table for small positions: rolling ranks stay below budget + chunk
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Rope | None:
-        """The model's rotary inverse frequencies, or None for models without RoPE (OPT)."""
+        """The model's rotary embedding, or None for models without RoPE (OPT). Raises RopeUnsupported when
+        the model has one the cache cannot reproduce."""
+        found = []
         for name, module in model.named_modules():
             inv_freq = getattr(module, "inv_freq", None)
-            if name.endswith("rotary_emb") and isinstance(inv_freq, torch.Tensor):
-                return cls(inv_freq)
-        return None
+            rotary = name.endswith("rotary_emb") or "Rotary" in type(module).__name__
+            if isinstance(inv_freq, torch.Tensor) and rotary:
+                found.append((name, module))
+        if not found:
+            return None
+        distinct = {tuple(getattr(m, "original_inv_freq", m.inv_freq).float().tolist()) for _, m in found}
+        if len(distinct) > 1:
+            names = ", ".join(n for n, _ in found)
+            raise RopeUnsupported(f"it has {len(found)} different rotary embeddings ({names})")
+        _, module = found[0]
+        rope_type = getattr(module, "rope_type", "default")
+        if rope_type not in _STATIC_TYPES:
+            raise RopeUnsupported(f"its {rope_type!r} rotary scaling depends on the sequence length")
+        inv_freq = getattr(module, "original_inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor):
+            inv_freq = module.inv_freq
+        return cls(inv_freq, getattr(module, "attention_scaling", 1.0) or 1.0)
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # (..., dims/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return emb.cos() * self.scale, emb.sin() * self.scale
+
+    def prepare(self, upto: int, device: torch.device) -> None:
+        """Build the table for positions < upto ahead of time (a captured decode step must not grow it)."""
+        self._table(upto, device)
 
     def _table(self, upto: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is None or self._cos.shape[0] < upto or self._cos.device != device:
@@ -53,6 +85,14 @@ class Rope:
             cos, sin = cos[positions], sin[positions]  # (..., N, dims)
         else:
             cos, sin = self._angles(positions)
+        return self._apply(x, cos, sin)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo the model's rotation of x at `positions`: the inverse of scale * R(p) is R(-p) / scale."""
+        cos, sin = self._angles(-positions)
+        return self._apply(x, cos / self.scale**2, sin / self.scale**2)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if self.dims == x.shape[-1]:
             return x * cos + rotate_half(x) * sin

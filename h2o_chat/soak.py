@@ -59,7 +59,7 @@ def run_soak(
 
     def on_step(t: int, cache) -> None:
         if (t + 1) % window == 0 or t == ids.shape[1] - 1:
-            stats = cache.stats()
+            stats = cache.group_stats()
             marks.append(
                 {
                     "seen": t + 1,

@@ -20,7 +20,7 @@ import torch
 
 from h2o_chat.cache import H2OCache
 from h2o_chat.config import user_cache_dir
-from h2o_chat.generate import decode_one, prefill
+from h2o_chat.engine import Engine
 from h2o_chat.memory import OVERHEAD, footprint
 from h2o_chat.policies import make_policy
 
@@ -131,6 +131,8 @@ class ThroughputRecord:
     peak_bytes: int
     memory_limit: int
     device: str
+    decode: str = "eager"  # how decode steps ran (the same engine for both configurations)
+    setup_seconds: float = 0.0  # graph capture or compilation, not counted in tokens_per_second
 
 
 def largest_batch(fp, dtype, weight_bytes: int, kv_tokens: int, limit: int, config, chunk: int) -> int:
@@ -161,8 +163,10 @@ def run_throughput(
     budget: int = 512,
     max_batch: int = 256,
     chunk: int = 512,
+    decode: str = "auto",
 ) -> list[ThroughputRecord]:
-    """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits."""
+    """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits,
+    both decoded by the same engine (captured on CUDA). Warm-up steps (and the capture) are not timed."""
     model = loaded.model
     device = next(model.parameters()).device
     dtype = loaded.dtype
@@ -170,28 +174,30 @@ def run_throughput(
     vocab = model.config.get_text_config().vocab_size
     weights = fp.weight_bytes(dtype, loaded.quantize)
     total = prompt_tokens + generated_tokens
+    warmup = min(4, generated_tokens - 1)
     out = []
-    for config, cap in (("full", total), ("h2o", budget)):
+    for config, policy, cap in (("full", make_policy("full"), total), ("h2o", make_policy("h2o", budget), budget)):
         batch = min(max_batch, largest_batch(fp, dtype, weights, cap, memory_limit, model.config, chunk))
-
         if batch == 0:
             out.append(ThroughputRecord(config, cap, 0, prompt_tokens, 0, 0.0, 0, 0, memory_limit, device.type))
             continue
-        # a budget >= the whole sequence never evicts: the full cache, allocated once
-        cache = H2OCache.for_model(model, make_policy("h2o", cap), "absolute", context=total + 1)
+        cache = H2OCache.for_model(model, policy, "absolute", context=total + 1)
+        cache.reserve(total)  # the full cache holds every token, allocated once
+        engine = Engine(model, cache, decode)
         ids = torch.randint(3, vocab, (batch, prompt_tokens), device=device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        logits = prefill(model, cache, ids, chunk_size=chunk)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk))
+        for i in range(warmup):
+            engine.decode(token if i == 0 else None)
+        _sync(device)
         t = time.perf_counter()
-        for _ in range(generated_tokens):
-            logits = decode_one(model, cache, logits.argmax(-1))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        for _ in range(generated_tokens - 1 - warmup):
+            engine.decode()
+        _sync(device)
         seconds = time.perf_counter() - t
+        timed = generated_tokens - 1 - warmup
         out.append(
             ThroughputRecord(
                 config,
@@ -199,15 +205,22 @@ def run_throughput(
                 batch,
                 prompt_tokens,
                 generated_tokens,
-                round(batch * generated_tokens / seconds, 2),
+                round(batch * timed / seconds, 2) if timed > 0 else 0.0,
                 cache.stats().kv_bytes,
                 _peak(device),
                 memory_limit,
                 device.type,
+                engine.mode,
+                round(engine.setup_seconds, 2),
             )
         )
-        del cache, logits
+        del cache, engine
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def as_dicts(records: list[ThroughputRecord]) -> list[dict]:

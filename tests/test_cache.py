@@ -9,19 +9,28 @@ from transformers import AttentionInterface, DynamicCache
 from conftest import FAMILIES, tiny_model
 from h2o_chat import layer as layer_module
 from h2o_chat.cache import H2OCache
+from h2o_chat.engine import Engine, left_pad
 from h2o_chat.errors import CacheUsageError
-from h2o_chat.generate import Sampler, generate_steps, prefill
 from h2o_chat.policies import make_policy
+from h2o_chat.sampling import Sampler
 
 
 def run(model, cache, tokens: torch.Tensor, schedule: list[int]) -> torch.Tensor:
-    """Feed (1, L) tokens in forwards of the given sizes; return all logits (1, L, V)."""
+    """Feed (1, L) tokens in plain model forwards of the given sizes (as model.generate does); all logits."""
     out, s = [], 0
     with torch.inference_mode():
         for size in schedule:
             out.append(model(input_ids=tokens[:, s : s + size], past_key_values=cache, use_cache=True).logits)
             s += size
+    if isinstance(cache, H2OCache):
+        cache.settle()  # the last forward's eviction (the next forward or stats() would also do it)
     return torch.cat(out, 1)
+
+
+def held(cache, layer: int, row: int = 0) -> list[set[int]]:
+    """The positions each KV head of a layer holds."""
+    pos = cache.layers[layer].pos[row]
+    return [set(p[p >= 0].tolist()) for p in pos]
 
 
 # -- (a) parity with transformers' DynamicCache when nothing is evicted --------------------------------------
@@ -90,11 +99,6 @@ class PaperReference:
         return [set(torch.nonzero(row).flatten().tolist()) for row in self.keep[layer]]
 
 
-def kept_positions(cache: H2OCache, layer: int) -> list[set[int]]:
-    pos = cache.layers[layer].pos[0]
-    return [set(p[p >= 0].tolist()) for p in pos]
-
-
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt_neox"])
 @pytest.mark.parametrize("schedule", [[10] + [1] * 70, [24, 8] + [1] * 50], ids=["short-prompt", "chunked"])
 def test_eviction_matches_paper_reference(family, schedule):
@@ -112,13 +116,13 @@ def test_eviction_matches_paper_reference(family, schedule):
     got = run(model, cache, tokens, schedule)
 
     for layer in range(len(cache.layers)):
-        assert kept_positions(cache, layer) == reference.kept_positions(layer)
-        torch.testing.assert_close(
-            cache.layers[layer].score[0].sort(-1).values,
-            reference.acc[layer].masked_fill(~reference.keep[layer], -1).sort(-1).values[:, -budget:],
-            atol=1e-4,
-            rtol=1e-4,
-        )
+        assert held(cache, layer) == reference.kept_positions(layer)
+        lay = cache.layers[layer]
+        for h in range(lay.pos.shape[1]):
+            ours = {int(p): float(a) for p, a in zip(lay.pos[0, h], lay.score[0, h], strict=True) if p >= 0}
+            theirs = {p: float(reference.acc[layer][h, p]) for p in reference.kept_positions(layer)[h]}
+            assert ours.keys() == theirs.keys()
+            torch.testing.assert_close(torch.tensor(list(ours.values())), torch.tensor([theirs[p] for p in ours]))
     # attention over the kept slots is the reference's masked attention: same logits at every step
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert cache.stats().evicted == sum(schedule) - budget
@@ -128,7 +132,7 @@ def test_heads_keep_different_positions():
     model = tiny_model("llama", seed=5)
     cache = H2OCache.for_model(model, make_policy("h2o", 16))
     run(model, cache, torch.randint(0, 256, (1, 80)), [8] + [1] * 72)
-    sets = [frozenset(s) for layer in range(2) for s in kept_positions(cache, layer)]
+    sets = [frozenset(s) for layer in range(2) for s in held(cache, layer)]
     assert len(set(sets)) > 1
 
 
@@ -137,57 +141,60 @@ def test_storage_is_allocated_once_and_never_exceeds_budget(single_thread):
     budget = 32
     model = tiny_model("llama", seed=1)
     cache = H2OCache.for_model(model, make_policy("h2o", budget))
-    steps = generate_steps(
-        model, cache, torch.randint(0, 256, (1, 5)), sampler=Sampler(temperature=1.0, seed=0), max_new_tokens=2000
-    )
+    engine = Engine(model, cache, "eager")
+    engine.set_sampler(Sampler(temperature=1.0, seed=0), 1)
+    steps = engine.tokens(engine.prefill(torch.randint(0, 256, (1, 5))), 2000)
     next(steps)
-    layers = cache.layers
-    pointers = [
-        (lay.keys.data_ptr(), lay.values.data_ptr(), lay.pos.data_ptr(), lay.score.data_ptr()) for lay in layers
-    ]
+    slots = cache.slots
+    pointers = [t.data_ptr() for t in (slots.keys, slots.values, slots.pos, slots.score, slots.seen)]
     count = 1
     for _ in steps:
         count += 1
-        for lay, ptrs in zip(layers, pointers, strict=True):
-            assert lay.n <= budget and lay.keys.shape[2] == budget
-            assert (lay.keys.data_ptr(), lay.values.data_ptr(), lay.pos.data_ptr(), lay.score.data_ptr()) == ptrs
+        assert cache.slots is slots and slots.capacity == budget
+        assert [t.data_ptr() for t in (slots.keys, slots.values, slots.pos, slots.score, slots.seen)] == pointers
+        if count % 100 == 0:
+            assert int((slots.pos >= 0).sum(-1).max()) <= budget
     assert count == 2000
     stats = cache.stats()
     assert stats.seen == 5 + 1999 and stats.kept == budget and stats.kept_max == budget
-    assert stats.kv_bytes == 2 * 2 * 1 * 2 * budget * 16 * 4  # layers * (K,V) * B * heads * slots * dim * fp32
+    # layers * (K,V) * rows * heads * (budget + the spare slot) * head dim * fp32
+    assert stats.kv_bytes == 2 * 2 * 1 * 2 * (budget + 1) * 16 * 4
+    assert stats.kv_used_bytes == 2 * 2 * 1 * 2 * budget * 16 * 4
 
 
 # -- (d) batch rows evict independently: a row gives what the prompt gives alone ------------------------------
-def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
-    return ids, mask
-
-
-def greedy(model, policy, ids, mask, steps, chunk):
+def greedy(model, policy, ids, mask, steps, chunk, decode="eager"):
     cache = H2OCache.for_model(model, policy)
-    out = [s.tokens for s in generate_steps(model, cache, ids, mask, max_new_tokens=steps, chunk_size=chunk)]
+    engine = Engine(model, cache, decode)
+    out = [torch.tensor(t) for t in engine.tokens(engine.prefill(ids, mask, chunk), steps)]
     return torch.stack(out, 1), cache
 
 
-@pytest.mark.parametrize("family", ["llama", "opt", "gpt_neox"])
-def test_batch_row_equals_the_same_prompt_alone(family):
+BATCH_POLICIES = {  # snap first: it is the default of batch mode
+    "snap": lambda: make_policy("snap", 24, window=6),
+    "h2o": lambda: make_policy("h2o", 24),
+    "sink": lambda: make_policy("sink", 24),
+    "recent": lambda: make_policy("recent", 24),
+    "full": lambda: make_policy("full"),
+}
+
+
+@pytest.mark.parametrize("policy", list(BATCH_POLICIES))
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_batch_row_equals_the_same_prompt_alone(family, policy, single_thread):
+    """Rows of 70, 33 and 10 tokens: the short rows must not be compressed or numbered because their
+    neighbour is long (a snap row is compressed only when its own tokens overflow the budget)."""
     model = tiny_model(family, seed=2)
-    prompts = [torch.randint(1, 256, (n,)) for n in (21, 13, 6)]
-    policy = make_policy("h2o", 12)
-    ids, mask = left_pad(prompts)
-    batched, cache = greedy(model, policy, ids, mask, 40, chunk=8)
+    prompts = [torch.randint(1, 256, (n,)) for n in (70, 33, 10)]
+    ids, mask = left_pad([p.tolist() for p in prompts], 0)
+    batched, cache = greedy(model, BATCH_POLICIES[policy](), ids, mask, 40, chunk=16)
     for i, p in enumerate(prompts):
-        alone, solo_cache = greedy(model, policy, p[None], None, 40, chunk=8)
+        alone, solo = greedy(model, BATCH_POLICIES[policy](), p[None], None, 40, chunk=16)
         assert torch.equal(batched[i], alone[0]), f"row {i}"
         for layer in range(2):
-            pos_b, pos_s = cache.layers[layer].pos[i], solo_cache.layers[layer].pos[0]
-            assert [set(r[r >= 0].tolist()) for r in pos_b] == [set(r[r >= 0].tolist()) for r in pos_s]
-    # padding never survives in place of a real token once the rows are full
-    assert (cache.layers[0].pos >= 0).all()
+            assert held(cache, layer, i) == held(solo, layer), f"row {i}, layer {layer}"
+    if policy != "full":  # padding never survives in place of a real token once the rows are full
+        assert ((cache.slots.pos[..., :-1] >= 0).sum(-1) == 24).all()
 
 
 # -- (e) long prompts in bounded memory -----------------------------------------------------------------------
@@ -203,13 +210,13 @@ def test_chunked_long_prompt_holds_at_most_budget_plus_chunk(monkeypatch):
     monkeypatch.setattr(layer_module, "attention_with_mass", spy)
     model = tiny_model("llama", seed=4)
     cache = H2OCache.for_model(model, make_policy("h2o", budget))
-    prefill(model, cache, torch.randint(0, 256, (1, length)), chunk_size=chunk)
+    Engine(model, cache).prefill(torch.randint(0, 256, (1, length)), chunk_size=chunk)
     assert len(seen_shapes) == 2 * length // chunk  # every chunk, every layer
-    assert max(stored + new for stored, new in seen_shapes) <= budget + chunk
-    assert all(lay.keys.shape[2] == budget for lay in cache.layers)
+    assert max(slots + new for slots, new in seen_shapes) <= budget + 1 + chunk  # the budget, its spare, a chunk
+    assert cache.slots.capacity == budget
     stats = cache.stats()
     assert stats.seen == length and stats.kept == budget and stats.evicted == length - budget
-    assert stats.full_kv_bytes == stats.kv_bytes * length // budget
+    assert stats.full_kv_bytes == stats.kv_used_bytes * length // budget
 
 
 def test_model_without_h2o_attention_is_refused():
@@ -218,27 +225,43 @@ def test_model_without_h2o_attention_is_refused():
     cache = H2OCache.for_model(model, make_policy("h2o", 16))
     with pytest.raises(CacheUsageError, match="prepare_model"):
         model(input_ids=torch.randint(0, 256, (1, 4)), past_key_values=cache)
+    assert cache.slots is None  # refused before the first layer wrote anything
+
+
+def test_an_unprepared_model_fails_at_its_first_update():
+    """Without prepare_model there is no hook: the first update must fail, not fall back to other attention."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa").eval()
+    cache = H2OCache.for_model(model, make_policy("h2o", 16))
+    calls = []
+    layer0 = model.model.layers[0].self_attn
+    layer0.register_forward_hook(lambda *a: calls.append("layer 0 finished"))
+    with pytest.raises(CacheUsageError, match="prepare_model"):
+        model(input_ids=torch.randint(0, 256, (1, 4)), past_key_values=cache)
+    assert calls == []  # stopped inside the first attention, not a layer (or a forward) later
 
 
 def test_changing_budget_mid_stream_keeps_the_best_and_frees_the_rest():
     model = tiny_model("llama", seed=6)
     cache = H2OCache.for_model(model, make_policy("h2o", 32))
     run(model, cache, torch.randint(0, 256, (1, 60)), [20] + [1] * 40)
-    layer = cache.layers[0]
-    before = {p: s for p, s in zip(layer.pos[0, 0].tolist(), layer.score[0, 0].tolist(), strict=True)}
+    s = cache.slots
+    before = {p: a for p, a in zip(s.pos[0, 0, 0].tolist(), s.score[0, 0, 0].tolist(), strict=True) if p >= 0}
     smaller = make_policy("h2o", 16)
-    expected = set(
-        layer.pos[0, 0, smaller.priority(layer.score, layer.pos, layer.seen - 1)[0, 0].topk(16).indices].tolist()
-    )
+    prio = smaller.priority(s.score[..., :32], s.pos[..., :32], s.seen - 1)
+    expected = set(s.pos[0, 0, 0, prio[0, 0, 0].topk(16).indices].tolist())
     cache.set_policy(smaller)
-    assert layer.keys.shape[2] == 16 and set(layer.pos[0, 0].tolist()) == expected
-    assert {p: before[p] for p in expected} == dict(
-        zip(layer.pos[0, 0].tolist(), layer.score[0, 0].tolist(), strict=True)
-    )
+    layer = cache.layers[0]
+    assert cache.slots.capacity == 16 and held(cache, 0)[0] == expected
+    after = {p: a for p, a in zip(layer.pos[0, 0].tolist(), layer.score[0, 0].tolist(), strict=True) if p >= 0}
+    assert after == {p: before[p] for p in expected}  # scores travel with their tokens
     assert cache.stats().evicted == 60 - 16
     run(model, cache, torch.randint(0, 256, (1, 5)), [1] * 5)  # keeps working at the new budget
     assert cache.stats().kept == 16
     cache.set_policy(make_policy("h2o", 64))  # larger: nothing comes back, room to grow
-    assert layer.keys.shape[2] == 64 and cache.stats().kept == 16
+    assert cache.slots.capacity == 64 and cache.stats().kept == 16
     run(model, cache, torch.randint(0, 256, (1, 10)), [1] * 10)
     assert cache.stats().kept == 26

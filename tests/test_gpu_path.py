@@ -12,8 +12,8 @@ from conftest import tiny_model
 from h2o_chat import cli
 from h2o_chat.cache import H2OCache
 from h2o_chat.config import ModelSpec
+from h2o_chat.engine import Engine
 from h2o_chat.errors import DeviceError
-from h2o_chat.generate import decode_one, prefill
 from h2o_chat.memory import check_fits, footprint
 from h2o_chat.policies import make_policy
 from h2o_chat.throughput import SHAPES, random_model, run_throughput
@@ -63,8 +63,11 @@ def test_throughput_at_equal_memory_on_cpu(tmp_path):
     full, h2o = records
     assert full.config == "full" and h2o.config == "h2o" and h2o.budget == 32
     assert h2o.batch > full.batch > 0  # a small cache per row fits more rows in the same memory
-    assert h2o.kv_bytes / h2o.batch < full.kv_bytes / full.batch
-    assert full.tokens_per_second > 0 and h2o.tokens_per_second > 0
+    # exactly the slots each allocated (+1 spare): 2 layers x (K, V) x 2 KV heads x head dim 32 x fp32
+    per_slot = 2 * 2 * 2 * 32 * 4
+    assert h2o.kv_bytes == h2o.batch * (32 + 1) * per_slot
+    assert full.kv_bytes == full.batch * (256 + 16 + 1) * per_slot  # a full cache: the whole sequence, once
+    assert full.decode == h2o.decode == "eager"  # both through the same engine
 
 
 def test_bench_command_with_a_random_shape(monkeypatch, tmp_path):
@@ -88,7 +91,14 @@ def test_bench_command_with_a_random_shape(monkeypatch, tmp_path):
     )
     assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert {r["config"] for r in records} == {"dynamic", "h2o", "h2o@first"}
+    # on CPU configurations are interleaved, with an h2o twin parked at the first length; CUDA runs them in turn
+    twin = {"h2o@first"} if not torch.cuda.is_available() else set()
+    assert {r["config"] for r in records} == {"dynamic", "h2o"} | twin
+    assert {(r["config"], r["measured_at"]) for r in records if r["config"] != "h2o@first"} == {
+        (c, n) for c in ("dynamic", "h2o") for n in (40, 80)
+    }
+    h2o = [r for r in records if r["config"] == "h2o"]
+    assert all(r["kv_bytes"] == h2o[0]["kv_bytes"] for r in h2o)  # a fixed budget: the same bytes at 40 and 80
     bad = CliRunner().invoke(cli.app, ["bench", "--shape", "gpt-9"])
     assert bad.exit_code == 2 and "unknown --shape" in bad.stderr
 
@@ -105,24 +115,25 @@ def test_cuda_fp16_parity_and_eviction_on_device():
         expected = model(ids, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
     model.set_attn_implementation("h2o")
     cache = H2OCache.for_model(model, make_policy("h2o", 64))
-    got = prefill(model, cache, ids)
+    got = Engine(model, cache).prefill(ids)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
     layer = cache.layers[0]
     assert layer.keys.device.type == "cuda" and layer.keys.dtype == torch.float16 and layer.score.dtype == torch.float32
 
 
 @needs_cuda
-def test_cuda_decode_steps_never_sync_with_the_host():
+def test_cuda_eager_decode_steps_never_sync_with_the_host():
     model = tiny_model("llama", seed=32).to("cuda", torch.float16)
     cache = H2OCache.for_model(model, make_policy("h2o", 32))
-    prefill(model, cache, torch.randint(0, 256, (2, 48), device="cuda"))
+    engine = Engine(model, cache, "eager")
+    engine.prefill(torch.randint(0, 256, (2, 48), device="cuda"))
     token = torch.tensor([1, 2], device="cuda")
-    decode_one(model, cache, token)  # warm-up (allocations, kernels)
+    engine.decode(token)  # warm-up (allocations, kernels)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(8):  # a full cache: every step evicts, all on the device
-            logits = decode_one(model, cache, token)
+            logits, _ = engine.decode()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert logits.shape == (2, 256) and cache.stats().kept == 32
@@ -137,8 +148,10 @@ def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
     loaded = load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda", quantize="4bit")
     assert loaded.quantize == "4bit" and loaded.dtype in (torch.bfloat16, torch.float16)
     cache = H2OCache.for_model(loaded.model, make_policy("h2o", 16))
-    logits = prefill(loaded.model, cache, torch.randint(0, 256, (1, 30), device="cuda"))
-    assert torch.isfinite(logits).all() and cache.stats().kept == 16
+    engine = Engine(loaded.model, cache)  # graph capture of a 4-bit model
+    logits = engine.prefill(torch.randint(0, 256, (1, 30), device="cuda"))
+    tokens = [t[0] for t in engine.tokens(logits, 8)]
+    assert torch.isfinite(logits).all() and cache.stats().kept == 16 and len(tokens) == 8
     mem = process_memory()
     assert mem["gpu_allocated"] > 0 and mem["gpu_reserved"] >= mem["gpu_allocated"]
 

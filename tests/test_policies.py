@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from h2o_chat.errors import ConfigError
-from h2o_chat.policies import H2O, Full, Recent, Sink, make_policy
+from h2o_chat.policies import H2O, Full, Recent, Sink, lowest, make_policy
 
 
 def state(acc, pos):
@@ -22,7 +22,17 @@ def test_h2o_protects_recent_even_with_zero_score():
     p = H2O(budget=4, heavy_ratio=0.75)  # 3 heavy + 1 recent
     acc, pos = state([5.0, 0.1, 3.0, 0.0], [0, 1, 2, 3])
     assert p.victim(acc, pos, torch.tensor([3])).item() == 1
-    assert p.victims(acc, pos, torch.tensor([3]), 3)[0, 0].tolist() == [1, 2, 0]
+    assert lowest(p.priority(acc, pos, torch.tensor([3])), 3, pos)[0, 0].tolist() == [1, 2, 0]
+
+
+def test_equal_priorities_go_oldest_first_wherever_they_sit():
+    """Ties break by position, not by slot: the same tokens in another slot order give the same choice."""
+    h2o = H2O(budget=4, heavy_ratio=0.5)  # newest 8: the recent window is {7, 8}
+    acc, pos = state([0.5, 0.5, 0.5, 9.0], [3, 1, 2, 8])
+    assert h2o.victim(acc, pos, torch.tensor([8])).item() == 1  # positions 1, 2, 3 tie: position 1 goes
+    assert lowest(h2o.priority(acc, pos, torch.tensor([8])), 2, pos)[0, 0].tolist() == [1, 2]
+    acc, pos = state([0.5, 0.5, 0.5, 9.0], [2, 3, 1, 8])
+    assert h2o.victim(acc, pos, torch.tensor([8])).item() == 2
 
 
 def test_h2o_sinks_are_never_evicted():
@@ -72,3 +82,20 @@ def test_describe_states_the_split():
     assert make_policy("h2o", 512).describe() == "h2o 512 = 256 heavy + 256 recent"
     assert make_policy("sink", 512).describe() == "sink 512 = 4 sink + 508 recent"
     assert isinstance(make_policy("full", None), Full) and make_policy("full", 1).capacity is None
+
+
+def test_priority_works_on_every_layer_at_once():
+    """The cache evicts for all layers together: (L, B, H, N) state with one newest position per row."""
+    p = H2O(budget=3, heavy_ratio=2 / 3)
+    acc = torch.tensor([[[[1.0, 2.0, 0.0]], [[0.5, 0.1, 9.0]]], [[[3.0, 1.0, 0.0]], [[0.0, 4.0, 1.0]]]])
+    pos = torch.tensor([[0, 1, 2], [4, 5, 6]])[None, :, None, :].expand(2, 2, 1, 3)
+    assert p.victim(acc, pos, torch.tensor([2, 6])).tolist() == [[[0], [1]], [[1], [0]]]
+
+
+def test_the_recent_window_never_rounds_to_zero():
+    """budget 10 at heavy_ratio 0.96 would leave no recent slot: the newest token must still be protected."""
+    p = make_policy("h2o", 10, heavy_ratio=0.96)
+    assert p.split() == {"sink": 0, "heavy": 9, "recent": 1} and p.describe() == "h2o 10 = 9 heavy + 1 recent"
+    acc, pos = state([9.0, 9.0, 9.0, 0.0], [0, 1, 2, 3])  # the newest token has no mass yet
+    assert p.victim(acc, pos, torch.tensor([3])).item() != 3
+    assert make_policy("h2o", 1).split() == {"sink": 0, "heavy": 0, "recent": 1}

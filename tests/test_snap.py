@@ -10,9 +10,13 @@ from conftest import tiny_model
 from h2o_chat import layer as layer_module
 from h2o_chat import snap as snap_module
 from h2o_chat.cache import H2OCache
+from h2o_chat.engine import Engine
 from h2o_chat.errors import ConfigError
-from h2o_chat.generate import decode_one, prefill
 from h2o_chat.policies import make_policy, pool_logits
+
+
+def prefill(model, cache, ids, chunk_size=512):
+    return Engine(model, cache, "eager").prefill(ids, chunk_size=chunk_size)
 
 
 class CaptureQueries:
@@ -61,7 +65,7 @@ def test_kept_tokens_are_those_the_final_queries_attend_to_most(family, kernel):
     for layer in range(2):
         mass = observation_mass(capture.q[layer], capture.k[layer], window, kernel)
         for head, pos in enumerate(cache.layers[layer].pos[0]):
-            kept = set(pos.tolist())
+            kept = set(pos[pos >= 0].tolist())
             assert len(kept) == budget and set(range(length - window, length)) <= kept  # the window stays
             chosen = torch.tensor(sorted(kept - set(range(length - window, length))))
             dropped = torch.tensor(sorted(set(range(length)) - kept))
@@ -81,20 +85,21 @@ def test_prompt_ten_times_the_budget_stays_bounded(monkeypatch):
     def spy_score(self, layer, k_new, pos_new):
         scored.append(k_new.shape[2])
         out = real_score(self, layer, k_new, pos_new)
-        assert self.obs.shape[2] == budget  # observation logits live beside the budget's slots only
+        assert self.obs.shape[2] == budget + 1  # observation logits live beside the budget's slots only
         return out
 
     monkeypatch.setattr(layer_module, "attention_with_mass", spy_attention)
     monkeypatch.setattr(snap_module.Observation, "score_new", spy_score)
     model = tiny_model("llama", seed=22)
     cache = H2OCache.for_model(model, make_policy("snap", budget, window=8))
-    prefill(model, cache, torch.randint(0, 256, (1, length)), chunk_size=chunk)
+    engine = Engine(model, cache, "eager")
+    engine.prefill(torch.randint(0, 256, (1, length)), chunk_size=chunk)
     assert len(shapes) == 2 * 2 * length // chunk  # two passes, two layers, every chunk
-    assert max(shapes) <= budget + chunk and max(scored) <= chunk
-    assert all(lay.keys.shape[2] == budget and lay.observation is None for lay in cache.layers)
+    assert max(shapes) <= budget + 1 + chunk and max(scored) <= chunk  # budget, its spare slot, one chunk
+    assert cache.slots.capacity == budget and all(lay.observation is None for lay in cache.layers)
     stats = cache.stats()
     assert stats.seen == length and stats.kept == budget  # the probe's tokens were not counted twice
-    decode_one(model, cache, torch.tensor([1]))  # generation goes on with h2o eviction
+    engine.decode(torch.tensor([1]))  # generation goes on with h2o eviction
     assert cache.stats().kept == budget
 
 
@@ -110,13 +115,14 @@ def test_a_prompt_that_fits_is_plain_h2o():
 def test_scores_hand_over_to_h2o_and_rolling_works():
     model = tiny_model("llama", seed=24, max_positions=64)
     cache = H2OCache.for_model(model, make_policy("snap", 32, window=4), "auto")
-    prefill(model, cache, torch.randint(0, 256, (1, 100)), chunk_size=16)  # past the context: rolling
+    engine = Engine(model, cache, "eager")
+    engine.prefill(torch.randint(0, 256, (1, 100)), chunk_size=16)  # past the context: rolling
     assert cache.rolling
     layer = cache.layers[0]
     total = layer.score[0].sum(-1)  # observation mass: 4 queries x 2 query heads, pooled over up to 7 tokens
     assert torch.all(total <= 7 * 8 + 1e-3) and torch.all(total > 1)
     for t in range(5):
-        decode_one(model, cache, torch.tensor([t]))
+        engine.decode(torch.tensor([t]))
     assert cache.stats().kept == 32
 
 
@@ -140,6 +146,6 @@ def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
         alone = H2OCache.for_model(model, policy)
         expected = prefill(model, alone, ids, chunk_size=30)
         torch.testing.assert_close(together[row], expected[0], atol=1e-5, rtol=1e-5)
-        assert [set(p.tolist()) for p in grouped.groups[row].layers[1].pos[0]] == [
-            set(p.tolist()) for p in alone.layers[1].pos[0]
+        assert [set(p[p >= 0].tolist()) for p in grouped.groups[row].layers[1].pos[0]] == [
+            set(p[p >= 0].tolist()) for p in alone.layers[1].pos[0]
         ]

@@ -1,0 +1,315 @@
+"""The decode engine: the one loop every generation, evaluation and benchmark in h2o-chat drives.
+
+In the style of gpt-fast: `prefill` (chunked, eager; snap's two passes), then `decode` steps of one token per
+row. A decode step is static -- the cache's shapes never change, its bookkeeping stays on the device, sampling
+happens on the device -- so it can run three ways (`--decode`):
+
+- eager: plain PyTorch (the CPU default: on CPU nothing is gained by capturing).
+- graph: the whole step (model forward, cache update, eviction, sampling) captured once as a CUDA graph and
+  replayed; capturing takes a second or two (the CUDA default).
+- compile: `torch.compile(fullgraph=True)` of the step (inductor fuses the small kernels; "reduce-overhead"
+  adds CUDA graphs on a GPU); the first step compiles, which takes a while.
+
+Host bookkeeping (`cache.before_forward`) runs before each step, outside the captured region. When something
+changes shape or meaning -- the cache re-allocates, positions switch to rolling, rows leave the batch, the
+sampler's settings change -- the step is captured again. `tokens()` streams sampled tokens one step behind the
+device on CUDA: step t+1 is queued before token t is read back, so the GPU never waits for the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from h2o_chat.errors import ConfigError
+from h2o_chat.sampling import RowSampler, Sampler
+from h2o_chat.snap import compress_prompt, compresses
+
+DECODE_MODES = ("auto", "eager", "graph", "compile")
+DEFAULT_CHUNK = 512
+_WARMUP = 2  # eager steps before a capture (lazy CUDA initialisation must not happen inside one)
+
+Progress = Callable[[int, int], None] | None
+
+
+def resolve_decode(mode: str, device: torch.device) -> str:
+    """auto -> graph on CUDA, eager elsewhere; an explicit mode must be possible on this device."""
+    if mode not in DECODE_MODES:
+        raise ConfigError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if mode == "graph" and device.type != "cuda":
+        raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use eager or compile here")
+    return mode
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids, mask) of shape (B, longest), padded on the left (prompts end together)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+class Engine:
+    """Prefill and decode steps over one cache (an H2OCache or a GroupedCache) for one model.
+
+    The engine owns the cache's host bookkeeping from now on. Keep one engine per conversation: its captured
+    step survives between turns as long as the cache keeps its storage.
+    """
+
+    def __init__(self, model, cache, decode: str = "auto", compile_backend: str | None = None):
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.mode = resolve_decode(decode, self.device)
+        self.compile_backend = compile_backend
+        self.vocab = model.config.get_text_config().vocab_size
+        cache.host_managed = True
+        self.sampler: RowSampler | None = None  # None: greedy (argmax), e.g. for evaluation
+        self.setup_seconds = 0.0  # one-time cost so far: captures or compilations
+        self.captures = 0
+        self.fed_last = False  # whether the last token tokens() yielded has been fed to the cache
+        self._drop: torch.Tensor | None = None  # rows to keep, asked for while tokens() streams
+        self._tokens: torch.Tensor | None = None  # the step's static input, (B,)
+        self._key = None
+        self._warm = 0
+        self._graph = None
+        self._out = None
+        self._pool = None
+        self._compiled = None
+        self._host = None  # pinned buffers for reading tokens back without waiting for the next step
+
+    # -- description ------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """For the panel: how decode steps run."""
+        if self.mode == "graph" and self.captures:
+            return f"CUDA graph ({self.captures} captured, {self.setup_seconds:.1f} s)"
+        if self.mode == "graph":
+            return "CUDA graph"
+        if self.mode == "compile":
+            return f"compiled ({self.setup_seconds:.0f} s)" if self.setup_seconds else "compiled"
+        return "eager"
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def set_sampler(self, sampler: Sampler | None, batch: int, **per_row) -> None:
+        """Sample with these settings (None: greedy). A sampler for the same rows and settings is reused, so a
+        captured step survives between chat turns."""
+        if sampler is None:
+            self.sampler = None
+            return
+        new = sampler.rows(batch, self.device, self.vocab, **per_row)
+        old = self.sampler
+        if (
+            old is not None
+            and old.batch == batch
+            and (old.hot, old.penalized, old.top_p) == (new.hot, new.penalized, new.top_p)
+        ):
+            old.temperature.copy_(new.temperature)
+            old.penalty.copy_(new.penalty)
+            old.seed.copy_(new.seed)
+            return
+        self.sampler = new
+
+    # -- prefill ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        progress: Progress = None,
+    ) -> torch.Tensor:
+        """Feed a (left-padded) prompt (B, L) in chunks, evicting between chunks (KV memory: budget + chunk);
+        returns the last position's logits (B, V). The cache numbers the tokens, continuing from what it has
+        seen (chat turns append). A policy that compresses prompts (snap) reads the prompt twice."""
+        ids = ids.to(self.device)
+        mask = None if mask is None else mask.to(self.device)
+        if self.sampler is not None:
+            self.sampler.observe(ids, mask)
+        passes = 2 if compresses(self.cache) else 1
+        done = [0]
+
+        def feed(cache) -> torch.Tensor:
+            return self._chunks(cache, ids, mask, chunk_size, progress, done, passes)
+
+        if passes == 2:
+            return compress_prompt(self.model, self.cache, ids, mask, feed)
+        return feed(self.cache)
+
+    def _chunks(self, cache, ids, mask, chunk_size, progress, done, passes) -> torch.Tensor:
+        B, L = ids.shape
+        padded = mask is not None and not bool(mask.all())  # one host sync per prompt
+        logits = None
+        # chunks end where the prompt ends: left-padded rows then meet the same chunk boundaries (counted from
+        # their last token) as they would alone, so a row's eviction does not depend on its neighbours
+        first = L % chunk_size or chunk_size
+        for s, e in zip([0, *range(first, L, chunk_size)], range(first, L + 1, chunk_size), strict=True):
+            x = ids[:, s:e]
+            m = mask[:, s:e] if mask is not None else torch.ones_like(x)
+            cache.settle()
+            cache.before_forward(x.shape[1])
+            logits = self._forward(x, cache.chunk_positions(m), cache, m if padded else None)
+            cache.settle()
+            done[0] += x.shape[1]
+            if progress is not None:
+                progress(done[0], passes * L)
+        return logits
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None):
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]  # (B, V)
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step, all on the device: the static input tokens in, logits and next tokens out."""
+        cache = self.cache
+        logits = self._forward(self._tokens[:, None], cache.decode_positions(), cache, None)
+        cache.settle()  # eviction for every layer, rows advance
+        tokens = self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
+        self._tokens.copy_(tokens)
+        return logits, tokens
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per row -- `tokens` (B,), or the tokens the last step produced -- and return the next
+        step's (logits (B, V), tokens (B,)) on the device. Outputs of a captured step are overwritten by the
+        next step: use them before calling again."""
+        cache = self.cache
+        cache.settle()
+        cache.before_forward(1)  # host only: context checks, rolling switch, room in a full cache
+        if tokens is not None:
+            tokens = tokens.to(self.device)
+            if self._tokens is None or self._tokens.shape != tokens.shape:
+                self._tokens = tokens.clone()
+            else:
+                self._tokens.copy_(tokens)
+        sampler = self.sampler
+        key = (cache.version, self._tokens.shape[0], id(sampler), sampler and (sampler.hot, sampler.penalized))
+        if key != self._key:
+            self._key, self._warm, self._graph, self._out = key, 0, None, None
+        if self.mode == "eager":
+            return self._body()
+        if self.mode == "compile":
+            return self._compiled_step()
+        return self._graph_step()
+
+    def _compiled_step(self):
+        if self._compiled is None:
+            backend = self.compile_backend or "inductor"
+            options: dict = {"fullgraph": True, "backend": backend}
+            if backend == "inductor" and self.device.type == "cuda":
+                options["mode"] = "reduce-overhead"
+            self._compiled = torch.compile(self._body, **options)
+        if self._warm:
+            return self._compiled()
+        t = time.perf_counter()  # the first step after a change (re)compiles
+        out = self._compiled()
+        self._sync()
+        self.setup_seconds += time.perf_counter() - t
+        self._warm = 1
+        return out
+
+    def _graph_step(self):
+        if self._graph is not None:
+            self._graph.replay()
+            return self._out
+        if self._warm < _WARMUP:  # real steps, eagerly, on a side stream as CUDA graphs require
+            self._warm += 1
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                out = self._body()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            return out
+        t = time.perf_counter()
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._out = self._body()  # recorded, not run: the replay below performs this step
+        self._graph = graph
+        self.captures += 1
+        self.setup_seconds += time.perf_counter() - t
+        graph.replay()
+        return self._out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only batch rows `index` (finished rows leave); the next step is captured anew."""
+        index = index.to(self.device)
+        self.cache.select_rows(index)
+        if self.sampler is not None:
+            self.sampler.select_rows(index)
+        if self._tokens is not None:
+            self._tokens = self._tokens[index].clone()
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """While `tokens()` streams: from the next step on, decode only rows `index` (of the current batch)."""
+        self._drop = index
+
+    # -- streams ----------------------------------------------------------------------------------
+    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens (B,) sampled from the prefill's logits, with the same sampler as the steps."""
+        with torch.inference_mode():
+            return self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
+
+    def tokens(self, logits: torch.Tensor, steps: int) -> Iterator[list[int]]:
+        """Sample from the prefill's logits, then decode: yields `steps` lists of B host ints (token t of every
+        row). On CUDA the step that feeds token t is queued before token t is read back (`fed_last` says whether
+        the last yielded token has been fed to the cache). Stop by closing the iterator or leaving the loop."""
+        pending = self.first_tokens(logits)
+        lookahead = self.device.type == "cuda"
+        for i in range(steps):
+            last = i + 1 == steps
+            ahead = None
+            if lookahead and not last:
+                read = self._read_async(pending)
+                ahead = self.decode(pending if i == 0 else None)[1]  # queued: feeds token i
+                self.fed_last = True
+                row_tokens = read()
+            else:
+                row_tokens = pending.tolist()
+                self.fed_last = False
+            yield row_tokens
+            if last:
+                return
+            if self._drop is not None:  # rows leave: the cache, the sampler and the tokens in flight
+                index, self._drop = self._drop.to(self.device), None
+                self.select_rows(index)
+                pending = pending[index]
+                if ahead is not None:
+                    ahead = ahead[index]
+            if ahead is None:
+                ahead = self.decode(pending if i == 0 else None)[1]
+            pending = ahead
+
+    def _read_async(self, t: torch.Tensor) -> Callable[[], list[int]]:
+        """Copy t to pinned host memory behind the work queued so far; the returned call waits for that copy
+        only, not for work queued after it."""
+        if self._host is None or self._host[0].shape != t.shape:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for _ in range(2)]
+        buf = self._host[0]
+        self._host.reverse()  # alternate buffers: the previous one may still be read
+        buf.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+
+        def read() -> list[int]:
+            event.synchronize()
+            return buf.tolist()
+
+        return read

@@ -1,0 +1,138 @@
+"""Sampling on the device: temperature, top-p and a repetition penalty, with no host sync per token.
+
+`Sampler` holds the settings (frozen, validated); `RowSampler` is its state for a batch of rows on the device:
+per-row temperatures and penalties, a ring of each row's recent tokens for the penalty, and a step counter.
+Calling it on logits (B, V) is pure tensor work with static shapes, so it runs inside a captured decode step.
+
+Randomness comes from a counter-based hash of (seed, step, row, token id) instead of a torch.Generator: the
+same seed gives the same text eagerly, compiled or replayed from a CUDA graph, on any device, and nothing has
+to be registered with a graph. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_chat.errors import ConfigError
+
+PENALTY_WINDOW = 64  # tokens a repetition penalty looks back over (llama.cpp's and ollama's repeat_last_n)
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """temperature 0 = greedy; top_p < 1 = nucleus sampling; repetition_penalty > 1 makes the last
+    `PENALTY_WINDOW` tokens less likely (divides positive logits, multiplies negative ones, as in CTRL and
+    transformers); seed makes sampling repeatable."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    _auto_seed: int = field(default_factory=lambda: int.from_bytes(os.urandom(4), "little"), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"--repetition-penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+
+    @property
+    def effective_seed(self) -> int:
+        return (self.seed if self.seed is not None else self._auto_seed) & 0x7FFFFFFF
+
+    def rows(self, batch: int, device: torch.device, vocab: int, **overrides) -> RowSampler:
+        """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty to per-row lists."""
+        temps = overrides.get("temperature") or [self.temperature] * batch
+        pens = overrides.get("repetition_penalty") or [self.repetition_penalty] * batch
+        return RowSampler(temps, pens, self.top_p, self.effective_seed, device, vocab)
+
+
+class RowSampler:
+    """Sampling state for B rows on the device. `__call__(logits (B, V)) -> tokens (B,)`; `observe(ids, mask)`
+    feeds prompt tokens into the penalty window. Which operations run is fixed at construction (graph-safe)."""
+
+    def __init__(self, temperatures, penalties, top_p: float, seed: int, device: torch.device, vocab: int):
+        self.device, self.vocab, self.top_p = device, vocab, top_p
+        self.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)  # (B,)
+        self.penalty = torch.tensor(penalties, dtype=torch.float32, device=device)  # (B,)
+        self.hot = any(t > 0 for t in temperatures)  # host-known: does any row sample?
+        self.penalized = any(p != 1.0 for p in penalties)
+        B = len(temperatures)
+        self.recent = torch.full((B, PENALTY_WINDOW), -1, dtype=torch.long, device=device)  # ring of last tokens
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.seed = torch.tensor(seed, dtype=torch.long, device=device)
+        self.row = torch.arange(B, device=device)
+        self.ids = torch.arange(vocab, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.temperature.shape[0]
+
+    def observe(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Put the last real tokens of a (left-padded) prompt (B, L) into the penalty window."""
+        if not self.penalized:
+            return
+        if mask is not None:
+            ids = ids.masked_fill(mask == 0, -1)
+        tail = ids[:, -PENALTY_WINDOW:]
+        self.recent.fill_(-1)
+        self.recent[:, : tail.shape[1]] = tail
+        self.step.fill_(tail.shape[1])
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        index = index.to(self.device)
+        self.temperature, self.penalty = self.temperature[index], self.penalty[index]
+        self.recent = self.recent[index]
+        self.row = torch.arange(index.numel(), device=self.device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits -> (B,) tokens; advances the step and records the tokens for the penalty."""
+        logits = logits.float()
+        if self.penalized:
+            logits = self._penalize(logits)
+        tokens = logits.argmax(dim=-1)
+        if self.hot:
+            tokens = torch.where(self.temperature > 0, self._sample(logits), tokens)
+        if self.penalized:
+            slot = (self.step % PENALTY_WINDOW).expand(self.batch, 1)
+            self.recent.scatter_(1, slot, tokens[:, None])
+        self.step += 1
+        return tokens
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        seen = torch.zeros_like(logits).scatter_add_(
+            1, self.recent.clamp(min=0), (self.recent >= 0).to(logits.dtype)
+        )  # (B, V): how often each token is in the window; duplicates add up instead of racing
+        p = self.penalty[:, None]
+        penalized = torch.where(logits > 0, logits / p, logits * p)
+        return torch.where(seen > 0, penalized, logits)
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        probs = (logits / self.temperature.clamp(min=1e-6)[:, None]).softmax(dim=-1)  # (B, V)
+        race = probs / self._exponential()  # argmax of p / E, E ~ Exp(1), is a draw from p
+        if self.top_p >= 1.0:
+            return race.argmax(dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p > self.top_p  # the smallest set whose mass reaches top_p
+        race_sorted = race.gather(-1, order).masked_fill(outside, -1.0)
+        return order.gather(-1, race_sorted.argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+    def _exponential(self) -> torch.Tensor:
+        """Exp(1) noise (B, V) from a hash of (seed, step, row, token id): reproducible, graph-safe."""
+        base = _hash32((self.seed * 0x2545F491 + self.step * 0x9E3779B1 + self.row * 0x85EBCA77) & _M32)  # (B,)
+        x = _hash32((base[:, None] + self.ids[None, :] * 0x27D4EB2D) & _M32)  # (B, V)
+        u = ((x >> 8).float() + 0.5) / float(1 << 24)  # uniform in (0, 1), 24 bits: never 0 or 1
+        return -torch.log(u)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (Mueller's hash) in int64 arithmetic; inputs and outputs are < 2**32."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
