@@ -10,8 +10,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "H2OCache": "h2o_chat.cache",
     "CacheStats": "h2o_chat.cache",
+    "Engine": "h2o_chat.engine",
     "make_policy": "h2o_chat.policies",
     "prepare_model": "h2o_chat.attention",
+    "Sampler": "h2o_chat.sampling",
     "load": "h2o_chat.loading",
     "stream_generate": "h2o_chat.generate",
     "generate": "h2o_chat.generate",

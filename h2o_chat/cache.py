@@ -128,6 +128,11 @@ class Slots:
             move(self.keys, 0), move(self.values, 0), move(self.pos, -1), move(self.score, 0), self.seen, self.evicted
         )
 
+    def mark_static(self) -> None:
+        """Fixed addresses for torch.compile: a compiled step writes into these in place."""
+        for t in (self.keys, self.values, self.pos, self.score, self.seen, self.evicted):
+            torch._dynamo.mark_static_address(t)
+
     def rows(self, index: torch.Tensor) -> Slots:
         index = index.to(self.seen.device)
         pick = [t.index_select(1, index) for t in (self.keys, self.values, self.pos, self.score)]
@@ -318,12 +323,16 @@ class H2OCache(Cache):
         capacity = self.policy.capacity
         if capacity is None:
             capacity = max(_FULL_INITIAL, self._reserved, self.columns)
-        self.slots = Slots.allocate(len(self.layers), key, value, capacity)
-        self._prepare_rope()
+        self._install(Slots.allocate(len(self.layers), key, value, capacity))
+
+    def _install(self, slots: Slots) -> None:
+        """New storage: decode steps captured for the old one are stale (the version tells the engine)."""
+        self.slots = slots
         self.version += 1
+        if self.rope is not None:
+            self.rope.prepare(slots.keys.shape[3] + 1, slots.keys.device)
         if not torch.compiler.is_compiling():  # fixed addresses: compiled graphs may write into them in place
-            for t in (self.slots.keys, self.slots.values, self.slots.pos, self.slots.score, self.slots.seen):
-                torch._dynamo.mark_static_address(t)
+            slots.mark_static()
 
     @_inference
     def reserve(self, tokens: int) -> None:
@@ -341,21 +350,22 @@ class H2OCache(Cache):
         self.settle()
         S = self.slots.keys.shape[3]
         keep = torch.arange(S - 1, device=self.slots.pos.device).expand(*self.slots.pos.shape[:3], S - 1)
-        self.slots = self.slots.moved(keep, capacity)
-        self._prepare_rope()
-        self.version += 1
-
-    def _prepare_rope(self) -> None:
-        if self.rope is not None and self.slots is not None:
-            self.rope.prepare(self.slots.keys.shape[3] + 1, self.slots.keys.device)
+        self._install(self.slots.moved(keep, capacity))
 
     @_inference
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` (finished rows leave the batch)."""
         self.settle()
         if self.slots is not None:
-            self.slots = self.slots.rows(index)
-            self.version += 1
+            self._install(self.slots.rows(index))
+
+    def abandon_step(self) -> None:
+        """A decode step that was being captured did not run: drop what its Python side did."""
+        if self._pending == "step":
+            self._pending = None
+            self.clear_spare()
+        for layer in self.layers:
+            layer.armed = False
 
     def clear_spare(self, layer_idx: int | None = None) -> None:
         """Empty the spare slot (of one layer, or all)."""
@@ -470,9 +480,7 @@ class H2OCache(Cache):
         else:  # the held tokens first, in slot order
             order = torch.where(s.pos[..., :C] >= 0, 0, 1).argsort(dim=-1, stable=True)
             keep = order[..., : min(C, capacity)]
-        self.slots = s.moved(keep, capacity)
-        self._prepare_rope()
-        self.version += 1
+        self._install(s.moved(keep, capacity))
 
     # -- inspection -------------------------------------------------------------------------------
     def next_positions(self) -> torch.Tensor:

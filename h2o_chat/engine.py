@@ -45,6 +45,13 @@ def resolve_decode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def _static(*tensors: torch.Tensor) -> None:
+    """Tell torch.compile these tensors keep their address (a compiled step may update them in place)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids, mask) of shape (B, longest), padded on the left (prompts end together)."""
     width = max(len(r) for r in rows)
@@ -193,6 +200,7 @@ class Engine:
             tokens = tokens.to(self.device)
             if self._tokens is None or self._tokens.shape != tokens.shape:
                 self._tokens = tokens.clone()
+                _static(self._tokens)
             else:
                 self._tokens.copy_(tokens)
         sampler = self.sampler
@@ -215,7 +223,12 @@ class Engine:
         if self._warm:
             return self._compiled()
         t = time.perf_counter()  # the first step after a change (re)compiles
-        out = self._compiled()
+        try:
+            out = self._compiled()
+        except Exception as e:  # torch.compile could not trace or build the step
+            if type(e).__name__ == "OutOfMemoryError":
+                raise
+            return self._fall_back(e)
         self._sync()
         self.setup_seconds += time.perf_counter() - t
         self._warm = 1
@@ -236,13 +249,28 @@ class Engine:
         t = time.perf_counter()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._out = self._body()  # recorded, not run: the replay below performs this step
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._out = self._body()  # recorded, not run: the replay below performs this step
+        except RuntimeError as e:  # something in the model reads the device (e.g. dynamic rope scaling)
+            return self._fall_back(e)
         self._graph = graph
         self.captures += 1
         self.setup_seconds += time.perf_counter() - t
         graph.replay()
         return self._out
+
+    def _fall_back(self, error: Exception) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.cache.abandon_step()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
+        notice = f"decode steps run eagerly: capturing one failed ({reason[:160]})"
+        notices = getattr(self.cache, "notices", None)  # the UI shows the cache's notices
+        (notices if notices is not None else self.cache.groups[0].notices).append(notice)
+        self.mode, self._graph, self._compiled = "eager", None, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._body()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -256,6 +284,7 @@ class Engine:
             self.sampler.select_rows(index)
         if self._tokens is not None:
             self._tokens = self._tokens[index].clone()
+            _static(self._tokens)
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """While `tokens()` streams: from the next step on, decode only rows `index` (of the current batch)."""

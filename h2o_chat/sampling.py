@@ -69,6 +69,13 @@ class RowSampler:
         self.seed = torch.tensor(seed, dtype=torch.long, device=device)
         self.row = torch.arange(B, device=device)
         self.ids = torch.arange(vocab, device=device)
+        self._static()
+
+    def _static(self) -> None:
+        """Fixed addresses for torch.compile: a compiled step updates the window and the counter in place."""
+        if not torch.compiler.is_compiling():
+            for t in (self.temperature, self.penalty, self.recent, self.step, self.seed, self.row, self.ids):
+                torch._dynamo.mark_static_address(t)
 
     @property
     def batch(self) -> int:
@@ -90,6 +97,7 @@ class RowSampler:
         self.temperature, self.penalty = self.temperature[index], self.penalty[index]
         self.recent = self.recent[index]
         self.row = torch.arange(index.numel(), device=self.device)
+        self._static()
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) logits -> (B,) tokens; advances the step and records the tokens for the penalty."""
@@ -119,7 +127,7 @@ class RowSampler:
         if self.top_p >= 1.0:
             return race.argmax(dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > self.top_p  # the smallest set whose mass reaches top_p
+        outside = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # the smallest set whose mass reaches top_p
         race_sorted = race.gather(-1, order).masked_fill(outside, -1.0)
         return order.gather(-1, race_sorted.argmax(dim=-1, keepdim=True)).squeeze(-1)
 

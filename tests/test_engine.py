@@ -118,6 +118,24 @@ def test_compiled_step_compiles_once(single_thread):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_a_step_that_cannot_be_compiled_runs_eagerly_and_says_why(monkeypatch):
+    model = tiny_model("llama", seed=7)
+    expected, _, _ = decode_run(model, make_policy("h2o", BUDGET), 1, 30, "eager")
+    real = H2OCache.decode_positions
+
+    def breaks(self):
+        torch._dynamo.graph_break()  # what a model doing host work in its forward would do
+        return real(self)
+
+    monkeypatch.setattr(H2OCache, "decode_positions", breaks)
+    torch._dynamo.reset()
+    logits, _, engine = decode_run(model, make_policy("h2o", BUDGET), 1, 30, "compile", backend="eager")
+    assert engine.mode == "eager" and engine.describe() == "eager"
+    notices = engine.cache.pop_notices()
+    assert len(notices) == 1 and notices[0].startswith("decode steps run eagerly: capturing one failed")
+    torch.testing.assert_close(logits, expected)  # the step that failed to compile was still taken, once
+
+
 def test_decode_modes_are_checked():
     cpu = torch.device("cpu")
     assert resolve_decode("auto", cpu) == "eager" and resolve_decode("compile", cpu) == "compile"

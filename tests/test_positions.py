@@ -182,3 +182,77 @@ def test_soak_command_reports_memory_and_perplexity_per_window(monkeypatch, tmp_
     assert records[0]["kv_bytes"] == records[-1]["kv_bytes"]  # five fixed budgets: nothing grows
     bad = CliRunner().invoke(cli.app, ["soak", "--budget", "8", "--sinks", "8"])
     assert bad.exit_code == 2 and "sink" in bad.stderr
+
+
+@pytest.mark.parametrize("positions", ["absolute", "rolling", "auto"])
+def test_model_generate_with_the_cache_equals_the_engine(positions):
+    """Library use: transformers' generate() with an H2OCache gives h2o-chat's own tokens in every positions
+    mode, past a 64-token trained context (generate numbers tokens itself; the cache re-numbers them)."""
+    model = tiny_model("llama", seed=18, max_positions=64)
+    ids = torch.randint(0, 256, (1, 40))
+    ours_cache = H2OCache.for_model(model, make_policy("h2o", 24), positions)
+    ours = [t[0] for t in generate(model, ours_cache, ids, 60)]
+    cache = H2OCache.for_model(model, make_policy("h2o", 24), positions)
+    with torch.inference_mode():
+        theirs = model.generate(ids, max_new_tokens=60, do_sample=False, past_key_values=cache)[0, 40:]
+    assert theirs.tolist() == ours
+    assert cache.rolling == (positions != "absolute") == ours_cache.rolling  # auto switched past 64 tokens
+    assert cache.stats().kept == 24 and cache.stats().seen == 40 + 59
+
+
+# -- models whose positions or attention the cache cannot reproduce are refused, not mishandled -----------------
+def test_sliding_window_models_are_refused():
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from h2o_chat.attention import prepare_model
+
+    small = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    mistral = prepare_model(AutoModelForCausalLM.from_config(MistralConfig(**small, sliding_window=8)))
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(8 tokens\)"):
+        H2OCache.for_model(mistral, make_policy("h2o", 16))
+    qwen = Qwen2Config(**small, use_sliding_window=True, max_window_layers=1, sliding_window=8)
+    qwen = prepare_model(AutoModelForCausalLM.from_config(qwen))
+    with pytest.raises(ConfigError, match="full-attention and sliding-attention"):
+        GroupedCache.for_model(qwen, [make_policy("h2o", 16)])
+
+
+def test_rotary_embeddings_the_cache_cannot_reproduce_refuse_rolling():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from conftest import tiny_config
+
+    model = tiny_model("llama", seed=19, max_positions=32)
+    other = tiny_config("llama")
+    other.rope_parameters = {"rope_type": "default", "rope_theta": 1000.0}
+    model.model.rotary_emb_local = LlamaRotaryEmbedding(other)  # as Gemma-3 has: local and global rotations
+    with pytest.raises(ConfigError, match="2 different rotary embeddings"):
+        H2OCache.for_model(model, make_policy("h2o", 16), "rolling")
+    cache = H2OCache.for_model(model, make_policy("h2o", 16), "auto")  # auto keeps absolute positions, and says so
+    list(generate(model, cache, torch.randint(0, 256, (1, 30)), 8))
+    assert not cache.rolling and "rolling positions are not possible" in cache.pop_notices()[0]
+
+    del model.model.rotary_emb_local
+    model.model.rotary_emb.rope_type = "longrope"
+    with pytest.raises(ConfigError, match="'longrope' rotary scaling depends on the sequence length"):
+        H2OCache.for_model(model, make_policy("h2o", 16), "rolling")
+
+
+def test_scaled_rotary_embeddings_roll_exactly():
+    """yarn scales cos and sin by an attention factor: rolling must reproduce it (rolling = absolute while nothing
+    is evicted)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+    from h2o_chat.attention import prepare_model
+
+    config = tiny_config("llama")
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    config.rope_parameters["rope_theta"] = 10000.0
+    torch.manual_seed(20)
+    model = prepare_model(AutoModelForCausalLM.from_config(config).eval())
+    assert Rope.from_model(model).scale != 1.0
+    ids = torch.randint(0, 256, (1, 30))
+    schedule = [12, 5] + [1] * 13
+    absolute = feed(model, H2OCache.for_model(model, make_policy("h2o", 64), "absolute"), ids, schedule)
+    rolling = feed(model, H2OCache.for_model(model, make_policy("h2o", 64), "rolling"), ids, schedule)
+    torch.testing.assert_close(rolling, absolute, atol=1e-4, rtol=1e-4)
