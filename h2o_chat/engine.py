@@ -52,6 +52,16 @@ def _static(*tensors: torch.Tensor) -> None:
             torch._dynamo.mark_static_address(t)
 
 
+def _persistent_inductor_cache() -> None:
+    """Keep inductor's compiled kernels in h2o-chat's cache folder (not /tmp), so a later run reuses them."""
+    import os
+
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from h2o_chat.config import user_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+
+
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids, mask) of shape (B, longest), padded on the left (prompts end together)."""
     width = max(len(r) for r in rows)
@@ -90,6 +100,7 @@ class Engine:
         self._pool = None
         self._compiled = None
         self._host = None  # pinned buffers for reading tokens back without waiting for the next step
+        self.on_setup: Callable[[str], None] | None = None  # told before a capture or compilation starts
 
     # -- description ------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -216,12 +227,16 @@ class Engine:
     def _compiled_step(self):
         if self._compiled is None:
             backend = self.compile_backend or "inductor"
+            if backend == "inductor":
+                _persistent_inductor_cache()
             options: dict = {"fullgraph": True, "backend": backend}
             if backend == "inductor" and self.device.type == "cuda":
                 options["mode"] = "reduce-overhead"
             self._compiled = torch.compile(self._body, **options)
         if self._warm:
             return self._compiled()
+        if self.on_setup is not None:
+            self.on_setup("compiling the decode step (once per cache layout; minutes on a CPU)")
         t = time.perf_counter()  # the first step after a change (re)compiles
         try:
             out = self._compiled()
@@ -246,6 +261,8 @@ class Engine:
                 out = self._body()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             return out
+        if self.on_setup is not None and not self.captures:
+            self.on_setup("capturing the decode step as a CUDA graph (once)")
         t = time.perf_counter()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

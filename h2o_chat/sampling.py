@@ -19,6 +19,7 @@ import torch
 from h2o_chat.errors import ConfigError
 
 PENALTY_WINDOW = 64  # tokens a repetition penalty looks back over (llama.cpp's and ollama's repeat_last_n)
+NUCLEUS_CAP = 512  # top-p chooses among at most this many of the most likely tokens
 _M32 = 0xFFFFFFFF
 
 
@@ -114,27 +115,31 @@ class RowSampler:
         return tokens
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        seen = torch.zeros_like(logits).scatter_add_(
-            1, self.recent.clamp(min=0), (self.recent >= 0).to(logits.dtype)
-        )  # (B, V): how often each token is in the window; duplicates add up instead of racing
+        """Penalize the window's tokens only (B, W values, not the vocabulary): empty entries point at an extra
+        column that is dropped; a token that is in the window twice gets the same value twice."""
+        ids = torch.where(self.recent >= 0, self.recent, self.vocab)  # (B, W)
+        padded = torch.nn.functional.pad(logits, (0, 1))  # (B, V + 1)
+        seen = padded.gather(1, ids)
         p = self.penalty[:, None]
-        penalized = torch.where(logits > 0, logits / p, logits * p)
-        return torch.where(seen > 0, penalized, logits)
+        padded.scatter_(1, ids, torch.where(seen > 0, seen / p, seen * p))
+        return padded[:, : self.vocab]
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         probs = (logits / self.temperature.clamp(min=1e-6)[:, None]).softmax(dim=-1)  # (B, V)
-        race = probs / self._exponential()  # argmax of p / E, E ~ Exp(1), is a draw from p
-        if self.top_p >= 1.0:
-            return race.argmax(dim=-1)
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # the smallest set whose mass reaches top_p
-        race_sorted = race.gather(-1, order).masked_fill(outside, -1.0)
-        return order.gather(-1, race_sorted.argmax(dim=-1, keepdim=True)).squeeze(-1)
+        if self.top_p >= 1.0:  # argmax of p / E, E ~ Exp(1), is a draw from p
+            return (probs / self._exponential(self.ids[None, :])).argmax(dim=-1)
+        # the nucleus among the NUCLEUS_CAP most likely tokens (a full sort of the vocabulary costs more than
+        # the rest of sampling; llama.cpp and ollama cut to 40 before top-p)
+        top, ids = probs.topk(min(NUCLEUS_CAP, self.vocab), dim=-1)  # (B, k), descending
+        outside = top.cumsum(-1) - top >= self.top_p  # the smallest set whose mass reaches top_p
+        race = (top / self._exponential(ids)).masked_fill(outside, -1.0)
+        return ids.gather(-1, race.argmax(dim=-1, keepdim=True)).squeeze(-1)
 
-    def _exponential(self) -> torch.Tensor:
-        """Exp(1) noise (B, V) from a hash of (seed, step, row, token id): reproducible, graph-safe."""
+    def _exponential(self, ids: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise for token ids (B or 1, k) from a hash of (seed, step, row, token id): reproducible and
+        graph-safe, the same for a token wherever it ranks."""
         base = _hash32((self.seed * 0x2545F491 + self.step * 0x9E3779B1 + self.row * 0x85EBCA77) & _M32)  # (B,)
-        x = _hash32((base[:, None] + self.ids[None, :] * 0x27D4EB2D) & _M32)  # (B, V)
+        x = _hash32((base[:, None] + ids * 0x27D4EB2D) & _M32)  # (B, k)
         u = ((x >> 8).float() + 0.5) / float(1 << 24)  # uniform in (0, 1), 24 bits: never 0 or 1
         return -torch.log(u)
 
