@@ -76,6 +76,22 @@ def unsupported(config) -> str | None:
     return None
 
 
+def model_facts(model: torch.nn.Module, context: int | None = None) -> dict:
+    """What a cache needs to know about a model: layers, rotary embedding (or why it cannot be re-applied) and
+    trained context. Raises ConfigError for a model the cache cannot serve."""
+    reason = unsupported(model.config)
+    if reason:
+        raise ConfigError(f"h2o-chat cannot serve this model: {reason}")
+    config = model.config.get_text_config()
+    rope, problem = None, None
+    try:
+        rope = Rope.from_model(model)
+    except RopeUnsupported as e:
+        problem = str(e)
+    context = context or getattr(config, "max_position_embeddings", None)
+    return {"num_layers": config.num_hidden_layers, "rope": rope, "context": context, "rope_problem": problem}
+
+
 @dataclass
 class Slots:
     """Every layer's slot storage, allocated once. S = capacity + 1: the last slot is the spare."""
@@ -241,17 +257,7 @@ class H2OCache(Cache):
     ) -> H2OCache:
         """`positions`: absolute (keys keep their true positions, the paper's default), rolling (positions by
         cache slot, StreamingLLM) or auto (absolute within the trained context, rolling past it)."""
-        config = model.config.get_text_config()
-        reason = unsupported(model.config)
-        if reason:
-            raise ConfigError(f"h2o-chat cannot serve this model: {reason}")
-        context = context or getattr(config, "max_position_embeddings", None)
-        rope, problem = None, None
-        try:
-            rope = Rope.from_model(model)
-        except RopeUnsupported as e:
-            problem = str(e)
-        return cls(policy, config.num_hidden_layers, positions, rope, context, problem)
+        return cls(policy, positions=positions, **model_facts(model, context))
 
     # -- the transformers Cache protocol ----------------------------------------------------------
     def h2o_layer(self, layer_idx: int, new_tokens: int) -> H2OLayer:

@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from h2o_chat.cache import CacheStats, H2OCache, unsupported
-from h2o_chat.errors import ConfigError
+from h2o_chat.cache import CacheStats, H2OCache, model_facts
 from h2o_chat.policies import Policy
-from h2o_chat.rope import Rope, RopeUnsupported
+from h2o_chat.rope import Rope
 
 
 class GroupedLayer(CacheLayerMixin):
@@ -89,17 +88,7 @@ class GroupedCache(Cache):
         context: int | None = None,
     ) -> GroupedCache:
         """`positions[g]`: absolute | rolling | auto for group g (see H2OCache.for_model)."""
-        config = model.config.get_text_config()
-        reason = unsupported(model.config)
-        if reason:
-            raise ConfigError(f"h2o-chat cannot serve this model: {reason}")
-        context = context or getattr(config, "max_position_embeddings", None)
-        rope, problem = None, None
-        try:
-            rope = Rope.from_model(model)
-        except RopeUnsupported as e:
-            problem = str(e)
-        return cls(policies, config.num_hidden_layers, rows, positions, rope, context, problem)
+        return cls(policies, rows=rows, positions=positions, **model_facts(model, context))
 
     # -- what the hook, the model and the engine call -----------------------------------------------
     def h2o_layer(self, layer_idx: int, new_tokens: int) -> GroupedLayer:
