@@ -81,7 +81,8 @@ def _sync(device: torch.device) -> None:
 class _Run:
     """One configuration: its cache, how it prefills and decodes, and how far it has read."""
 
-    def __init__(self, config: str, model, budget: int, longest: int, batch: int, decode: str):
+    def __init__(self, config: str, model, budget: int, total: int, batch: int, decode: str):
+        # `total`: every token the run will see; static caches (full, h2o-nobound, StaticCache) hold that many
         self.config, self.model = config, model
         self.fed, self.times = 0, []
         self.setup_seconds = 0.0
@@ -94,10 +95,10 @@ class _Run:
             if config == "full":
                 self.policy, self.budget = make_policy("full"), None
             else:
-                self.budget = budget if config == "h2o" else longest + 1024
+                self.budget = budget if config == "h2o" else total
                 self.policy = make_policy("h2o", self.budget)
             self.cache = H2OCache.for_model(model, self.policy)
-            self.cache.reserve(longest + 1024)
+            self.cache.reserve(total)
             self.engine = Engine(model, self.cache, decode)
             self.decode = self.engine.mode
             return
@@ -105,7 +106,7 @@ class _Run:
         if config == "dynamic":
             self.cache, self.decode = DynamicCache(config=model.config), "eager"
         elif config in ("static", "static-compiled"):
-            self.cache = StaticCache(config=model.config, max_cache_len=longest + 1024)
+            self.cache = StaticCache(config=model.config, max_cache_len=total)
             self.decode = "compile" if config == "static-compiled" else "eager"
         else:
             raise ValueError(f"unknown bench config {config!r}; choose from {', '.join(CONFIGS)}")
@@ -178,7 +179,7 @@ def run_decode_bench(
     measure = _Measure(model, ids, lengths, steps, rounds, chunk, progress)
 
     def make(config: str) -> _Run:
-        return _Run(config, model, budget, longest, batch, decode)
+        return _Run(config, model, budget, n, batch, decode)
 
     if device.type != "cuda":
         runs = [make(c) for c in configs]
