@@ -74,8 +74,9 @@ def bench_command(
     throughput: Annotated[
         bool,
         typer.Option(
+            "--throughput",
             help="Instead: tokens/s over the largest batch that fits "
-            "--memory-limit, full cache vs h2o (the paper's metric)."
+            "--memory-limit, full cache vs h2o (the paper's metric).",
         ),
     ] = False,
     memory_limit: Annotated[
@@ -166,8 +167,9 @@ def soak_command(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per window instead of a table.")] = False,
     models_file: ModelsFile = None,
 ) -> None:
-    """Read far past the trained context with a fixed budget: memory and perplexity per window, for absolute
-    and rolling positions, with and without attention sinks."""
+    """Read far past the trained context with a fixed budget: memory and perplexity per window.
+
+    Compares absolute and rolling positions, with and without attention sinks."""
     with reported():
         import json
         from pathlib import Path

@@ -9,14 +9,15 @@ from typing import Annotated
 import typer
 
 from h2o_chat.config import load_registry
-from h2o_chat.errors import H2OChatError
 from h2o_chat.options import (
     DEFAULT_POLICY,
     Budget,
     ChunkSize,
+    Command,
     Device,
     Download,
     Dtype,
+    Group,
     HeavyRatio,
     Model,
     ModelsFile,
@@ -29,6 +30,7 @@ from h2o_chat.options import (
     build_policy,
     check_positions,
     check_positive,
+    check_sampling,
     load_model,
     policy_knobs,
     reported,
@@ -36,11 +38,14 @@ from h2o_chat.options import (
 )
 
 app = typer.Typer(
+    cls=Group,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Chat and long-form generation in bounded memory with the H2O heavy-hitter KV cache.\n\n"
     "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin.",
+    epilog="Environment: H2O_CHAT_CACHE is where converted weights (GGUF to safetensors) and the bench's random "
+    "models are kept (default: ~/.cache/h2o-chat, or $XDG_CACHE_HOME/h2o-chat); NO_COLOR gives plain text.",
 )
 
 
@@ -61,7 +66,9 @@ def main_command(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.9,
     seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    raw: Annotated[bool, typer.Option(help="Piped: continue stdin as plain text, without the chat template.")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Piped: continue stdin as plain text, without the chat template.")
+    ] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
@@ -80,8 +87,7 @@ def main_command(
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
         check_positions(positions)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
+        check_sampling(temperature, top_p)
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
         pol = build_policy(policy, budget, knobs)
         interactive = sys.stdin.isatty()
@@ -118,7 +124,7 @@ def main_command(
             run_piped(loaded, options, prompt)
 
 
-@app.command("models")
+@app.command("models", cls=Command)
 def models_command(models_file: ModelsFile = None) -> None:
     """List the model aliases and whether their weights are on this machine."""
     with reported():
@@ -144,7 +150,7 @@ def models_command(models_file: ModelsFile = None) -> None:
         make_console().print(table)
 
 
-@app.command("batch")
+@app.command("batch", cls=Command)
 def batch_command(
     input_path: Annotated[
         Path,
@@ -169,7 +175,7 @@ def batch_command(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
-    raw: Annotated[bool, typer.Option(help='Feed "prompt" lines as plain text, no chat template.')] = False,
+    raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
@@ -185,8 +191,7 @@ def batch_command(
         check_positions(positions)
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise H2OChatError("--temperature must be >= 0 and --top-p in (0, 1]")
+        check_sampling(temperature, top_p)
         if not input_path.is_file():
             raise InputError(f"input file not found: {input_path}")
         if not output.parent.exists():
@@ -229,8 +234,8 @@ def batch_command(
 from h2o_chat.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
 from h2o_chat.evalcli import eval_app  # noqa: E402
 
-app.command("bench")(bench_command)
-app.command("soak")(soak_command)
+app.command("bench", cls=Command)(bench_command)
+app.command("soak", cls=Command)(soak_command)
 app.add_typer(eval_app, name="eval")
 
 

@@ -16,9 +16,11 @@ import typer
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.options import (
     ChunkSize,
+    Command,
     Device,
     Download,
     Dtype,
+    Group,
     HeavyRatio,
     Model,
     ModelsFile,
@@ -36,6 +38,7 @@ from h2o_chat.options import (
 )
 
 eval_app = typer.Typer(
+    cls=Group,
     no_args_is_help=True,
     help="Measure what a cache budget costs in quality: perplexity, long-context retrieval, agreement.",
 )
@@ -107,7 +110,7 @@ def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None
         status(f"wrote {plot}")
 
 
-@eval_app.command("ppl")
+@eval_app.command("ppl", cls=Command)
 def ppl_command(
     text: Annotated[Path | None, typer.Option(help="UTF-8 text to score. Default: the shipped Alice.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of the text to score (all of it if shorter).")] = 2048,
@@ -164,7 +167,7 @@ def ppl_command(
         _emit(records, plots.ppl_table(records), json_out, markdown_path, plot, plots.ppl_plot)
 
 
-@eval_app.command("needle")
+@eval_app.command("needle", cls=Command)
 def needle_command(
     haystack: Texts = None,
     haystack_tokens: Annotated[int, typer.Option(help="Tokens of filler text per haystack.")] = 1500,
@@ -215,7 +218,7 @@ def needle_command(
         _emit(records, plots.needle_table(records), json_out, markdown_path, plot, plots.needle_plot)
 
 
-@eval_app.command("agree")
+@eval_app.command("agree", cls=Command)
 def agree_command(
     text: Texts = None,
     prompts: Annotated[int, typer.Option(help="Excerpts, shared among the texts.")] = 4,

@@ -11,9 +11,31 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from h2o_chat.config import load_registry
 from h2o_chat.errors import H2OChatError
+
+
+# -- help ------------------------------------------------------------------------------------------------
+class _FlagsTakeNoValue:
+    """In --help, a plain flag (--json, --no-panel, -h) shows no value type: Typer would print <bool>."""
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class Command(_FlagsTakeNoValue, TyperCommand):
+    """The class of every h2o-chat command (pass as cls=)."""
+
+
+class Group(_FlagsTakeNoValue, TyperGroup):
+    """The class of every h2o-chat command group (pass as cls=)."""
+
 
 # -- options shared by several commands ------------------------------------------------------------------
 Model = Annotated[
@@ -48,11 +70,12 @@ Sinks = Annotated[
 SnapWindow = Annotated[
     int | None,
     typer.Option(
-        help="snap: how many of the prompt's last queries choose what it keeps [default: 16, at most budget/4]."
+        help="snap: how many of the prompt's last queries choose what it keeps (default 16, at most a quarter "
+        "of the budget)."
     ),
 ]
 SnapKernel = Annotated[
-    int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps (odd) [default: 11].")
+    int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps, an odd number (default 11).")
 ]
 ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
 Positions = Annotated[
@@ -71,7 +94,7 @@ Quantize = Annotated[
     ),
 ]
 ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
-Download = Annotated[bool, typer.Option(help="Allow fetching weights from the Hugging Face Hub.")]
+Download = Annotated[bool, typer.Option("--download", help="Allow fetching weights from the Hugging Face Hub.")]
 
 
 @contextlib.contextmanager
@@ -132,6 +155,14 @@ def check_positions(value: str) -> str:
 def check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise H2OChatError(f"{name} must be a positive integer, got {value}")
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Say which sampling value is wrong."""
+    if not temperature >= 0:
+        raise H2OChatError(f"--temperature must be >= 0 (0 = greedy), got {temperature:g}")
+    if not 0 < top_p <= 1:
+        raise H2OChatError(f"--top-p must be above 0 and at most 1, got {top_p:g}")
 
 
 def int_list(text: str, name: str) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,18 @@ def test_help_is_fast_and_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().endswith("NO-TORCH"), out.stdout[-200:]
     assert "--budget" in out.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["batch"], ["bench"], ["soak"], ["models"], ["eval", "ppl"]])
+def test_help_shows_no_type_after_flags_and_no_stray_text(command):
+    result = invoke([*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.stdout and "--no-" not in result.stdout.replace("--no-panel", "")
+    text = " ".join(result.stdout.replace("│", " ").split())  # the help as one line, borders and wraps gone
+    assert not re.search(r"\s\.(\s|$)", text), text  # a markup-eaten "[default: ...]" left " ." behind
+    if not command:
+        assert "choose what it keeps (default 16, at most a quarter of the budget)" in text
+        assert "H2O_CHAT_CACHE" in text
 
 
 def test_piped_prompt_streams_only_text_to_stdout(fast_load):
@@ -85,7 +98,8 @@ def test_models_lists_aliases_and_presence():
         (["--snap-kernel", "4"], "hi", ["pooling kernel", "odd"]),
         (["--quantize", "4bit", "--device", "cpu"], "hi", ["--quantize 4bit needs a CUDA GPU"]),
         (["--max-new-tokens", "0"], "hi", ["--max-new-tokens"]),
-        (["--top-p", "0"], "hi", ["--top-p"]),
+        (["--top-p", "0"], "hi", ["--top-p must be above 0 and at most 1, got 0"]),
+        (["--temperature", "-0.5"], "hi", ["--temperature must be >= 0 (0 = greedy), got -0.5"]),
         ([], b"", ["stdin is empty"]),
         ([], b"   \n\t", ["stdin is empty"]),
         ([], b"caf\xe9 latin-1", ["not UTF-8", "0xe9"]),
