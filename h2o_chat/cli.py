@@ -129,7 +129,9 @@ def models_command(models_file: ModelsFile = None) -> None:
     """List the model aliases and whether their weights are on this machine."""
     with reported():
         from rich.table import Table
+        from rich.text import Text
 
+        from h2o_chat.config import user_cache_dir
         from h2o_chat.loading import is_present
         from h2o_chat.ui import make_console
 
@@ -144,9 +146,13 @@ def models_command(models_file: ModelsFile = None) -> None:
                 spec.family,
                 f"{spec.dtype}/{spec.quantize}",
                 str(spec.context or "?"),
-                f"{spec.source}\n{spec.note}",
+                # a repo id has no spaces to wrap at: fold it whole onto more lines rather than cut it with "..."
+                Text(f"{spec.source}\n{spec.note}", overflow="fold"),
             )
-        table.caption = "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)"
+        table.caption = (
+            "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)\n"
+            f"Converted weights are kept in {user_cache_dir()} (H2O_CHAT_CACHE sets another folder)."
+        )
         make_console().print(table)
 
 

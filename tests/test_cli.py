@@ -83,6 +83,19 @@ def test_models_lists_aliases_and_presence():
     assert "no" in next(line for line in result.stdout.splitlines() if line.startswith("llama-2-7b"))
 
 
+def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
+    from h2o_chat.config import load_registry
+
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path / "weights"))
+    result = runner.invoke(cli.app, ["models"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and "…" not in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()[:-2]) <= 80
+    flat = "".join(result.stdout.split())  # a folded id continues on the next line, the other columns blank
+    for spec in load_registry().models.values():
+        assert spec.source in flat, spec.source
+    assert f"{tmp_path / 'weights'}(H2O_CHAT_CACHEsetsanotherfolder)" in flat
+
+
 @pytest.mark.parametrize(
     "args, stdin, fragments",
     [
