@@ -239,9 +239,17 @@ def run_batch(
     chunk_size: int = DEFAULT_CHUNK,
     on_record: Callable[[dict], None] | None = None,
     positions: str = "auto",
+    on_skip: Callable[[str], None] | None = None,
 ) -> Summary:
+    """Generate every well-formed line not yet in the output. Malformed and duplicate lines are passed to
+    `on_skip` before anything is generated (a long run should not hide them until its end)."""
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
+    if on_skip:
+        for problem in summary.malformed:
+            on_skip(problem)
+    if summary.malformed and not items:
+        raise InputError(f"no line of {input_path.name} can be run: all {len(summary.malformed)} were skipped")
     done = finished_ids(output_path)
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)

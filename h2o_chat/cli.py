@@ -200,8 +200,12 @@ def batch_command(
         check_sampling(temperature, top_p)
         if not input_path.is_file():
             raise InputError(f"input file not found: {input_path}")
+        if output.is_dir():
+            raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
         if not output.parent.exists():
             raise InputError(f"output folder does not exist: {output.parent}")
+        if output.resolve() == input_path.resolve():
+            raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
         build_policy(policy, budget, knobs)  # fail before loading weights
 
@@ -224,17 +228,15 @@ def batch_command(
             chunk_size=chunk_size,
             on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
             positions=positions,
+            on_skip=lambda problem: status(f"skipped {problem}"),
         )
-        for problem in summary.malformed:
-            typer.echo(f"h2o-chat: skipped {problem}", err=True)
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
+        skipped = f"{len(summary.malformed)} lines skipped (listed above)" if summary.malformed else "0 skipped"
+        # every valid row finished: exit 0, whatever was skipped (it was reported before generation started)
         status(
-            f"batch: {summary.done} done, {summary.skipped} already in {output.name}, "
-            f"{len(summary.malformed)} malformed | {summary.tokens} tokens in {summary.seconds:.1f} s "
-            f"({rate:.1f} tok/s)"
+            f"batch: {summary.done} done, {summary.skipped} already in {output.name}, {skipped} | "
+            f"{summary.tokens} tokens in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
         )
-        if summary.malformed:
-            raise typer.Exit(2)
 
 
 from h2o_chat.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
