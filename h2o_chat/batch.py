@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.cache import H2OCache
+from h2o_chat.cache import H2OCache, mean_count
 from h2o_chat.config import read_user_text
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.generate import DEFAULT_CHUNK, decode_one, prefill, sample_rows, stop_token_ids
@@ -212,8 +212,8 @@ def generate_batch(
                     "policy": policy.name,
                     "budget": policy.budget,
                     "seen": seen,
-                    "kept": round(kept, 1),
-                    "evicted": round(seen - kept, 1),
+                    "kept": mean_count(kept),
+                    "evicted": mean_count(seen - kept),
                 },
                 "batch_rows": len(items),
             }

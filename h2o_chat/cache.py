@@ -51,16 +51,23 @@ class CacheStats:
     kept_min: int
     kept_max: int
     evicted: float  # tokens evicted per layer, row and head (mean)
-    kv_bytes: int  # bytes the key/value buffers occupy
+    kv_bytes: int  # bytes the key/value buffers occupy (allocated: the whole budget from the first token)
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute (trained 8192)"
+    kv_used_bytes: int = 0  # bytes of the tokens held: tokens held x bytes per token, over layers, rows, heads
 
     @property
     def kv_ratio(self) -> float:
         return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kept": round(self.kept, 1), "evicted": round(self.evicted, 1)}
+        return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
+
+
+def mean_count(x: float) -> int | float:
+    """A mean token count for JSON: an integer when it is whole, else one decimal."""
+    x = round(x, 1)
+    return int(x) if x == int(x) else x
 
 
 class H2OCache(Cache):
@@ -202,6 +209,10 @@ class H2OCache(Cache):
             kv_bytes=sum(layer.nbytes() for layer in layers),
             full_kv_bytes=layers[0].columns * per_token,
             positions=self.positions_label(),
+            kv_used_bytes=sum(  # tokens held in each layer (all rows and heads) x one token's K+V bytes
+                int(held) * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                for held, layer in zip(kept.sum(dim=(1, 2)).tolist(), layers, strict=True)
+            ),
         )
 
     def positions_label(self) -> str:

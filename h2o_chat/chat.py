@@ -151,7 +151,8 @@ class ChatSession:
         s = self.conv.cache.stats()
         return (
             f" {describe_policy(s)} | {s.seen} seen, {s.kept:.0f} kept | {s.evicted:.0f} evicted | "
-            f"KV {human_bytes(s.kv_bytes)} held (full cache {human_bytes(s.full_kv_bytes)}) | /help"
+            f"KV {human_bytes(s.kv_bytes)} allocated, {human_bytes(s.kv_used_bytes)} in use "
+            f"(full cache {human_bytes(s.full_kv_bytes)}) | /help"
         )
 
     def run(self) -> None:

@@ -44,9 +44,21 @@ def summary_line(response, stats) -> str:
         f"{response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s "
         f"(prompt {response.prompt_tokens} tokens, {response.prompt_tps:.0f} tok/s) | "
         f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
-        f"evicted {stats.evicted:.0f} | KV {human_bytes(stats.kv_bytes)} held, "
-        f"full cache {human_bytes(stats.full_kv_bytes)}"
+        f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}"
     )
+
+
+def describe_kv(stats) -> str:
+    """What the KV cache allocated (the whole budget, from the first token), what the held tokens use, and
+    what a full cache would hold for the same tokens: e.g. '22.5 MB allocated, 2.0 MB in use; a full cache
+    would hold 2.0 MB'. Allocated alone beside the full figure made H2O look worse than no eviction."""
+    kv = (
+        f"{human_bytes(stats.kv_bytes)} allocated, {human_bytes(stats.kv_used_bytes)} in use; "
+        f"a full cache would hold {human_bytes(stats.full_kv_bytes)}"
+    )
+    if stats.full_kv_bytes and stats.kv_bytes < stats.full_kv_bytes:
+        kv += f" ({100 * stats.kv_bytes / stats.full_kv_bytes:.0f}% allocated)"
+    return kv
 
 
 def describe_policy(stats) -> str:
@@ -88,10 +100,7 @@ class PanelView:
         grid.add_column()
         grid.add_column(style="bold")
         grid.add_column()
-        # held = the slots allocated (the whole budget, from the first token); full = what a full cache holds now
-        kv = f"{human_bytes(stats.kv_bytes)} held, full cache {human_bytes(stats.full_kv_bytes)}"
-        if stats.full_kv_bytes and stats.kv_bytes < stats.full_kv_bytes:
-            kv += f" ({100 * stats.kv_bytes / stats.full_kv_bytes:.0f}%)"
+        kv = describe_kv(stats)
         memory = f"RSS {human_bytes(mem['rss'])}"
         if "gpu_allocated" in mem:
             memory += (

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -32,6 +33,11 @@ def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, termi
         panel=panel,
     )
     return ChatSession(embedded, options, console)
+
+
+def plain(screen: str) -> str:
+    """Terminal output without its escape sequences (styles, cursor moves)."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
 
 
 def drive(chat: ChatSession, tmp_path: Path, keys: str) -> str:
@@ -133,6 +139,20 @@ def test_panel_renders_on_a_terminal(embedded, tmp_path):
     out = drive(chat, tmp_path, "Hello!\r/exit\r")
     for label in ("policy", "h2o 64", "tokens", "evicted", "KV cache", "memory", "RSS", "decode"):
         assert label in out
+
+
+def test_panel_separates_allocated_from_in_use_kv(embedded, tmp_path):
+    chat = session(embedded, tmp_path, budget=512, panel=True, terminal=True)
+    drive(chat, tmp_path, "Hello!\r/exit\r")
+    stats = chat.conv.cache.stats()
+    assert stats.kv_used_bytes < stats.kv_bytes  # a first short turn fills a fraction of the budget
+    text = " ".join(plain(chat.console.file.getvalue()).replace("│", " ").split())
+    expected = (
+        f"{ui.human_bytes(stats.kv_bytes)} allocated, {ui.human_bytes(stats.kv_used_bytes)} in use; "
+        f"a full cache would hold {ui.human_bytes(stats.full_kv_bytes)}"
+    )
+    assert expected in text
+    assert ui.human_bytes(stats.kv_used_bytes) == ui.human_bytes(stats.full_kv_bytes)  # nothing evicted yet
 
 
 def _installed_command() -> list[str]:

@@ -62,7 +62,9 @@ def test_piped_json_record(fast_load):
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["model"] == "smollm2-135m" and record["text"]
+    assert '"kept": 32,' in result.stdout and '"evicted": 32.0' not in result.stdout  # whole means as integers
     assert record["cache"]["kept"] == 32 and record["cache"]["seen"] > 32
+    assert record["cache"]["kv_used_bytes"] == record["cache"]["kv_bytes"]  # the budget is full
     assert record["cache"]["evicted"] == record["cache"]["seen"] - 32
     assert record["generated_tokens"] <= 24 and record["finish_reason"] in ("stop", "length")
 
