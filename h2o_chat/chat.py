@@ -145,6 +145,8 @@ class ChatSession:
         self.panel = PanelView(loaded.spec.name, describe_device(loaded)) if options.panel else None
         self.prompt = prompt_session
         self.heavy_ratio = getattr(options.policy, "heavy_ratio", 0.5)
+        # policy and budget are independent settings: the budget is remembered while `full` (none) is active
+        self.budget = options.policy.budget or 512
 
     # -- input ------------------------------------------------------------------------------------
     def toolbar(self) -> str:
@@ -243,6 +245,8 @@ class ChatSession:
             policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio)
         before = self.conv.cache.stats().evicted
         self.conv.set_policy(policy)
+        if policy.budget is not None:
+            self.budget = policy.budget
         dropped = self.conv.cache.stats().evicted - before
         extra = f"; evicted {dropped:.0f} tokens now" if dropped else ""
         self.console.print(f"cache: {policy.describe()}{extra}")
@@ -262,8 +266,7 @@ class ChatSession:
         if not arg:
             self.console.print(f"cache: {self.conv.policy.describe()}")
             return
-        budget = self.conv.policy.budget or self.options.policy.budget or 512
-        self._set_policy(arg, budget)
+        self._set_policy(arg, self.budget)
 
     def cmd_system(self, arg: str) -> None:
         if not arg:

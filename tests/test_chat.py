@@ -89,6 +89,13 @@ def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     assert "cache: snap 48 = 2 sink + 22 heavy + 24 recent; prompts kept by their last 8 queries" in out
 
 
+def test_policy_and_budget_are_independent_settings(embedded, tmp_path):
+    chat = session(embedded, tmp_path, budget=512, policy=make_policy("snap", 512))
+    out = drive(chat, tmp_path, "/budget 64\r/policy full\r/policy snap\r/policy h2o\r/exit\r")
+    assert chat.conv.policy == make_policy("h2o", 64)  # not back to 512 after a detour through full
+    assert "cache: snap 64 = 32 heavy + 32 recent" in out
+
+
 def test_cache_carries_over_between_turns(embedded, tmp_path):
     chat = session(embedded, tmp_path, budget=4096)
     drive(chat, tmp_path, "Say hello.\rNow say goodbye.\r/exit\r")
