@@ -41,7 +41,7 @@ def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
     spec = ModelSpec(name=f"{shape} (random weights)", source=shape, family=SHAPES[shape]["model_type"])
     _, torch_dtype, _ = resolve_settings(spec, device, dtype, quantize)
     status(f"building a random {shape} model (once) ...")
-    folder = random_model(shape, torch_dtype if torch_dtype.is_floating_point else None)
+    folder = random_model(shape, torch_dtype if torch_dtype.is_floating_point else None, status=status)
     spec = ModelSpec(name=spec.name, source=str(folder), family=spec.family)
     return load(spec, device=device, dtype=dtype, quantize=quantize, status=status, kv_tokens=kv_tokens)
 

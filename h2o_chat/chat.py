@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from h2o_chat.config import user_data_dir
 from h2o_chat.conversation import ChatSettings, Conversation
@@ -307,11 +308,20 @@ class ChatSession:
 def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     """prompt-toolkit input: persistent history, Alt-Enter for a new line, stats in the bottom toolbar."""
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
 
-    path = history or user_data_dir() / "history"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = (history or user_data_dir() / "history").expanduser()
+    try:  # a read-only home must not end the session that has just loaded its model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.open("a", encoding="utf-8").close()
+        past = FileHistory(str(path))
+    except OSError as e:
+        chat.console.print(
+            f"[dim]note: input history is off for this session: cannot write {escape(str(path))} ({e.strerror})[/]",
+            soft_wrap=True,
+        )
+        past = InMemoryHistory()
     keys = KeyBindings()
 
     @keys.add("escape", "enter")
@@ -320,7 +330,7 @@ def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
 
     return PromptSession(
         message="> ",
-        history=FileHistory(str(path)),
+        history=past,
         key_bindings=keys,
         multiline=False,
         bottom_toolbar=chat.toolbar if chat.panel is not None else None,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.attention import prepare_model
-from h2o_chat.config import ModelSpec, user_cache_dir
+from h2o_chat.config import ModelSpec, user_cache_dir, writable_cache_dir
 from h2o_chat.errors import DeviceError, ModelNotFoundError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -115,7 +115,11 @@ def converted_folder(gguf: Path, status: Status = None) -> Path:
     """Dequantise a GGUF file once into safetensors in the user cache; later loads reuse it."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = user_cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    name = f"{gguf.stem}-{key}"
+    target = user_cache_dir() / "converted" / name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target = writable_cache_dir(status) / "converted" / name  # a read-only cache: a temporary folder
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.cache import H2OCache
-from h2o_chat.config import user_cache_dir
+from h2o_chat.config import user_cache_dir, writable_cache_dir
 from h2o_chat.generate import decode_one, prefill
 from h2o_chat.memory import OVERHEAD, footprint
 from h2o_chat.policies import make_policy
@@ -91,7 +91,7 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | None = None) -> Path:
+def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | None = None, status=None) -> Path:
     """A model of a real shape with random weights, saved once (safetensors + a placeholder tokenizer)."""
     from tokenizers import Tokenizer, models
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -101,7 +101,11 @@ def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | 
 
         raise ConfigError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
     dtype_name = str(dtype).removeprefix("torch.")
-    folder = folder or user_cache_dir() / "random" / f"{shape}-{dtype_name}"
+    name = f"{shape}-{dtype_name}"
+    if folder is None:  # the user cache, or a temporary folder when it cannot be written
+        folder = user_cache_dir() / "random" / name
+        if not (folder / "config.json").exists():
+            folder = writable_cache_dir(status) / "random" / name
     if (folder / "config.json").exists():
         return folder
     params = dict(SHAPES[shape])

@@ -73,6 +73,20 @@ def test_slash_commands_budget_save_load(embedded, tmp_path):
     assert "What is two plus two?" in history and "/budget 32" in history
 
 
+def test_unwritable_history_turns_history_off_and_the_session_runs(embedded, tmp_path):
+    blocker = tmp_path / "home-is-a-file"  # as root, permission bits stop nothing: a file in the path does
+    blocker.write_text("")
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    with create_pipe_input() as pipe:
+        chat.prompt = make_prompt_session(blocker / "h2o-chat" / "history", chat, input=pipe, output=DummyOutput())
+        pipe.send_text("Say hi.\r/exit\r")
+        chat.run()
+    out = chat.console.file.getvalue()
+    notes = [line for line in out.splitlines() if "history is off" in line]
+    assert len(notes) == 1 and str(blocker / "h2o-chat" / "history") in notes[0]
+    assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"]  # the turn still ran
+
+
 def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     chat = session(embedded, tmp_path, policy=make_policy("snap", 64, sinks=2, window=8, kernel=3))
     chat.cmd_budget("48")

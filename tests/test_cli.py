@@ -125,6 +125,33 @@ def test_bad_input_gets_one_clear_line(fast_load, args, stdin, fragments):
     assert_one_line_error(invoke(args, stdin), *fragments)
 
 
+def test_unwritable_cache_folder_falls_back_to_a_temporary_one(tmp_path, monkeypatch, embedded):
+    import tempfile
+
+    from h2o_chat import config, loading
+
+    gguf = loading.embedded_gguf(config.load_registry().resolve(None).source)
+    converted = loading.converted_folder(gguf)  # the session's own conversion (the embedded fixture made it)
+    blocker = tmp_path / "home-is-a-file"  # as root, permission bits stop nothing: a file in the path does
+    blocker.write_text("")
+    monkeypatch.delenv("H2O_CHAT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(config, "_fallback", {})
+    fallback = config.writable_cache_dir()
+    assert fallback.parent == tmp_path / "tmp" and fallback.stat().st_mode & 0o777 == 0o700
+    (fallback / "converted").mkdir()
+    (fallback / "converted" / converted.name).symlink_to(converted)  # as if converted there by an earlier run
+    monkeypatch.setattr(config, "_fallback", {})
+
+    result = invoke(["-m", "smollm2-135m", "--temperature", "0", "--max-new-tokens", "4"], "Say hi.")
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.output and result.stdout.strip()
+    notes = [line for line in result.stderr.splitlines() if str(blocker / "cache") in line]
+    assert len(notes) == 1 and f"converted weights are cached in {fallback}" in notes[0]
+
+
 def test_malformed_models_file(fast_load, tmp_path):
     bad = tmp_path / "models.toml"
     bad.write_text("[models.x\nsource=")
