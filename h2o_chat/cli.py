@@ -212,7 +212,7 @@ def batch_command(
         def policy_for(line_budget: int | None):
             return build_policy(policy, line_budget if line_budget is not None else budget, knobs)
 
-        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget * batch_size)
+        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget, kv_rows=batch_size)
         defaults = Defaults(
             max_new_tokens=max_new_tokens, temperature=temperature, budget=budget, system=system, raw=raw
         )

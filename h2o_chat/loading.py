@@ -206,9 +206,11 @@ def load(
     download: bool = False,
     status: Status = None,
     kv_tokens: int | None = None,
+    kv_rows: int = 1,
 ) -> Loaded:
-    """Load model and tokenizer, with attention routed through h2o-chat. On CUDA, first check that the
-    weights plus a `kv_tokens` cache fit in free GPU memory (else say what would)."""
+    """Load model and tokenizer, with attention routed through h2o-chat. First check that the weights plus a
+    cache of `kv_tokens` for each of `kv_rows` rows fit in free GPU memory, or on CPU in the machine's
+    available memory (else say what would)."""
     _quiet_transformers()
     dev, torch_dtype, quant = resolve_settings(spec, device, dtype, quantize)
     location = weights_location(spec, download, status)
@@ -220,7 +222,14 @@ def load(
 
         config = AutoConfig.from_pretrained(location, local_files_only=not download)
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
-        check_fits(spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes())
+        check_fits(
+            spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows
+        )
+    elif kv_tokens:
+        from h2o_chat.memory import check_fits_in_memory
+
+        config = AutoConfig.from_pretrained(location, local_files_only=not download)
+        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows)
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
     if quant != "none":

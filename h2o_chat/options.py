@@ -109,12 +109,11 @@ def reported() -> Iterator[None]:
         typer.echo("h2o-chat: interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
-            typer.echo(
-                f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); lower --budget or "
-                "--chunk-size, or use --quantize 4bit",
-                err=True,
-            )
+        # torch's OutOfMemoryError (without importing torch here), or the CPU allocator's "can't allocate"
+        cpu_oom = isinstance(e, RuntimeError) and "can't allocate" in str(e)
+        if type(e).__name__ == "OutOfMemoryError" or cpu_oom:
+            hint = "lower --budget or --chunk-size" + ("" if cpu_oom else ", or use --quantize 4bit")
+            typer.echo(f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); {hint}", err=True)
             raise typer.Exit(3) from None
         raise
 
@@ -123,13 +122,20 @@ def status(message: str) -> None:
     typer.echo(f"h2o-chat: {message}", err=True)
 
 
-def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None):
-    """Resolve the name and load; `kv_tokens` (the budget) sizes the GPU memory check."""
+def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None, kv_rows: int = 1):
+    """Resolve the name and load; `kv_tokens` (the budget) for each of `kv_rows` rows sizes the memory check."""
     from h2o_chat.loading import load
 
     spec = load_registry(models_file).resolve(model)
     return load(
-        spec, device=device, dtype=dtype, quantize=quantize, download=download, status=status, kv_tokens=kv_tokens
+        spec,
+        device=device,
+        dtype=dtype,
+        quantize=quantize,
+        download=download,
+        status=status,
+        kv_tokens=kv_tokens,
+        kv_rows=kv_rows,
     )
 
 

@@ -152,6 +152,21 @@ def test_unwritable_cache_folder_falls_back_to_a_temporary_one(tmp_path, monkeyp
     assert len(notes) == 1 and f"converted weights are cached in {fallback}" in notes[0]
 
 
+def test_a_budget_beyond_memory_on_cpu_says_which_would_fit(fast_load, tiny_folder, tmp_path):
+    # tiny model: 512 bytes of KV a token, so 10^10 tokens is ~5 TB, which no test machine has
+    result = invoke(["-m", str(tiny_folder), "--device", "cpu", "-b", "10000000000"], "hi")
+    assert_one_line_error(result, "10000000000-token KV cache", "memory available", "--budget")
+    budget = int(re.search(r"--budget (\d+) fits", result.stderr).group(1))
+    assert 64 <= budget < 10_000_000_000
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "w5 w6"}\n')
+    args = ["batch", str(inp), "-o", str(tmp_path / "out.jsonl"), "-m", str(tiny_folder), "--device", "cpu"]
+    result = invoke([*args, "-b", "1000000000", "--batch-size", "8"])
+    assert_one_line_error(result, "for each of 8 rows", "with 8 rows (--batch-size)")
+    per_row = int(re.search(r"--budget (\d+) fits", result.stderr).group(1))
+    assert abs(per_row * 8 - budget) < 0.2 * budget  # batch sizes by budget x rows (free memory drifts a bit)
+
+
 def test_malformed_models_file(fast_load, tmp_path):
     bad = tmp_path / "models.toml"
     bad.write_text("[models.x\nsource=")
