@@ -190,6 +190,23 @@ def is_present(spec: ModelSpec) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _tokenizer_problem(spec: ModelSpec, location: str, error: Exception) -> str:
+    """One line on why the tokenizer would not load, and what to do."""
+    folder = Path(location)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return (
+            f"{spec.name}: {folder} has the model's config but no tokenizer ({', '.join(TOKENIZER_FILES[:2])}); "
+            "copy the tokenizer files from the model's original repository into it"
+        )
+    reason = " ".join(str(error).split())
+    if "sentencepiece" in reason:
+        return f"the tokenizer of {spec.name} needs sentencepiece to load: pip install sentencepiece"
+    return f"could not load the tokenizer of {spec.name} from {location}: {reason[:200]}"
+
+
 def _quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
@@ -249,6 +266,9 @@ def load(
         kwargs["device_map"] = "auto" if dev.index is None else {"": dev.index}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=not download)
+    except (OSError, ValueError) as e:  # ValueError: no tokenizer file the backend can build from
+        raise ModelNotFoundError(_tokenizer_problem(spec, location, e)) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None

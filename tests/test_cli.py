@@ -167,6 +167,13 @@ def test_a_budget_beyond_memory_on_cpu_says_which_would_fit(fast_load, tiny_fold
     assert abs(per_row * 8 - budget) < 0.2 * budget  # batch sizes by budget x rows (free memory drifts a bit)
 
 
+def test_a_model_folder_without_a_tokenizer(fast_load, tiny_folder):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tiny_folder / name).unlink(missing_ok=True)
+    result = invoke(["-m", str(tiny_folder)], "hi")
+    assert_one_line_error(result, str(tiny_folder), "no tokenizer", "tokenizer.json")
+
+
 def test_malformed_models_file(fast_load, tmp_path):
     bad = tmp_path / "models.toml"
     bad.write_text("[models.x\nsource=")
