@@ -208,9 +208,14 @@ class ChatSession:
             self.console.print("[dim](reply stopped)[/]")
         elif last is not None and last.finish_reason == "length":
             self.console.print(f"[dim](reply cut at {last.generation_tokens} tokens: --max-new-tokens)[/]")
-        for report in self.conv.newly_evicted_user_messages():
+        fresh = self.conv.newly_evicted_user_messages()
+        if len(fresh) > 1:  # e.g. a long loaded conversation read into a small budget: one line, not one each
             self.console.print(
-                f'[dim]note: your message "{report.preview}" is no longer fully cached '
+                f"[dim]note: {len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which[/]"
+            )
+        for report in fresh if len(fresh) == 1 else ():
+            self.console.print(
+                f'[dim]note: your message "{escape(report.preview)}" is no longer fully cached '
                 f"({100 * report.kept:.0f}% kept); /evicted shows more[/]"
             )
 

@@ -8,6 +8,7 @@ cache has not seen. This works for any template without decoding tokens back to 
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,24 +117,59 @@ class Conversation:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _new_turn_ids(self, user: dict) -> list[int]:
-        if self.fed == 0:  # nothing cached: the whole conversation
-            return self._encode(self._render([*self.messages, user], True))
+        return self._new_turn(user)[0]
+
+    def _new_turn(self, user: dict) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids the cache has not seen yet for a new user message, and where each message ends in them:
+        [(message index, end offset)], the new message being index len(self.messages)."""
+        if self.fed == 0:  # nothing cached: the whole conversation (a loaded one keeps its messages apart)
+            return self._whole_conversation([*self.messages, user])
         last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
         marked = [dict(m) for m in self.messages]
         marked[last]["content"] = SENTINEL
         text = self._render([*marked, user], True)
-        ids = self._encode(text.split(SENTINEL, 1)[1])
-        return ([self._unfed] if self._unfed is not None else []) + ids
+        ids = ([self._unfed] if self._unfed is not None else []) + self._encode(text.split(SENTINEL, 1)[1])
+        return ids, [(len(self.messages), len(ids))]
+
+    def _whole_conversation(self, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Render the conversation once, and each prefix of it, to find the token offset where every message's
+        rendering ends. A message whose prefix does not render as a prefix of the whole (a template that
+        folds the system prompt into the first user turn, or refuses a partial conversation) shares the span
+        of the message after it."""
+        text = self._render(messages, True)
+        ids, starts = self._encode_with_starts(text)
+        ends = []
+        for k in range(1, len(messages)):
+            try:
+                prefix = self._render(messages[:k], False)
+            except Exception:  # jinja raises whatever the template's author chose
+                continue
+            if prefix and text.startswith(prefix):
+                end = bisect.bisect_left(starts, len(prefix)) if starts is not None else len(self._encode(prefix))
+                if 0 < end < len(ids) and (not ends or end > ends[-1][1]):
+                    ends.append((k - 1, end))
+        ends.append((len(messages) - 1, len(ids)))
+        return ids, ends
+
+    def _encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
+        """Token ids and each token's start offset in the text (None for tokenizers without offsets)."""
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError):  # slow tokenizers have no offsets
+            return self._encode(text), None
+        return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
 
     # -- a turn -----------------------------------------------------------------------------------
     def send(self, text: str, max_new_tokens: int | None = None) -> Iterator[Response]:
         """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
         reply in the conversation."""
         user = {"role": "user", "content": text}
-        ids = self._new_turn_ids(user)
+        ids, ends = self._new_turn(user)
         self.messages.append(user)
-        start = self.fed
-        self.spans.append(Span("user", len(self.messages) - 1, start, start + len(ids)))
+        start = begin = self.fed
+        for index, end in ends:  # one span per message (a whole loaded conversation has many)
+            self.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
+            begin = start + end
         self.fed += len(ids)
         self._unfed = None
         reply, last, count = [], None, 0

@@ -149,6 +149,37 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(embedded, tmp_path, monkey
     assert chat.conv.fed == chat.conv.cache.stats().seen
 
 
+def test_evicted_after_load_lists_every_message_with_its_role_and_tokens(embedded, tmp_path):
+    tok = embedded.tokenizer
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        *(
+            {"role": role, "content": f"{role} message {i}: " + " ".join(["lorem ipsum"] * (3 + i))}
+            for i, role in enumerate(["user", "assistant"] * 3)
+        ),
+    ]
+    saved = tmp_path / "talk.json"
+    saved.write_text(json.dumps({"format": "h2o-chat/1", "messages": messages}))
+    chat = session(embedded, tmp_path, budget=48, max_new_tokens=4)
+    out = drive(chat, tmp_path, f"/load {saved}\rAnd now?\r/evicted\r/exit\r")
+
+    def length(msgs, generation_prompt=False):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    question = [*messages, {"role": "user", "content": "And now?"}]
+    expected = [length(messages[:1])] + [length(messages[: k + 1]) - length(messages[:k]) for k in range(1, 7)]
+    expected.append(length(question, True) - length(messages))
+    table = out[out.rindex("/evicted") if "/evicted" in out else 0 :]
+    rows = re.findall(r"^\s*(\d+)\s+(system|user|assistant)\s+(\d+)\s+(\d+)%", table, re.M)
+    assert [(int(i), role) for i, role, _, _ in rows] == [(i, m["role"]) for i, m in enumerate(question)] + [
+        (8, "assistant")
+    ]
+    assert [int(n) for _, _, n, _ in rows[:8]] == expected  # each message's own tokens, not one 1,000-token span
+    assert int(rows[7][3]) == 100 and int(rows[1][3]) < 100  # the question is cached; old messages were evicted
+    assert 'your message "And now?"' not in out  # the note no longer blames the question
+
+
 def test_user_is_told_once_when_their_message_is_evicted(embedded, tmp_path):
     chat = session(embedded, tmp_path, budget=40, max_new_tokens=24)
     out = drive(chat, tmp_path, "Please remember the word pineapple.\rTell me about oceans.\rAnd rivers?\r/exit\r")
