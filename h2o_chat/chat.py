@@ -13,15 +13,17 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from h2o_chat.config import user_data_dir
-from h2o_chat.conversation import ChatSettings, Conversation
+from h2o_chat.conversation import ChatSettings, Conversation, budget_note
 from h2o_chat.errors import H2OChatError, InputError
 from h2o_chat.loading import Loaded
 from h2o_chat.options import DEFAULT_POLICY
 from h2o_chat.policies import Policy
 from h2o_chat.ui import (
     PanelView,
+    ProgressBar,
     StreamView,
     TurnStats,
     describe_device,
@@ -57,13 +59,31 @@ def read_stdin_prompt(data: bytes) -> str:
     return text
 
 
+def reading_label(total: int, prompt_tokens: int) -> str:
+    """What a prompt-reading bar says: snap reads a prompt that overflows the budget twice (one bar over 2x)."""
+    return "reading the prompt" + (" (twice: snap)" if prompt_tokens and total >= 2 * prompt_tokens else "")
+
+
 def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     """Generate for the whole of stdin; text streams to stdout, a summary goes to stderr (or JSON to stdout)."""
     conv = Conversation(loaded, options.policy, options.settings)
+    # stderr: a progress bar while a long prompt is read (only on a terminal), and notes before the reading
+    bar = ProgressBar(make_console(stderr=True), lambda done, total: reading_label(total, conv.pending), 256)
+
+    def progress(done: int, total: int) -> None:
+        for notice in conv.cache.pop_notices():
+            bar.console.print(f"h2o-chat: note: {notice}", markup=False, highlight=False)
+        bar(done, total)
+
     if options.raw:
         from h2o_chat.generate import stream_generate
 
         ids = loaded.tokenizer(prompt)["input_ids"]
+        conv.pending = len(ids)
+        note = budget_note(len(ids), options.policy.budget)
+        if note:
+            conv.cache.notices.append(note)
+        progress(0, len(ids))
         stream = stream_generate(
             loaded.model,
             loaded.tokenizer,
@@ -72,12 +92,15 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
             sampler=options.settings.sampler,
             max_new_tokens=options.settings.max_new_tokens,
             chunk_size=options.settings.chunk_size,
+            progress=progress,
         )
     else:
-        stream = conv.send(prompt)
+        stream = conv.send(prompt, progress=progress)
     out = sys.stdout
     pieces, last = [], None
     for r in stream:
+        if last is None:
+            bar.close()  # the prompt is read: stderr's bar gives way to the text on stdout
         last = r
         pieces.append(r.text)
         if not options.json and r.text:
@@ -96,6 +119,7 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         "decode_tps": round(last.generation_tps, 2),
         "cache": stats.as_dict(),
     }
+    bar.close()
     if options.json:
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
@@ -173,11 +197,18 @@ class ChatSession:
             text = text.strip()
             if not text:
                 continue
+            self.echo(text)
             if text.startswith("/"):
                 if self.command(text) == "exit":
                     break
                 continue
             self.reply(text)
+
+    def echo(self, text: str) -> None:
+        """Print what was sent, whole, for the scrollback. prompt-toolkit erases its own copy (erase_when_done):
+        a paste taller than the terminal is drawn only in part, and the part was left in the scrollback twice
+        (once scrolled off as the input grew, once as the final state), without its first paragraphs."""
+        self.console.print(Text.assemble(("> ", "bold"), text), soft_wrap=True)
 
     # -- a reply ----------------------------------------------------------------------------------
     def reply(self, text: str) -> None:
@@ -185,11 +216,20 @@ class ChatSession:
         if self.panel is not None:
             self.panel.turn = TurnStats(evicted_at_start=before)
         last = None
+
+        def progress(done: int, total: int) -> None:  # while the message (or a re-read conversation) is read
+            for notice in self.conv.cache.pop_notices():
+                self.console.print(f"[dim]note: {escape(notice)}[/]")
+            n = self.conv.pending_messages
+            what = f"reading the conversation ({n} messages)" if n > 1 else "reading your message"
+            label = reading_label(total, self.conv.pending).replace("reading the prompt", what)
+            view.prefill(done, total, label, self.conv.cache.stats)
+
         try:
             with (
                 interruptible() as stop,
                 StreamView(self.console, self.panel) as view,
-                contextlib.closing(self.conv.send(text)) as stream,
+                contextlib.closing(self.conv.send(text, progress=progress)) as stream,
             ):
                 for r in stream:
                     last = r
@@ -339,6 +379,7 @@ def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
         key_bindings=keys,
         multiline=False,
         bottom_toolbar=chat.toolbar if chat.panel is not None else None,
+        erase_when_done=True,  # the session echoes the whole input itself (ChatSession.echo)
         **kwargs,
     )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from h2o_chat.cache import H2OCache
 from h2o_chat.config import read_user_text
 from h2o_chat.errors import InputError
-from h2o_chat.generate import DEFAULT_CHUNK, Response, Sampler, stop_token_ids, stream_generate
+from h2o_chat.generate import DEFAULT_CHUNK, Progress, Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.loading import Loaded
 from h2o_chat.policies import Policy
 
@@ -32,6 +32,19 @@ PLAIN_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 PLAIN_STOP = "\nUser:"
+
+
+FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
+
+
+def budget_note(prompt_tokens: int, budget: int | None) -> str | None:
+    """A note for a prompt far beyond what the budget can use well, or None."""
+    if budget is None or prompt_tokens <= FAR_BEYOND * budget:
+        return None
+    return (
+        f"the prompt is {prompt_tokens:,} tokens, {prompt_tokens // budget}x the budget of {budget}: the cache "
+        f"keeps about {100 * budget / prompt_tokens:.0f}% of it; a larger budget (--budget, /budget) keeps more"
+    )
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,7 @@ class Conversation:
         """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
         self.cache = self._new_cache(self.cache.policy)
         self.fed = 0  # tokens the cache has seen
+        self.pending = self.pending_messages = 0  # tokens (and messages) the current turn reads before its reply
         self.spans: list[Span] = []
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self.warned: set[int] = set()
@@ -160,11 +174,19 @@ class Conversation:
         return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
 
     # -- a turn -----------------------------------------------------------------------------------
-    def send(self, text: str, max_new_tokens: int | None = None) -> Iterator[Response]:
+    def send(self, text: str, max_new_tokens: int | None = None, *, progress: Progress = None) -> Iterator[Response]:
         """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
-        reply in the conversation."""
+        reply in the conversation. `progress(done, total)` is called once with (0, new tokens) before they are
+        read (after a note, if the budget is far too small for them, has gone to cache.notices), then after
+        each prefill chunk."""
         user = {"role": "user", "content": text}
         ids, ends = self._new_turn(user)
+        self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
+        note = budget_note(len(ids), self.policy.budget)
+        if note:
+            self.cache.notices.append(note)
+        if progress is not None:
+            progress(0, len(ids))
         self.messages.append(user)
         start = begin = self.fed
         for index, end in ends:  # one span per message (a whole loaded conversation has many)
@@ -185,6 +207,7 @@ class Conversation:
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
                 stop_ids=self.stop_ids,
                 stop_strings=(PLAIN_STOP,) if self.plain else (),
+                progress=progress,
             ):
                 last, count = r, count + 1
                 reply.append(r.text)

@@ -8,7 +8,7 @@ records (new text, token, timings, the cache) that the CLI, the panel, batch mod
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +16,9 @@ import torch
 from h2o_chat.cache import H2OCache
 
 DEFAULT_CHUNK = 512
+# progress(tokens_done, tokens_total), called after each prefill chunk; done counts prompt tokens (columns of the
+# chunked prompt). A policy that reads the prompt twice (snap) reports both passes as one bar over 2x the tokens.
+Progress = Callable[[int, int], None] | None
 
 
 def sample_rows(
@@ -80,14 +83,16 @@ def prefill(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    *,
+    progress: Progress = None,
 ) -> torch.Tensor:
     """Feed a (left-padded) prompt (B, L); returns the last position's logits (B, V). A policy that
     compresses prompts (snap) gets its two-pass selection; every other policy a chunked prefill."""
     from h2o_chat.snap import compress_prompt, compresses
 
     if compresses(cache):
-        return compress_prompt(model, cache, input_ids, attention_mask, chunk_size, prefill_chunks)
-    return prefill_chunks(model, cache, input_ids, attention_mask, chunk_size)
+        return compress_prompt(model, cache, input_ids, attention_mask, chunk_size, prefill_chunks, progress=progress)
+    return prefill_chunks(model, cache, input_ids, attention_mask, chunk_size, progress=progress)
 
 
 @torch.inference_mode()
@@ -97,6 +102,8 @@ def prefill_chunks(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    *,
+    progress: Progress = None,
 ) -> torch.Tensor:
     """Feed a (left-padded) prompt (B, L) in chunks, evicting between chunks (KV memory: budget + chunk).
 
@@ -112,6 +119,8 @@ def prefill_chunks(
         logits = _forward(
             model, cache, input_ids[:, s : s + chunk_size], cache.position_ids(mask), mask if padded else None
         )
+        if progress is not None:
+            progress(min(s + chunk_size, L), L)
     return logits
 
 
@@ -144,12 +153,14 @@ def generate_steps(
     sampler: Sampler | None = None,
     max_new_tokens: int = 256,
     chunk_size: int = DEFAULT_CHUNK,
+    *,
+    progress: Progress = None,
 ) -> Iterator[Step]:
     """Prefill, then yield sampled tokens until max_new_tokens (the caller decides when a row is done)."""
     sampler = sampler or Sampler()
     device = input_ids.device
     t0 = time.perf_counter()
-    logits = prefill(model, cache, input_ids, attention_mask, chunk_size)
+    logits = prefill(model, cache, input_ids, attention_mask, chunk_size, progress=progress)
     tokens = sampler(logits)
     _sync(device)
     prompt_seconds = time.perf_counter() - t0
@@ -241,12 +252,13 @@ def stream_generate(
     chunk_size: int = DEFAULT_CHUNK,
     stop_ids: set[int] | None = None,
     stop_strings: tuple[str, ...] = (),
+    progress: Progress = None,
 ) -> Iterator[Response]:
     """Generate for one prompt (a token list or (1, L) tensor), yielding a Response per token.
 
     The prompt is appended to whatever `cache` already holds (chat turns). Every sampled token but the last
     has been fed to the cache when the stream ends. Text that could begin a stop string is held back until
-    it is clear it does not."""
+    it is clear it does not. `progress(done, total)` is called after each prefill chunk."""
     device = next(model.parameters()).device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else stop_ids
@@ -254,7 +266,7 @@ def stream_generate(
     detok = StreamingDetokenizer(tokenizer)
     pending = ""  # decoded text not yet emitted
     gen_seconds = 0.0
-    steps = generate_steps(model, cache, ids, None, sampler, max_new_tokens, chunk_size)
+    steps = generate_steps(model, cache, ids, None, sampler, max_new_tokens, chunk_size, progress=progress)
     for n, step in enumerate(steps, start=1):
         gen_seconds += step.seconds
         token = int(step.tokens[0])

@@ -117,10 +117,11 @@ def compresses(cache) -> bool:
 
 
 @torch.inference_mode()
-def compress_prompt(model, cache, input_ids: torch.Tensor, attention_mask, chunk_size: int, prefill):
+def compress_prompt(model, cache, input_ids: torch.Tensor, attention_mask, chunk_size: int, prefill, *, progress=None):
     """Prefill a prompt with question-aware selection in the layers whose policy compresses prompts and whose
     budget the prompt overflows (every layer of an H2OCache, or some groups of a GroupedCache); returns the
-    last logits. `prefill` is the plain chunked prefill (passed in to keep this module free of the loop)."""
+    last logits. `prefill` is the plain chunked prefill (passed in to keep this module free of the loop).
+    `progress(done, total)`: the two passes are one bar over twice the prompt's tokens."""
     layers = h2o_layers(cache)
 
     def overflows(layer) -> bool:
@@ -129,20 +130,23 @@ def compress_prompt(model, cache, input_ids: torch.Tensor, attention_mask, chunk
 
     chosen = [i for i, layer in enumerate(layers) if overflows(layer)]
     if not chosen:  # it all fits: nothing to choose
-        return prefill(model, cache, input_ids, attention_mask, chunk_size)
+        return prefill(model, cache, input_ids, attention_mask, chunk_size, progress=progress)
+    first = second = None
+    if progress is not None:
+        first, second = (lambda d, t: progress(d, 2 * t)), (lambda d, t: progress(t + d, 2 * t))
 
     probe_cache = copy.deepcopy(cache)
     probe_layers = h2o_layers(probe_cache)
     probes = {i: Probe(layers[i].policy.window) for i in chosen}
     for i, probe in probes.items():
         probe_layers[i].probe = probe
-    prefill(model, probe_cache, input_ids, attention_mask, chunk_size)
+    prefill(model, probe_cache, input_ids, attention_mask, chunk_size, progress=first)
     del probe_cache, probe_layers
 
     for i, probe in probes.items():
         layers[i].observation = Observation(probe, layers[i].policy)
     try:
-        logits = prefill(model, cache, input_ids, attention_mask, chunk_size)
+        logits = prefill(model, cache, input_ids, attention_mask, chunk_size, progress=second)
     finally:
         for i in chosen:
             if layers[i].observation is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -75,6 +76,72 @@ def make_console(stderr: bool = False, force_plain: bool = False) -> Console:
     )
 
 
+# -- progress of long loops ----------------------------------------------------------------------------------
+class _Speed(ProgressColumn):
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.1f} tok/s" if speed else "", style="progress.data.speed")
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        _Speed(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,  # gone when done: the scrollback keeps the results, not the bar
+        redirect_stdout=False,  # piped text goes to stdout itself, never through the bar
+        redirect_stderr=False,
+    )
+
+
+class ProgressBar:
+    """Renders a long loop's `(done, total)` callbacks as a rich progress bar (tokens read / total, tok/s, ETA)
+    on `console`, and only when that console is a terminal: pipes, files and CI logs get nothing. The bar
+    appears at the first call whose total reaches `min_total` (short prompts do not flash one) and is removed
+    by `close()`. `description` may be a callable of (done, total) for a label that depends on them."""
+
+    def __init__(self, console: Console, description="working", min_total: int = 0):
+        self.console, self.description, self.min_total = console, description, min_total
+        self.enabled = console.is_terminal
+        self.progress: Progress | None = None
+        self.task = None
+
+    def label(self, done: int, total: int) -> str:
+        return self.description(done, total) if callable(self.description) else self.description
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.progress is None:
+            if total < self.min_total:
+                return
+            self.progress = _progress(self.console)
+            self.task = self.progress.add_task(self.label(done, total), total=total)
+            self.progress.start()
+        self.progress.update(self.task, completed=done, total=total, description=self.label(done, total))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_bar(description: str, min_total: int = 0) -> ProgressBar:
+    """A bar on stderr for the measurement commands (a no-op when stderr is not a terminal)."""
+    return ProgressBar(make_console(stderr=True), description, min_total)
+
+
 @dataclass
 class TurnStats:
     """What the panel shows about the current turn."""
@@ -130,13 +197,34 @@ class StreamView:
     holds only the line being written plus the panel, so replies of any length scroll normally.
     Otherwise (no panel, or not a terminal): plain text as it comes."""
 
-    def __init__(self, console: Console, panel: PanelView | None):
+    def __init__(self, console: Console, panel: PanelView | None, min_progress: int = 256):
         self.console = console
         self.panel = panel if console.is_terminal else None
         self.partial = ""
         self.live: Live | None = None
         self.stats_fn = None
         self.drawn = 0.0  # when the live area was last redrawn
+        self.min_progress = min_progress  # prompts shorter than this read without a bar
+        self.reading: Progress | None = None  # the prompt-reading bar, shown until the first text
+        self.bar: ProgressBar | None = None  # the same without a live panel
+
+    def prefill(self, done: int, total: int, description: str, stats_fn=None) -> None:
+        """Show how far the prompt has been read (before the reply's first text): in the live area above the
+        panel, or as a bar of its own on a terminal without the panel."""
+        if self.live is None:
+            if self.bar is None:
+                self.bar = ProgressBar(self.console, description, self.min_progress)
+            self.bar.description = description
+            self.bar(done, total)
+            return
+        if self.reading is None:
+            self.reading = _progress(self.console)
+            self.task = self.reading.add_task(description, total=total)
+        self.reading.update(self.task, completed=done, total=total, description=description)
+        if stats_fn is not None:
+            self.stats_fn = stats_fn
+        parts = [self.reading] + ([self.panel.render(self.stats_fn())] if self.stats_fn else [])
+        self.live.update(Group(*parts), refresh=True)
 
     def __enter__(self) -> StreamView:
         if self.panel is not None:
@@ -146,6 +234,10 @@ class StreamView:
 
     def update(self, piece: str, stats_fn) -> None:
         """Show a new piece of text; `stats_fn()` gives the cache stats, asked for only when redrawn."""
+        if self.bar is not None:  # the prompt is read: the bar gives way to the reply
+            self.bar.close()
+            self.bar = None
+        self.reading = None
         if self.live is None:
             self.console.file.write(piece)
             self.console.file.flush()
@@ -167,6 +259,8 @@ class StreamView:
             self.live.update(Group(Text(self.partial), self.panel.render(stats_fn())))
 
     def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
         if self.live is not None:
             self.live.__exit__(*exc)
             if self.partial:

@@ -69,6 +69,14 @@ def test_piped_json_record(fast_load):
     assert record["generated_tokens"] <= 24 and record["finish_reason"] in ("stop", "length")
 
 
+def test_piped_prompt_far_beyond_the_budget_gets_a_note_first(fast_load):
+    result = invoke(["--temperature", "0", "--max-new-tokens", "2", "-b", "16"], "Tell me about boxes. " * 40)
+    assert result.exit_code == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("h2o-chat: note: the prompt is") and "budget of 16" in lines[0]
+    assert "reading" not in result.stderr  # stderr is not a terminal here: no progress bar
+
+
 def test_raw_mode_continues_plain_text(fast_load):
     result = invoke(["--raw", "--temperature", "0", "--max-new-tokens", "8", "--json"], "Once upon a time")
     record = json.loads(result.stdout)

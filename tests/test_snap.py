@@ -143,3 +143,21 @@ def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
         assert [set(p.tolist()) for p in grouped.groups[row].layers[1].pos[0]] == [
             set(p.tolist()) for p in alone.layers[1].pos[0]
         ]
+
+
+def test_prefill_reports_progress_after_each_chunk_and_snap_reads_twice():
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(4, 256, (1, 50))
+    calls = []
+    prefill(model, H2OCache.for_model(model, make_policy("h2o", 16)), ids, chunk_size=16, progress=calls_to(calls))
+    assert calls == [(16, 50), (32, 50), (48, 50), (50, 50)]  # prompt tokens read, after each chunk
+    calls.clear()
+    prefill(model, H2OCache.for_model(model, make_policy("snap", 16)), ids, chunk_size=16, progress=calls_to(calls))
+    assert calls == [(16, 100), (32, 100), (48, 100), (50, 100), (66, 100), (82, 100), (98, 100), (100, 100)]
+    calls.clear()
+    prefill(model, H2OCache.for_model(model, make_policy("snap", 64)), ids, chunk_size=16, progress=calls_to(calls))
+    assert calls[-1] == (50, 50)  # a prompt that fits the budget is read once
+
+
+def calls_to(calls: list):
+    return lambda done, total: calls.append((done, total))
