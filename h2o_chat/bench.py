@@ -116,7 +116,8 @@ def run_decode_bench(
     rounds: int = 6,
     batch: int = 1,
     chunk: int = 512,
-    progress: Callable[[str], None] | None = None,
+    status: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[BenchRecord]:
     """Decode ms/token per configuration at each length. On CPU every configuration is brought to each length
     and timed in interleaved rounds (A, B, C, A, B, C, ...) so that drift on a noisy machine hits all alike,
@@ -131,7 +132,9 @@ def run_decode_bench(
     else:
         ids = corpus_ids(tokenizer, n)
     ids = ids.to(device).expand(batch, -1).contiguous()
-    measure = _Measure(model, ids, lengths, steps, rounds, chunk, progress)
+    measure = _Measure(model, ids, lengths, steps, rounds, chunk, status, progress)
+    twin = ("h2o@first",) if device.type != "cuda" and "h2o" in configs else ()
+    measure.total = sum(measure.tokens(c) for c in (*configs, *twin))
     if device.type != "cuda":
         runs = [_Run(c, model, budget, longest) for c in configs]
         if "h2o" in configs:
@@ -149,15 +152,28 @@ def run_decode_bench(
 class _Measure:
     """Brings runs to each length and times greedy decode steps in rounds over them."""
 
-    def __init__(self, model, ids, lengths, steps, rounds, chunk, progress):
+    def __init__(self, model, ids, lengths, steps, rounds, chunk, status, progress=None):
         self.model, self.ids, self.lengths = model, ids, sorted(lengths)
-        self.rounds, self.per_round, self.chunk, self.progress = rounds, max(1, steps // rounds), chunk, progress
+        self.rounds, self.per_round, self.chunk, self.status = rounds, max(1, steps // rounds), chunk, status
+        self.progress, self.done, self.total = progress, 0, 0  # tokens fed, over every run
         self.device = ids.device
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def tokens(self, config: str) -> int:
+        """Tokens one run will feed: the loops of __call__, counted ahead (for a progress total)."""
+        fed = 0
+        for length in self.lengths:
+            while fed < length and not (config == "h2o@first" and fed):
+                fed = min(length, fed + self.chunk)
+            fed += (self.rounds + 1) * self.per_round
+        return fed
 
     def forward(self, run: _Run, x: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=x, past_key_values=run.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         run.fed += x.shape[1]
+        self.done += x.shape[1]
+        if self.progress is not None:
+            self.progress(self.done, self.total)
         return out.argmax(-1, keepdim=True)
 
     def __call__(self, runs: list[_Run]) -> list[BenchRecord]:
@@ -186,8 +202,8 @@ class _Measure:
         ms = 1000 * statistics.median(run.times)
         seen = self.lengths[0] if run.config == "h2o@first" else length
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        if self.progress:
-            self.progress(f"{run.config:>12} at {seen:>6} seen: {ms:7.1f} ms/token (rounds of {length})")
+        if self.status:
+            self.status(f"{run.config:>12} at {seen:>6} seen: {ms:7.1f} ms/token (rounds of {length})")
         return BenchRecord(
             run.config,
             run.policy,

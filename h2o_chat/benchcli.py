@@ -24,6 +24,7 @@ from h2o_chat.options import (
     reported,
     status,
 )
+from h2o_chat.ui import progress_bar
 
 
 def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
@@ -126,22 +127,25 @@ def bench_command(
                 limit = free or 4 * 2**30
             else:
                 limit = int(memory_limit * 2**30)
-            records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget)
+            with progress_bar("throughput") as bar:
+                records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget, progress=bar)
             if json_out:
                 typer.echo("\n".join(json.dumps(r) for r in as_dicts(records)))
             else:
                 make_console().print(throughput_table(records, loaded.spec.name))
             return
-        records = bench.run_decode_bench(
-            loaded.model,
-            tokenizer,
-            points,
-            budget,
-            names,
-            steps=steps,
-            batch=batch,
-            progress=None if json_out else status,
-        )
+        with progress_bar("bench") as bar:
+            records = bench.run_decode_bench(
+                loaded.model,
+                tokenizer,
+                points,
+                budget,
+                names,
+                steps=steps,
+                batch=batch,
+                status=None if json_out else bar.print,
+                progress=bar,
+            )
         if json_out:
             typer.echo(bench.as_json_lines(records))
         else:
@@ -194,7 +198,8 @@ def soak_command(
             base = ev.token_ids(loaded.tokenizer, ev.read_text(Path(text) if text else None))
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
         configs = soak_configs(budget, sinks)
-        records = run_soak(loaded.model, ids, configs, window, context, progress=None if json_out else status)
+        with progress_bar("soak") as bar:
+            records = run_soak(loaded.model, ids, configs, window, context, progress=bar)
         if json_out:
             typer.echo("\n".join(json.dumps(r) for r in records))
         else:

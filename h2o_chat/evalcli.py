@@ -36,6 +36,7 @@ from h2o_chat.options import (
     reported,
     status,
 )
+from h2o_chat.ui import progress_bar
 
 eval_app = typer.Typer(
     cls=Group,
@@ -161,7 +162,8 @@ def ppl_command(
             status(f"the text has {len(ids)} tokens; scoring all of them")
         configs = ev.make_configs(names, specs, len(ids), **knobs)
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
-        results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, status, prompt_tokens)
+        with progress_bar(f"ppl, {len(configs)} rows") as bar:
+            results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, bar, prompt_tokens)
         source = text.name if text else "alice.txt"
         records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
         _emit(records, plots.ppl_table(records), json_out, markdown_path, plot, plots.ppl_plot)
@@ -213,7 +215,10 @@ def needle_command(
         longest = max(len(t.ids) for t in trials)
         configs = ev.make_configs(names, specs, longest, **knobs)
         status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        records = tasks.needle(loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions)
+        with progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
+            records = tasks.needle(
+                loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions, bar
+            )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.needle_table(records), json_out, markdown_path, plot, plots.needle_plot)
 
@@ -257,6 +262,9 @@ def agree_command(
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, **knobs)
         status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        records = tasks.agreement(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions)
+        with progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
+            records = tasks.agreement(
+                loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions, bar
+            )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.agree_table(records), json_out, markdown_path, None, None)

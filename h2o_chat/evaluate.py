@@ -33,7 +33,15 @@ from h2o_chat.policies import Policy, make_policy
 
 SHIPPED = ("alice.txt", "moby_dick.txt")
 DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, and the baselines
-Progress = Callable[[str], None] | None
+Progress = Callable[[int, int], None] | None  # progress(tokens done, tokens total)
+
+
+def _prompt_part(progress: Progress, prompt: int, total: int) -> Progress:
+    """A prefill's progress mapped onto a loop's own tokens: reading the prompt covers its first `prompt` of
+    `total` tokens, however many passes the policy makes (snap reads twice)."""
+    if progress is None:
+        return None
+    return lambda done, of: progress(done * prompt // max(1, of), total)
 
 
 # -- budgets and configurations ------------------------------------------------------------------------------
@@ -198,16 +206,15 @@ def streaming_nll(
     x = ids.to(device).expand(G, -1)  # (G, N)
     cache = make_eval_cache(model, policies, positions=positions, context=context)
     nll = torch.empty(G, N - P)
-    t0 = time.perf_counter()
-    logits = prefill(model, cache, x[:, :P])  # (G, V)
+    logits = prefill(model, cache, x[:, :P], progress=_prompt_part(progress, P, N))  # (G, V)
     for t in range(P, N):
         nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none").cpu()
         if on_step is not None:
             on_step(t, cache)
         if t < N - 1:
             logits = decode_one(model, cache, x[:, t])
-        if progress and (t % 256 == 0 or t == N - 1):
-            progress(f"ppl: {t + 1}/{N} tokens x {G} rows, {(t - P + 1) / (time.perf_counter() - t0):.1f} tokens/s")
+        if progress is not None:
+            progress(t + 1, N)
     return nll, cache
 
 
@@ -239,15 +246,20 @@ def greedy_rows(
     max_new_tokens: int,
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "absolute",
+    progress: Progress = None,
 ) -> list[list[list[int]]]:
     """Greedy continuation of every prompt under every configuration, all as rows of one left-padded batch.
-    Returns out[c][p]: prompt p under configs[c], cut before the first stop token."""
+    Returns out[c][p]: prompt p under configs[c], cut before the first stop token. `progress(done, total)`
+    counts the prompt's columns, then one per decode step."""
     device = next(model.parameters()).device
     P = len(prompts)
     ids, mask = left_pad(list(prompts) * len(configs), tokenizer.pad_token_id or 0)
     cache = make_eval_cache(model, [c.policy for c in configs], rows=[P] * len(configs), positions=positions)
     stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=device)
-    logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size)
+    L = ids.shape[1]
+    total = L + max_new_tokens
+    reading = _prompt_part(progress, L, total)
+    logits = prefill(model, cache, ids.to(device), mask.to(device), chunk_size, progress=reading)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     steps = []
     for i in range(max_new_tokens):
@@ -257,6 +269,10 @@ def greedy_rows(
         if bool(done.all()) or i == max_new_tokens - 1:
             break
         logits = decode_one(model, cache, tokens)
+        if progress is not None:
+            progress(L + i + 1, total)
+    if progress is not None:
+        progress(total, total)
     rows = torch.stack(steps, 1).tolist()  # (B, steps)
     stop_set = set(stops.tolist())
     cut = [next((row[:j] for j, t in enumerate(row) if t in stop_set), row) for row in rows]

@@ -165,8 +165,10 @@ def run_throughput(
     budget: int = 512,
     max_batch: int = 256,
     chunk: int = 512,
+    progress=None,
 ) -> list[ThroughputRecord]:
-    """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits."""
+    """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits.
+    `progress(done, total)` counts each configuration's prompt columns and decode steps."""
     model = loaded.model
     device = next(model.parameters()).device
     dtype = loaded.dtype
@@ -175,11 +177,14 @@ def run_throughput(
     weights = fp.weight_bytes(dtype, loaded.quantize)
     total = prompt_tokens + generated_tokens
     out = []
-    for config, cap in (("full", total), ("h2o", budget)):
+    for k, (config, cap) in enumerate((("full", total), ("h2o", budget))):
         batch = min(max_batch, largest_batch(fp, dtype, weights, cap, memory_limit, model.config, chunk))
-
+        before = k * total  # tokens of the configurations already run
+        report = None if progress is None else (lambda done, _of, before=before: progress(before + done, 2 * total))
         if batch == 0:
             out.append(ThroughputRecord(config, cap, 0, prompt_tokens, 0, 0.0, 0, 0, memory_limit, device.type))
+            if report:
+                report(total, total)
             continue
         # a budget >= the whole sequence never evicts: the full cache, allocated once
         cache = H2OCache.for_model(model, make_policy("h2o", cap), "absolute", context=total + 1)
@@ -187,12 +192,14 @@ def run_throughput(
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        logits = prefill(model, cache, ids, chunk_size=chunk)
+        logits = prefill(model, cache, ids, chunk_size=chunk, progress=report)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()
-        for _ in range(generated_tokens):
+        for i in range(generated_tokens):
             logits = decode_one(model, cache, logits.argmax(-1))
+            if report:
+                report(prompt_tokens + i + 1, total)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t

@@ -125,6 +125,10 @@ class ProgressBar:
             self.progress.start()
         self.progress.update(self.task, completed=done, total=total, description=self.label(done, total))
 
+    def print(self, message: str) -> None:
+        """A status line for stderr, printed above the bar while it is drawn (a raw write would tear it)."""
+        self.console.print(f"h2o-chat: {message}", markup=False, highlight=False, soft_wrap=True)
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()

@@ -17,6 +17,7 @@ from h2o_chat import cli, plots, tasks
 from h2o_chat import evaluate as ev
 from h2o_chat.bench import attention
 from h2o_chat.errors import ConfigError
+from h2o_chat.policies import make_policy
 
 runner = CliRunner()
 
@@ -81,6 +82,37 @@ def test_streaming_perplexity_equals_one_pass_forward(embedded):
 
 
 # -- greedy rows, needle and agreement -----------------------------------------------------------------------
+def test_measurement_loops_report_progress_to_the_last_token(single_thread):
+    from h2o_chat.bench import run_decode_bench
+    from h2o_chat.soak import run_soak, soak_configs
+
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+
+    def recorder():
+        calls = []
+        return calls, lambda done, total: calls.append((done, total))
+
+    ids = torch.randint(4, 256, (1, 40))
+    calls, progress = recorder()
+    ev.streaming_nll(model, ids, [make_policy("snap", 16)], progress=progress, prompt_tokens=24)
+    assert calls[-1] == (40, 40) and calls == sorted(calls) and calls[0][0] <= 24  # the prompt, then token by token
+    calls, progress = recorder()
+    ev.greedy_rows(
+        model, tok, [ids[0, :30].tolist()], ev.make_configs(["h2o"], budgets("16"), 30), 5, 8, progress=progress
+    )
+    assert calls[-1] == (35, 35) and calls == sorted(calls)  # prompt columns, then one per step
+    calls, progress = recorder()
+    run_soak(model, torch.randint(4, 256, (1, 30)), soak_configs(8, 2), window=10, progress=progress)
+    assert calls[-1] == (30, 30)
+    calls, progress = recorder()
+    lines = []
+    run_decode_bench(
+        model, None, [16, 24], 8, ("full", "h2o"), steps=2, rounds=1, chunk=8, status=lines.append, progress=progress
+    )
+    assert calls[-1][0] == calls[-1][1] and calls == sorted(calls)  # every token the runs feed, counted ahead
+    assert len(lines) == 6 and "ms/token" in lines[0]  # measurements stay status lines
+
+
 def test_batched_rows_equal_separate_runs():
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     prompts = [torch.randint(4, 256, (n,)).tolist() for n in (20, 33)]
