@@ -355,6 +355,7 @@ def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
+    from prompt_toolkit.layout.dimension import Dimension
 
     path = (history or user_data_dir() / "history").expanduser()
     try:  # a read-only home must not end the session that has just loaded its model
@@ -373,7 +374,17 @@ def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
 
-    return PromptSession(
+    class Prompt(PromptSession):
+        def _get_default_buffer_control_height(self):
+            """The input stays below the terminal's height (a long paste scrolls inside it). An input area of
+            the terminal's full height is cleared from the top-left corner when it is done, and terminals such
+            as tmux (scroll-on-clear) then push the whole screen into the scrollback: a second, partial copy
+            of the paste above the session's own echo of it."""
+            height = super()._get_default_buffer_control_height()
+            rows = self.app.output.get_size().rows
+            return Dimension(min=height.min, max=max(1, min(height.max, rows - 4)))
+
+    return Prompt(
         message="> ",
         history=past,
         key_bindings=keys,

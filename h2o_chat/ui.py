@@ -196,6 +196,27 @@ class PanelView:
         return Panel(grid, title="h2o-chat", title_align="left", border_style="dim")
 
 
+def _no_echo():
+    """Stop the terminal echoing keys (Ctrl-C's "^C" above all) while the live area is drawn; returns the undo.
+
+    The live area's last line fills the terminal's width, so an echoed "^C" wrapped onto a new line: the
+    redraw that clears the live area then went up one line short and left the line being written on screen,
+    and the reply's last line was printed twice. Keys typed meanwhile still reach the next prompt."""
+    try:
+        import termios
+    except ImportError:  # Windows
+        return lambda: None
+    try:
+        fd = sys.stdin.fileno()
+        before = termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError):  # no terminal on stdin (tests, pipes)
+        return lambda: None
+    quiet = list(before)
+    quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    return lambda: termios.tcsetattr(fd, termios.TCSANOW, before)
+
+
 class StreamView:
     """Streams a reply. On a terminal with a panel: finished lines are printed for good, and a live area
     holds only the line being written plus the panel, so replies of any length scroll normally.
@@ -232,6 +253,7 @@ class StreamView:
 
     def __enter__(self) -> StreamView:
         if self.panel is not None:
+            self._quiet = _no_echo()
             self.live = Live(console=self.console, refresh_per_second=8, transient=True)
             self.live.__enter__()
         return self
@@ -267,6 +289,7 @@ class StreamView:
             self.bar.close()
         if self.live is not None:
             self.live.__exit__(*exc)
+            self._quiet()
             if self.partial:
                 self.console.print(Text(self.partial), soft_wrap=True)
             if self.stats_fn is not None:

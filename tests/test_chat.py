@@ -227,6 +227,78 @@ def _installed_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "h2o_chat"]
 
 
+class Pty:
+    """The real command on a pseudo-terminal of a given size; everything it draws is kept."""
+
+    def __init__(self, args: list[str], env: dict, rows: int, columns: int):
+        import fcntl
+        import pty
+        import struct
+        import termios
+
+        size = struct.pack("HHHH", rows, columns, 0, 0)
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child: the real command on a terminal of that size from its first line
+            fcntl.ioctl(0, termios.TIOCSWINSZ, size)
+            os.execvpe(_installed_command()[0], [*_installed_command(), *args], env)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, size)
+        self.rows, self.columns, self.screen = rows, columns, b""
+
+    def read_until(self, needle: bytes, timeout: float, start: int = 0) -> bool:
+        """Read until `needle` (bytes, or a compiled bytes regex) has been drawn since `start`."""
+        found = needle.search if isinstance(needle, re.Pattern) else lambda screen: needle in screen
+        end = time.time() + timeout
+        while time.time() < end:
+            ready, _, _ = select.select([self.fd], [], [], 0.5)
+            if ready:
+                try:
+                    self.screen += os.read(self.fd, 65536)
+                except OSError:
+                    return bool(found(self.screen[start:]))
+            if found(self.screen[start:]):
+                return True
+        return False
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        os.waitpid(self.pid, 0)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_long_paste_and_ctrl_c_leave_a_clean_scrollback(tmp_path):
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
+    env.pop("NO_COLOR", None)
+    term = Pty(["--temperature", "0", "--max-new-tokens", "200", "-b", "64"], env, rows=24, columns=100)
+    paste = "\n".join(f"Note {i:02d}: red box on shelf {i}." for i in range(1, 27))
+    paste += "\n\nWrite a long story about these boxes."
+    try:
+        assert term.read_until(b"\x1b[?2004h", 120), term.screen[-2000:]  # the prompt is up (bracketed paste on)
+        term.write(b"\x1b[200~" + paste.encode() + b"\x1b[201~")  # a bracketed paste, taller than the terminal
+        time.sleep(1)
+        term.write(b"\r")
+        assert term.read_until(b"reading your message", 60), term.screen[-2000:]  # the prompt's progress bar
+        assert term.read_until(re.compile(rb"prefill [1-9]\d* tok/s"), 300), term.screen[-2000:]  # replying
+        time.sleep(3)  # some of the reply, ending mid-line
+        term.write(b"\x03")  # Ctrl-C
+        assert term.read_until(b"(reply stopped)", 60), term.screen[-2000:]
+        assert term.read_until(b"\x1b[?2004h", 30, start=len(term.screen) - 200)  # the next prompt
+        term.write(b"/exit\r")
+        term.read_until(b"\x00never", 3)
+    finally:
+        term.close()
+    drawn = plain(term.screen.decode(errors="replace"))
+    # the whole paste reaches the scrollback once, as sent (the terminal only ever showed its last lines)
+    assert drawn.count("> " + paste.replace("\n", "\r\n")) == 1, drawn[-3000:]
+    # Ctrl-C is not echoed into the live area (an echoed ^C wrapped the full-width panel line, so the redraw
+    # went up one line short and the line being written was printed twice)
+    stopped = drawn.index("(reply stopped)")
+    assert "^C" not in drawn[drawn.index("Write a long story about these boxes.") : stopped + 200]
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
 def test_installed_command_in_a_pty(tmp_path):
     import fcntl
