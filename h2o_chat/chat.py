@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from h2o_chat.loading import Loaded
 from h2o_chat.options import DEFAULT_POLICY
 from h2o_chat.policies import Policy
 from h2o_chat.ui import (
+    COMPACT_BELOW,
     PanelView,
     ProgressBar,
     StreamView,
@@ -167,20 +169,34 @@ class ChatSession:
         self.options = options
         self.console = console
         self.conv = Conversation(loaded, options.policy, options.settings)
-        self.panel = PanelView(loaded.spec.name, describe_device(loaded)) if options.panel else None
+        plain = bool(os.environ.get("NO_COLOR"))  # the README promises plain text: no boxed panel
+        self.panel = PanelView(loaded.spec.name, describe_device(loaded), plain=plain) if options.panel else None
         self.prompt = prompt_session
         self.heavy_ratio = getattr(options.policy, "heavy_ratio", 0.5)
         # policy and budget are independent settings: the budget is remembered while `full` (none) is active
         self.budget = options.policy.budget or 512
 
     # -- input ------------------------------------------------------------------------------------
-    def toolbar(self) -> str:
+    def toolbar(self, width: int | None = None) -> str:
+        """The bottom bar: as many figures as fit the terminal's width (the least important go first), never
+        cut mid-word; `/help` stays."""
+        if width is None:
+            from prompt_toolkit.application import get_app_or_none
+
+            app = get_app_or_none()
+            width = app.output.get_size().columns if app is not None else 120
         s = self.conv.cache.stats()
-        return (
-            f" {describe_policy(s)} | {s.seen} seen, {s.kept:.0f} kept | {s.evicted:.0f} evicted | "
-            f"KV {human_bytes(s.kv_bytes)} allocated, {human_bytes(s.kv_used_bytes)} in use "
-            f"(full cache {human_bytes(s.full_kv_bytes)}) | /help"
-        )
+        short = s.policy if s.budget is None else f"{s.policy} {s.budget}"
+        parts = [
+            describe_policy(s) if width >= COMPACT_BELOW else short,
+            f"{s.seen} seen, {s.kept:.0f} kept",
+            f"{s.evicted:.0f} evicted",
+            f"KV {human_bytes(s.kv_bytes)} allocated, {human_bytes(s.kv_used_bytes)} in use",
+            f"full cache {human_bytes(s.full_kv_bytes)}",
+        ]
+        while len(parts) > 1 and len(" " + " | ".join([*parts, "/help"])) >= width:
+            parts.pop()
+        return " " + " | ".join([*parts, "/help"])
 
     def run(self) -> None:
         self.console.print(

@@ -156,44 +156,86 @@ class TurnStats:
     tokens: int = 0
 
 
+COMPACT_BELOW = 80  # columns: below this the panel is two plain lines
+
+
 @dataclass
 class PanelView:
-    """The live panel: model, device, policy, budget split, tokens, evictions, memory, speed."""
+    """The live panel: model, device, policy, budget split, tokens, evictions, memory, speed.
+
+    It lays itself out for the width it is drawn at: a boxed panel with one line per figure, or, below
+    COMPACT_BELOW columns and whenever `plain` (NO_COLOR), two plain lines. Every line is cut, never wrapped,
+    so the panel keeps its height as the figures change (a live area that grows at the bottom of the screen
+    pushes its top lines into the scrollback)."""
 
     model: str
     device: str
     turn: TurnStats = field(default_factory=TurnStats)
+    plain: bool = False
 
-    def render(self, stats) -> Panel:
-        mem = process_memory()
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="bold")
-        grid.add_column()
-        grid.add_column(style="bold")
-        grid.add_column()
-        kv = describe_kv(stats)
+    def render(self, stats) -> _Panel:
+        return _Panel(self, stats, process_memory())
+
+    def rows(self, stats, mem: dict) -> list[tuple[str, str]]:
         memory = f"RSS {human_bytes(mem['rss'])}"
         if "gpu_allocated" in mem:
             memory += (
                 f" | GPU {human_bytes(mem['gpu_allocated'])} alloc, {human_bytes(mem['gpu_reserved'])} "
                 f"reserved, KV {100 * stats.kv_bytes / max(1, mem['gpu_allocated']):.0f}%"
             )
-        grid.add_row("model", self.model, "device", self.device)
-        grid.add_row("policy", describe_policy(stats), "tokens", f"{stats.seen} seen, {stats.kept:.0f} kept/layer")
-        grid.add_row("positions", stats.positions, "", "")
-        grid.add_row(
-            "evicted",
-            f"{stats.evicted - self.turn.evicted_at_start:.0f} this turn, {stats.evicted:.0f} total",
-            "KV cache",
-            kv,
-        )
-        grid.add_row(
-            "memory",
-            memory,
-            "speed",
-            f"prefill {self.turn.prompt_tps:.0f} tok/s, decode {self.turn.generation_tps:.1f} tok/s",
-        )
-        return Panel(grid, title="h2o-chat", title_align="left", border_style="dim")
+        return [
+            ("model", f"{self.model} on {self.device}"),
+            ("policy", describe_policy(stats)),
+            ("tokens", f"{stats.seen} seen, {stats.kept:.0f} kept per layer and head"),
+            ("positions", stats.positions),
+            ("evicted", f"{stats.evicted - self.turn.evicted_at_start:.0f} this turn, {stats.evicted:.0f} total"),
+            ("KV cache", describe_kv(stats)),
+            ("memory", memory),
+            ("speed", f"prefill {self.turn.prompt_tps:.0f} tok/s, decode {self.turn.generation_tps:.1f} tok/s"),
+        ]
+
+    def lines(self, stats, mem: dict, width: int = 200) -> list[str]:
+        """The summary for narrow terminals and NO_COLOR: the figures, most important first, filled into two
+        lines of at most `width` columns; what does not fit is left out, never wrapped."""
+        policy = describe_policy(stats) if width >= 60 or stats.budget is None else f"{stats.policy} {stats.budget}"
+        parts = [
+            policy,
+            f"{stats.seen} seen, {stats.kept:.0f} kept",
+            f"KV {human_bytes(stats.kv_bytes)} alloc, {human_bytes(stats.kv_used_bytes)} used",
+            f"{stats.evicted - self.turn.evicted_at_start:.0f} evicted ({stats.evicted:.0f} total)",
+            f"full cache {human_bytes(stats.full_kv_bytes)}",
+            f"RSS {human_bytes(mem['rss'])}",
+            f"{self.turn.prompt_tps:.0f}/{self.turn.generation_tps:.1f} tok/s",
+        ]
+        lines: list[str] = [""]
+        for part in parts:
+            joined = f"{lines[-1]} | {part}" if lines[-1] else part
+            if len(joined) <= width:
+                lines[-1] = joined
+            elif len(lines) < 2:
+                lines.append(part)
+        return lines
+
+
+@dataclass
+class _Panel:
+    """A PanelView's figures, laid out when the console says how wide it is."""
+
+    view: PanelView
+    stats: object
+    mem: dict
+
+    def __rich_console__(self, console: Console, options):
+        if self.view.plain or options.max_width < COMPACT_BELOW:
+            for line in self.view.lines(self.stats, self.mem, options.max_width):
+                yield Text(line, no_wrap=True, overflow="ellipsis", style="dim" if not self.view.plain else "")
+            return
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True, min_width=len("positions"))
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+        for label, value in self.view.rows(self.stats, self.mem):
+            grid.add_row(label, value)
+        yield Panel(grid, title="h2o-chat", title_align="left", border_style="dim")
 
 
 def _no_echo():
