@@ -37,13 +37,35 @@ from h2o_chat.options import (
     status,
 )
 
+
+class PromptOrCommand(Group):
+    """`h2o-chat "What is 2+2?"`: words that are not a subcommand are a prompt for one reply (like llm and
+    ollama). A first word that names a subcommand (models, batch, bench, soak, eval) runs it."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        args, words = list(args), []
+        while True:  # options stop at the first positional word: take it out and look again
+            _, rest, _ = self.make_parser(ctx).parse_args(args=list(args))
+            if not rest or (not words and rest[0] in self.commands):
+                break
+            at = len(args) - len(rest)  # rest is what follows the options parsed so far
+            words.append(args.pop(at))
+        if words:
+            ctx.meta[PROMPT] = " ".join(words)
+        return super().parse_args(ctx, args)
+
+
+PROMPT = "h2o_chat.prompt"
+
 app = typer.Typer(
-    cls=Group,
+    cls=PromptOrCommand,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Chat and long-form generation in bounded memory with the H2O heavy-hitter KV cache.\n\n"
-    "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin.",
+    "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin; "
+    'h2o-chat "PROMPT" replies once to PROMPT (text on stdout, as with a pipe).',
+    subcommand_metavar="[PROMPT] | COMMAND [ARGS]...",
     epilog="Environment: H2O_CHAT_CACHE is where converted weights (GGUF to safetensors) and the bench's random "
     "models are kept (default: ~/.cache/h2o-chat, or $XDG_CACHE_HOME/h2o-chat); NO_COLOR gives plain text.",
 )
@@ -83,6 +105,7 @@ def main_command(
     """Chat (terminal) or generate once for the whole of stdin (pipe)."""
     if ctx.invoked_subcommand is not None:
         return
+    argument = ctx.meta.get(PROMPT)
     with reported():
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
@@ -90,9 +113,13 @@ def main_command(
         check_sampling(temperature, top_p)
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
         pol = build_policy(policy, budget, knobs)
-        interactive = sys.stdin.isatty()
-        prompt = None
-        if not interactive:
+        interactive = argument is None and sys.stdin.isatty()
+        prompt = argument  # a prompt argument: one reply, stdin is not read
+        if argument is not None and not argument.strip():
+            from h2o_chat.errors import InputError
+
+            raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
+        if argument is None and not interactive:
             from h2o_chat.chat import read_stdin_prompt
 
             prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights

@@ -57,6 +57,18 @@ def test_piped_prompt_streams_only_text_to_stdout(fast_load):
     assert summary.startswith("h2o-chat:") and "snap 32 (16 heavy + 16 recent)" in summary and "evicted" in summary
 
 
+def test_a_prompt_argument_gets_one_reply(fast_load):
+    result = invoke(["--temperature", "0", "--max-new-tokens", "16", "-b", "32", "What is the capital of France?"], "")
+    assert result.exit_code == 0, result.stderr  # stdin (empty here) is not read
+    assert "Paris" in result.stdout and "tok/s" in result.stderr
+    result = invoke(["What", "is", "the", "capital", "of", "France?", "--json", "--temperature", "0", "-b", "32"])
+    assert result.exit_code == 0, result.stderr  # options after the words, words unquoted
+    record = json.loads(result.stdout)
+    assert "Paris" in record["text"] and record["cache"]["budget"] == 32
+    assert invoke(["models"]).stdout.startswith("alias")  # a subcommand's name still runs the subcommand
+    assert_one_line_error(invoke([""]), "the prompt is empty")
+
+
 def test_piped_json_record(fast_load):
     result = invoke(["--temperature", "0", "--max-new-tokens", "24", "-b", "32", "--json"], "Count from one to ten.")
     assert result.exit_code == 0, result.stderr
