@@ -181,8 +181,8 @@ def test_evicted_after_load_lists_every_message_with_its_role_and_tokens(embedde
 
 
 def test_a_long_message_shows_reading_progress_and_a_budget_note(embedded, tmp_path):
-    chat = session(embedded, tmp_path, max_new_tokens=2, panel=True, terminal=True, policy=make_policy("snap", 32))
-    long = " ".join(f"Item {i} is a small red box." for i in range(45))  # ~400 tokens: over 8x the budget
+    chat = session(embedded, tmp_path, max_new_tokens=2, panel=True, terminal=True, policy=make_policy("snap", 16))
+    long = " ".join(f"Item {i} is a small red box." for i in range(16))  # ~150 tokens: over 8x the budget
     calls = []
     send = chat.conv.send
     chat.conv.send = lambda text, **kw: send(text, progress=lambda d, t: (calls.append((d, t)), kw["progress"](d, t)))
@@ -190,7 +190,7 @@ def test_a_long_message_shows_reading_progress_and_a_budget_note(embedded, tmp_p
     n = chat.conv.pending
     assert calls[0] == (0, n) and calls[-1] == (2 * n, 2 * n)  # up front, then snap's two passes as one bar
     assert "reading your message (twice: snap)" in out and f"/{2 * n} tokens" in out and "ETA" in out
-    note = next(line for line in out.splitlines() if "budget of 32" in line)
+    note = next(line for line in out.splitlines() if "budget of 16" in line)
     assert f"the prompt is {n:,} tokens" in note
     assert out.index(note) < out.index("reading your message")  # said before the reading starts
 
