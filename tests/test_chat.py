@@ -278,11 +278,11 @@ def test_long_paste_and_ctrl_c_leave_a_clean_scrollback(tmp_path):
     try:
         assert term.read_until(b"\x1b[?2004h", 120), term.screen[-2000:]  # the prompt is up (bracketed paste on)
         term.write(b"\x1b[200~" + paste.encode() + b"\x1b[201~")  # a bracketed paste, taller than the terminal
-        time.sleep(1)
+        term.read_until(b"\x00never", 1)  # keep reading while waiting: a full pty buffer blocks the command
         term.write(b"\r")
         assert term.read_until(b"reading your message", 60), term.screen[-2000:]  # the prompt's progress bar
         assert term.read_until(re.compile(rb"prefill [1-9]\d* tok/s"), 300), term.screen[-2000:]  # replying
-        time.sleep(3)  # some of the reply, ending mid-line
+        term.read_until(b"\x00never", 3)  # some of the reply, ending mid-line
         term.write(b"\x03")  # Ctrl-C
         assert term.read_until(b"(reply stopped)", 60), term.screen[-2000:]
         assert term.read_until(b"\x1b[?2004h", 30, start=len(term.screen) - 200)  # the next prompt
