@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.cache import H2OCache
+from h2o_chat.cache import H2OCache, mean_count
 from h2o_chat.config import read_user_text
 from h2o_chat.engine import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.errors import ConfigError, InputError
@@ -226,8 +226,8 @@ def generate_batch(
                     "policy": policy.name,
                     "budget": policy.budget,
                     "seen": row_stats["seen"],
-                    "kept": _whole(row_stats["kept"]),
-                    "evicted": _whole(row_stats["evicted"]),
+                    "kept": mean_count(row_stats["kept"]),
+                    "evicted": mean_count(row_stats["evicted"]),
                 },
                 "batch_rows": len(items),
             }
@@ -237,10 +237,6 @@ def generate_batch(
         if len(active) <= len(rows) // 2:  # half the rows are done: they leave the batch together
             engine.keep_rows(torch.tensor(active))
             rows = [rows[r] for r in active]
-
-
-def _whole(x: float) -> int | float:
-    return round(x) if abs(x - round(x)) < 1e-6 else round(x, 1)
 
 
 def run_batch(
@@ -256,9 +252,17 @@ def run_batch(
     on_record: Callable[[dict], None] | None = None,
     positions: str = "auto",
     decode: str = "auto",
+    on_skip: Callable[[str], None] | None = None,
 ) -> Summary:
+    """Generate every well-formed line not yet in the output. Malformed and duplicate lines are passed to
+    `on_skip` before anything is generated (a long run should not hide them until its end)."""
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
+    if on_skip:
+        for problem in summary.malformed:
+            on_skip(problem)
+    if summary.malformed and not items:
+        raise InputError(f"no line of {input_path.name} can be run: all {len(summary.malformed)} were skipped")
     done = finished_ids(output_path)
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)

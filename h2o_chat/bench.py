@@ -160,7 +160,8 @@ def run_decode_bench(
     rounds: int = 6,
     batch: int = 1,
     chunk: int = 512,
-    progress: Callable[[str], None] | None = None,
+    status: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     decode: str = "auto",
 ) -> list[BenchRecord]:
     """Decode ms/token per configuration at each length. On CPU every configuration is brought to each length
@@ -176,7 +177,9 @@ def run_decode_bench(
     else:
         ids = corpus_ids(tokenizer, n)
     ids = ids.to(device).expand(batch, -1).contiguous()
-    measure = _Measure(model, ids, lengths, steps, rounds, chunk, progress)
+    measure = _Measure(model, ids, lengths, steps, rounds, chunk, status, progress)
+    twin = ("h2o@first",) if device.type != "cuda" and "h2o" in configs else ()
+    measure.total = sum(measure.tokens(c) for c in (*configs, *twin))
 
     def make(config: str) -> _Run:
         return _Run(config, model, budget, n, batch, decode)
@@ -198,11 +201,26 @@ def run_decode_bench(
 class _Measure:
     """Brings runs to each length and times greedy decode steps in rounds over them."""
 
-    def __init__(self, model, ids, lengths, steps, rounds, chunk, progress):
+    def __init__(self, model, ids, lengths, steps, rounds, chunk, status, progress=None):
         self.model, self.ids, self.lengths = model, ids, sorted(lengths)
-        self.rounds, self.per_round, self.chunk, self.progress = rounds, max(1, steps // rounds), chunk, progress
+        self.rounds, self.per_round, self.chunk, self.status = rounds, max(1, steps // rounds), chunk, status
+        self.progress, self.done, self.total = progress, 0, 0  # tokens fed, over every run
         self.device = ids.device
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def tokens(self, config: str) -> int:
+        """Tokens one run will feed: the loops of __call__, counted ahead (for a progress total)."""
+        fed = 0
+        for length in self.lengths:
+            while fed < length and not (config == "h2o@first" and fed):
+                fed = min(length, fed + self.chunk)
+            fed += (self.rounds + 1) * self.per_round
+        return fed
+
+    def advanced(self, tokens: int) -> None:
+        self.done += tokens
+        if self.progress is not None:
+            self.progress(self.done, self.total)
 
     def __call__(self, runs: list[_Run]) -> list[BenchRecord]:
         records = []
@@ -210,7 +228,9 @@ class _Measure:
             for run in runs:
                 with attention(self.model, run.impl):
                     while run.fed < length and not (run.config == "h2o@first" and run.fed):
+                        before = run.fed
                         run.prefill(self.ids[:, run.fed : min(length, run.fed + self.chunk)])
+                        self.advanced(run.fed - before)
                 run.times = []
             for r in range(self.rounds + 1):  # round 0 warms up (and compiles or captures)
                 for run in runs:
@@ -221,6 +241,7 @@ class _Measure:
                             run.step()
                         _sync(self.device)
                         seconds = time.perf_counter() - t
+                    self.advanced(self.per_round)
                     if r:
                         run.times.append(seconds / self.per_round)
                     elif run.engine is None and run.decode == "compile" and not run.setup_seconds:
@@ -233,8 +254,8 @@ class _Measure:
         ms = 1000 * statistics.median(run.times)
         seen = self.lengths[0] if run.config == "h2o@first" else length
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        if self.progress:
-            self.progress(f"{run.config:>15} at {seen:>6} seen: {ms:7.2f} ms/token ({run.decode}, rounds of {length})")
+        if self.status:
+            self.status(f"{run.config:>15} at {seen:>6} seen: {ms:7.2f} ms/token ({run.decode}, rounds of {length})")
         return BenchRecord(
             run.config,
             run.policy.name,

@@ -26,6 +26,7 @@ from h2o_chat.options import (
     reported,
     status,
 )
+from h2o_chat.ui import progress_bar
 
 
 def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
@@ -43,7 +44,7 @@ def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
     spec = ModelSpec(name=f"{shape} (random weights)", source=shape, family=SHAPES[shape]["model_type"])
     _, torch_dtype, _ = resolve_settings(spec, device, dtype, quantize)
     status(f"building a random {shape} model (once) ...")
-    folder = random_model(shape, torch_dtype if torch_dtype.is_floating_point else None)
+    folder = random_model(shape, torch_dtype if torch_dtype.is_floating_point else None, status=status)
     spec = ModelSpec(name=spec.name, source=str(folder), family=spec.family)
     return load(spec, device=device, dtype=dtype, quantize=quantize, status=status, kv_tokens=kv_tokens)
 
@@ -78,8 +79,9 @@ def bench_command(
     throughput: Annotated[
         bool,
         typer.Option(
+            "--throughput",
             help="Instead: tokens/s over the largest batch that fits "
-            "--memory-limit, full cache vs h2o (the paper's metric)."
+            "--memory-limit, full cache vs h2o (the paper's metric).",
         ),
     ] = False,
     memory_limit: Annotated[
@@ -131,7 +133,8 @@ def bench_command(
                 limit = free or 4 * 2**30
             else:
                 limit = int(memory_limit * 2**30)
-            records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget, decode=decode)
+            with progress_bar("throughput") as bar:
+                records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget, progress=bar, decode=decode)
             if json_out:
                 typer.echo("\n".join(json.dumps(r) for r in as_dicts(records)))
             else:
@@ -139,17 +142,19 @@ def bench_command(
             return
         if configs is None and loaded.device.type == "cuda":
             names = ("dynamic", "static-compiled", "full", "h2o", "h2o-nobound")
-        records = bench.run_decode_bench(
-            loaded.model,
-            tokenizer,
-            points,
-            budget,
-            names,
-            steps=steps,
-            batch=batch,
-            progress=None if json_out else status,
-            decode=decode,
-        )
+        with progress_bar("bench") as bar:
+            records = bench.run_decode_bench(
+                loaded.model,
+                tokenizer,
+                points,
+                budget,
+                names,
+                steps=steps,
+                batch=batch,
+                status=None if json_out else bar.print,
+                progress=bar,
+                decode=decode,
+            )
         if json_out:
             typer.echo(bench.as_json_lines(records))
         else:
@@ -175,8 +180,9 @@ def soak_command(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per window instead of a table.")] = False,
     models_file: ModelsFile = None,
 ) -> None:
-    """Read far past the trained context with a fixed budget: memory and perplexity per window, for absolute
-    and rolling positions, with and without attention sinks."""
+    """Read far past the trained context with a fixed budget: memory and perplexity per window.
+
+    Compares absolute and rolling positions, with and without attention sinks."""
     with reported():
         import json
         from pathlib import Path
@@ -201,7 +207,8 @@ def soak_command(
             base = ev.token_ids(loaded.tokenizer, ev.read_text(Path(text) if text else None))
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
         configs = soak_configs(budget, sinks)
-        records = run_soak(loaded.model, ids, configs, window, context, progress=None if json_out else status)
+        with progress_bar("soak") as bar:
+            records = run_soak(loaded.model, ids, configs, window, context, progress=bar)
         if json_out:
             typer.echo("\n".join(json.dumps(r) for r in records))
         else:

@@ -168,8 +168,8 @@ class CacheStats:
     kept_min: int
     kept_max: int
     evicted: float  # tokens evicted per layer, row and head (mean)
-    kv_bytes: int  # bytes the key/value buffers occupy (allocated)
-    kv_used_bytes: int  # bytes of the tokens held now
+    kv_bytes: int  # bytes the key/value buffers occupy (allocated: the whole budget from the first token)
+    kv_used_bytes: int  # bytes of the tokens held: tokens held x bytes per token, over layers, rows, heads
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute (trained 8192)"
 
@@ -178,10 +178,7 @@ class CacheStats:
         return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
 
     def as_dict(self) -> dict:
-        def whole(x: float) -> float | int:
-            return round(x) if abs(x - round(x)) < 1e-6 else round(x, 1)
-
-        return {**dataclasses.asdict(self), "kept": whole(self.kept), "evicted": whole(self.evicted)}
+        return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
 
     @classmethod
     def combine(cls, parts: list[CacheStats]) -> CacheStats:
@@ -202,6 +199,12 @@ class CacheStats:
             full_kv_bytes=sum(p.full_kv_bytes for p in parts),
             positions=first.positions,
         )
+
+
+def mean_count(x: float) -> int | float:
+    """A mean token count for JSON: an integer when it is whole, else one decimal."""
+    x = round(x, 1)
+    return int(x) if x == int(x) else x
 
 
 class H2OCache(Cache):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -12,15 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 from h2o_chat.config import user_data_dir
-from h2o_chat.conversation import ChatSettings, Conversation
+from h2o_chat.conversation import ChatSettings, Conversation, budget_note
 from h2o_chat.errors import H2OChatError, InputError
 from h2o_chat.loading import Loaded
 from h2o_chat.options import DEFAULT_POLICY
 from h2o_chat.policies import Policy
 from h2o_chat.ui import (
+    COMPACT_BELOW,
     PanelView,
+    ProgressBar,
     StreamView,
     TurnStats,
     describe_device,
@@ -56,13 +61,33 @@ def read_stdin_prompt(data: bytes) -> str:
     return text
 
 
+def reading_label(total: int, prompt_tokens: int) -> str:
+    """What a prompt-reading bar says: snap reads a prompt that overflows the budget twice (one bar over 2x)."""
+    return "reading the prompt" + (" (twice: snap)" if prompt_tokens and total >= 2 * prompt_tokens else "")
+
+
 def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     """Generate for the whole of stdin; text streams to stdout, a summary goes to stderr (or JSON to stdout)."""
     conv = Conversation(loaded, options.policy, options.settings)
+    # stderr: a progress bar while a long prompt is read (only on a terminal), and notes before the reading
+    bar = ProgressBar(make_console(stderr=True), lambda done, total: reading_label(total, conv.pending), 256)
+
+    def progress(done: int, total: int) -> None:
+        for notice in conv.cache.pop_notices():
+            bar.console.print(f"h2o-chat: note: {notice}", markup=False, highlight=False)
+        bar(done, total)
+
+    conv.engine.on_setup = lambda message: print(f"h2o-chat: {message} ...", file=sys.stderr)
+
     if options.raw:
         from h2o_chat.generate import stream_generate
 
         ids = loaded.tokenizer(prompt)["input_ids"]
+        conv.pending = len(ids)
+        note = budget_note(len(ids), options.policy.budget)
+        if note:
+            conv.cache.notices.append(note)
+        progress(0, len(ids))
         stream = stream_generate(
             loaded.model,
             loaded.tokenizer,
@@ -71,12 +96,16 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
             sampler=options.settings.sampler,
             max_new_tokens=options.settings.max_new_tokens,
             chunk_size=options.settings.chunk_size,
+            progress=progress,
+            engine=conv.engine,
         )
     else:
-        stream = conv.send(prompt)
+        stream = conv.send(prompt, progress=progress)
     out = sys.stdout
     pieces, last = [], None
     for r in stream:
+        if last is None:
+            bar.close()  # the prompt is read: stderr's bar gives way to the text on stdout
         last = r
         pieces.append(r.text)
         if not options.json and r.text:
@@ -93,13 +122,15 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         "generated_tokens": last.generation_tokens,
         "prompt_tps": round(last.prompt_tps, 2),
         "decode_tps": round(last.generation_tps, 2),
+        "decode": conv.engine.describe(),
         "cache": stats.as_dict(),
     }
+    bar.close()
     if options.json:
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
         out.write("\n")
-        print(f"h2o-chat: {summary_line(last, stats)}", file=sys.stderr)
+        print(f"h2o-chat: {summary_line(last, stats, conv.engine.describe())}", file=sys.stderr)
     out.flush()
     return record
 
@@ -142,17 +173,34 @@ class ChatSession:
         self.options = options
         self.console = console
         self.conv = Conversation(loaded, options.policy, options.settings)
-        self.panel = PanelView(loaded.spec.name, describe_device(loaded)) if options.panel else None
+        plain = bool(os.environ.get("NO_COLOR"))  # the README promises plain text: no boxed panel
+        self.panel = PanelView(loaded.spec.name, describe_device(loaded), plain=plain) if options.panel else None
         self.prompt = prompt_session
         self.heavy_ratio = getattr(options.policy, "heavy_ratio", 0.5)
+        # policy and budget are independent settings: the budget is remembered while `full` (none) is active
+        self.budget = options.policy.budget or 512
 
     # -- input ------------------------------------------------------------------------------------
-    def toolbar(self) -> str:
+    def toolbar(self, width: int | None = None) -> str:
+        """The bottom bar: as many figures as fit the terminal's width (the least important go first), never
+        cut mid-word; `/help` stays."""
+        if width is None:
+            from prompt_toolkit.application import get_app_or_none
+
+            app = get_app_or_none()
+            width = app.output.get_size().columns if app is not None else 120
         s = self.conv.cache.stats()
-        return (
-            f" {describe_policy(s)} | {s.seen} seen, {s.kept:.0f} kept | {s.evicted:.0f} evicted | "
-            f"KV {human_bytes(s.kv_bytes)} held (full cache {human_bytes(s.full_kv_bytes)}) | /help"
-        )
+        short = s.policy if s.budget is None else f"{s.policy} {s.budget}"
+        parts = [
+            describe_policy(s) if width >= COMPACT_BELOW else short,
+            f"{s.seen} seen, {s.kept:.0f} kept",
+            f"{s.evicted:.0f} evicted",
+            f"KV {human_bytes(s.kv_bytes)} allocated, {human_bytes(s.kv_used_bytes)} in use",
+            f"full cache {human_bytes(s.full_kv_bytes)}",
+        ]
+        while len(parts) > 1 and len(" " + " | ".join([*parts, "/help"])) >= width:
+            parts.pop()
+        return " " + " | ".join([*parts, "/help"])
 
     def run(self) -> None:
         self.console.print(
@@ -169,28 +217,47 @@ class ChatSession:
             text = text.strip()
             if not text:
                 continue
+            self.echo(text)
             if text.startswith("/"):
                 if self.command(text) == "exit":
                     break
                 continue
             self.reply(text)
 
+    def echo(self, text: str) -> None:
+        """Print what was sent, whole, for the scrollback. prompt-toolkit erases its own copy (erase_when_done):
+        a paste taller than the terminal is drawn only in part, and the part was left in the scrollback twice
+        (once scrolled off as the input grew, once as the final state), without its first paragraphs."""
+        self.console.print(Text.assemble(("> ", "bold"), text), soft_wrap=True)
+
     # -- a reply ----------------------------------------------------------------------------------
     def reply(self, text: str) -> None:
         before = self.conv.cache.stats().evicted
         if self.panel is not None:
-            self.panel.turn = TurnStats(evicted_at_start=before)
+            self.panel.turn = TurnStats(evicted_at_start=before, decode=self.conv.engine.describe())
         last = None
+        # a one-time capture or compilation of the decode step: say what the pause is
+        self.conv.engine.on_setup = lambda message: self.console.print(f"[dim]{escape(message)} ...[/]")
+
+        def progress(done: int, total: int) -> None:  # while the message (or a re-read conversation) is read
+            for notice in self.conv.cache.pop_notices():
+                self.console.print(f"[dim]note: {escape(notice)}[/]")
+            n = self.conv.pending_messages
+            what = f"reading the conversation ({n} messages)" if n > 1 else "reading your message"
+            label = reading_label(total, self.conv.pending).replace("reading the prompt", what)
+            view.prefill(done, total, label, self.conv.cache.stats)
+
         try:
             with (
                 interruptible() as stop,
                 StreamView(self.console, self.panel) as view,
-                contextlib.closing(self.conv.send(text)) as stream,
+                contextlib.closing(self.conv.send(text, progress=progress)) as stream,
             ):
                 for r in stream:
                     last = r
                     if self.panel is not None:
                         self.panel.turn.prompt_tps, self.panel.turn.generation_tps = r.prompt_tps, r.generation_tps
+                        self.panel.turn.decode = self.conv.engine.describe()
                     view.update(r.text, r.cache.stats)
                     if stop.is_set():
                         break
@@ -204,9 +271,14 @@ class ChatSession:
             self.console.print("[dim](reply stopped)[/]")
         elif last is not None and last.finish_reason == "length":
             self.console.print(f"[dim](reply cut at {last.generation_tokens} tokens: --max-new-tokens)[/]")
-        for report in self.conv.newly_evicted_user_messages():
+        fresh = self.conv.newly_evicted_user_messages()
+        if len(fresh) > 1:  # e.g. a long loaded conversation read into a small budget: one line, not one each
             self.console.print(
-                f'[dim]note: your message "{report.preview}" is no longer fully cached '
+                f"[dim]note: {len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which[/]"
+            )
+        for report in fresh if len(fresh) == 1 else ():
+            self.console.print(
+                f'[dim]note: your message "{escape(report.preview)}" is no longer fully cached '
                 f"({100 * report.kept:.0f}% kept); /evicted shows more[/]"
             )
 
@@ -242,6 +314,8 @@ class ChatSession:
             policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio)
         before = self.conv.cache.stats().evicted
         self.conv.set_policy(policy)
+        if policy.budget is not None:
+            self.budget = policy.budget
         dropped = self.conv.cache.stats().evicted - before
         extra = f"; evicted {dropped:.0f} tokens now" if dropped else ""
         self.console.print(f"cache: {policy.describe()}{extra}")
@@ -261,8 +335,7 @@ class ChatSession:
         if not arg:
             self.console.print(f"cache: {self.conv.policy.describe()}")
             return
-        budget = self.conv.policy.budget or self.options.policy.budget or 512
-        self._set_policy(arg, budget)
+        self._set_policy(arg, self.budget)
 
     def cmd_system(self, arg: str) -> None:
         if not arg:
@@ -303,23 +376,44 @@ class ChatSession:
 def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     """prompt-toolkit input: persistent history, Alt-Enter for a new line, stats in the bottom toolbar."""
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
+    from prompt_toolkit.layout.dimension import Dimension
 
-    path = history or user_data_dir() / "history"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = (history or user_data_dir() / "history").expanduser()
+    try:  # a read-only home must not end the session that has just loaded its model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.open("a", encoding="utf-8").close()
+        past = FileHistory(str(path))
+    except OSError as e:
+        chat.console.print(
+            f"[dim]note: input history is off for this session: cannot write {escape(str(path))} ({e.strerror})[/]",
+            soft_wrap=True,
+        )
+        past = InMemoryHistory()
     keys = KeyBindings()
 
     @keys.add("escape", "enter")
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
 
-    return PromptSession(
+    class Prompt(PromptSession):
+        def _get_default_buffer_control_height(self):
+            """The input stays below the terminal's height (a long paste scrolls inside it). An input area of
+            the terminal's full height is cleared from the top-left corner when it is done, and terminals such
+            as tmux (scroll-on-clear) then push the whole screen into the scrollback: a second, partial copy
+            of the paste above the session's own echo of it."""
+            height = super()._get_default_buffer_control_height()
+            rows = self.app.output.get_size().rows
+            return Dimension(min=height.min, max=max(1, min(height.max, rows - 4)))
+
+    return Prompt(
         message="> ",
-        history=FileHistory(str(path)),
+        history=past,
         key_bindings=keys,
         multiline=False,
         bottom_toolbar=chat.toolbar if chat.panel is not None else None,
+        erase_when_done=True,  # the session echoes the whole input itself (ChatSession.echo)
         **kwargs,
     )
 

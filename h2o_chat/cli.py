@@ -13,10 +13,12 @@ from h2o_chat.options import (
     DEFAULT_POLICY,
     Budget,
     ChunkSize,
+    Command,
     Decode,
     Device,
     Download,
     Dtype,
+    Group,
     HeavyRatio,
     Model,
     ModelsFile,
@@ -31,18 +33,44 @@ from h2o_chat.options import (
     check_decode,
     check_positions,
     check_positive,
+    check_sampling,
     load_model,
     policy_knobs,
     reported,
     status,
 )
 
+
+class PromptOrCommand(Group):
+    """`h2o-chat "What is 2+2?"`: words that are not a subcommand are a prompt for one reply (like llm and
+    ollama). A first word that names a subcommand (models, batch, bench, soak, eval) runs it."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        args, words = list(args), []
+        while True:  # options stop at the first positional word: take it out and look again
+            _, rest, _ = self.make_parser(ctx).parse_args(args=list(args))
+            if not rest or (not words and rest[0] in self.commands):
+                break
+            at = len(args) - len(rest)  # rest is what follows the options parsed so far
+            words.append(args.pop(at))
+        if words:
+            ctx.meta[PROMPT] = " ".join(words)
+        return super().parse_args(ctx, args)
+
+
+PROMPT = "h2o_chat.prompt"
+
 app = typer.Typer(
+    cls=PromptOrCommand,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Chat and long-form generation in bounded memory with the H2O heavy-hitter KV cache.\n\n"
-    "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin.",
+    "With a terminal on stdin it chats; with a pipe it generates once for the whole of stdin; "
+    'h2o-chat "PROMPT" replies once to PROMPT (text on stdout, as with a pipe).',
+    subcommand_metavar="[PROMPT] | COMMAND [ARGS]...",
+    epilog="Environment: H2O_CHAT_CACHE is where converted weights (GGUF to safetensors) and the bench's random "
+    "models are kept (default: ~/.cache/h2o-chat, or $XDG_CACHE_HOME/h2o-chat); NO_COLOR gives plain text.",
 )
 
 
@@ -64,7 +92,9 @@ def main_command(
     repetition_penalty: RepetitionPenalty = 1.1,
     seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    raw: Annotated[bool, typer.Option(help="Piped: continue stdin as plain text, without the chat template.")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Piped: continue stdin as plain text, without the chat template.")
+    ] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
@@ -80,19 +110,25 @@ def main_command(
     """Chat (terminal) or generate once for the whole of stdin (pipe)."""
     if ctx.invoked_subcommand is not None:
         return
+    argument = ctx.meta.get(PROMPT)
     with reported():
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
         check_positions(positions)
         check_decode(decode)
+        check_sampling(temperature, top_p, repetition_penalty)
         from h2o_chat.sampling import Sampler
 
         sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
         pol = build_policy(policy, budget, knobs)
-        interactive = sys.stdin.isatty()
-        prompt = None
-        if not interactive:
+        interactive = argument is None and sys.stdin.isatty()
+        prompt = argument  # a prompt argument: one reply, stdin is not read
+        if argument is not None and not argument.strip():
+            from h2o_chat.errors import InputError
+
+            raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
+        if argument is None and not interactive:
             from h2o_chat.chat import read_stdin_prompt
 
             prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights
@@ -124,12 +160,14 @@ def main_command(
             run_piped(loaded, options, prompt)
 
 
-@app.command("models")
+@app.command("models", cls=Command)
 def models_command(models_file: ModelsFile = None) -> None:
     """List the model aliases and whether their weights are on this machine."""
     with reported():
         from rich.table import Table
+        from rich.text import Text
 
+        from h2o_chat.config import user_cache_dir
         from h2o_chat.loading import is_present
         from h2o_chat.ui import make_console
 
@@ -144,13 +182,17 @@ def models_command(models_file: ModelsFile = None) -> None:
                 spec.family,
                 f"{spec.dtype}/{spec.quantize}",
                 str(spec.context or "?"),
-                f"{spec.source}\n{spec.note}",
+                # a repo id has no spaces to wrap at: fold it whole onto more lines rather than cut it with "..."
+                Text(f"{spec.source}\n{spec.note}", overflow="fold"),
             )
-        table.caption = "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)"
+        table.caption = (
+            "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)\n"
+            f"Converted weights are kept in {user_cache_dir()} (H2O_CHAT_CACHE sets another folder)."
+        )
         make_console().print(table)
 
 
-@app.command("batch")
+@app.command("batch", cls=Command)
 def batch_command(
     input_path: Annotated[
         Path,
@@ -178,7 +220,7 @@ def batch_command(
     ] = 1.1,
     seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
-    raw: Annotated[bool, typer.Option(help='Feed "prompt" lines as plain text, no chat template.')] = False,
+    raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
     quantize: Quantize = None,
@@ -196,20 +238,22 @@ def batch_command(
         check_positive("--max-new-tokens", max_new_tokens)
         check_positive("--chunk-size", chunk_size)
         check_decode(decode)
-        from h2o_chat.sampling import Sampler
-
-        Sampler(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)  # checks
+        check_sampling(temperature, top_p, repetition_penalty)
         if not input_path.is_file():
             raise InputError(f"input file not found: {input_path}")
+        if output.is_dir():
+            raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
         if not output.parent.exists():
             raise InputError(f"output folder does not exist: {output.parent}")
+        if output.resolve() == input_path.resolve():
+            raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
         build_policy(policy, budget, knobs)  # fail before loading weights
 
         def policy_for(line_budget: int | None):
             return build_policy(policy, line_budget if line_budget is not None else budget, knobs)
 
-        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget * batch_size)
+        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget, kv_rows=batch_size)
         defaults = Defaults(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -231,24 +275,22 @@ def batch_command(
             on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
             positions=positions,
             decode=decode,
+            on_skip=lambda problem: status(f"skipped {problem}"),
         )
-        for problem in summary.malformed:
-            typer.echo(f"h2o-chat: skipped {problem}", err=True)
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
+        skipped = f"{len(summary.malformed)} lines skipped (listed above)" if summary.malformed else "0 skipped"
+        # every valid row finished: exit 0, whatever was skipped (it was reported before generation started)
         status(
-            f"batch: {summary.done} done, {summary.skipped} already in {output.name}, "
-            f"{len(summary.malformed)} malformed | {summary.tokens} tokens in {summary.seconds:.1f} s "
-            f"({rate:.1f} tok/s)"
+            f"batch: {summary.done} done, {summary.skipped} already in {output.name}, {skipped} | "
+            f"{summary.tokens} tokens in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
         )
-        if summary.malformed:
-            raise typer.Exit(2)
 
 
 from h2o_chat.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
 from h2o_chat.evalcli import eval_app  # noqa: E402
 
-app.command("bench")(bench_command)
-app.command("soak")(soak_command)
+app.command("bench", cls=Command)(bench_command)
+app.command("soak", cls=Command)(soak_command)
 app.add_typer(eval_app, name="eval")
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,47 @@ def user_cache_dir() -> Path:
     if os.environ.get("H2O_CHAT_CACHE"):
         return Path(os.environ["H2O_CHAT_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "h2o-chat"
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be created in `folder` (made if missing), or None when they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+_fallback: dict[Path, Path] = {}
+
+
+def writable_cache_dir(note: Callable[[str], None] | None = None) -> Path:
+    """The user cache folder, or, when it cannot be written (a read-only home), a private temporary folder for
+    this user; `note` is told once which, and why. A tool that cannot cache should still run."""
+    wanted = user_cache_dir()
+    if wanted in _fallback:
+        return _fallback[wanted]
+    why = unwritable(wanted)
+    if why is None:
+        return wanted
+    folder = Path(tempfile.gettempdir()) / f"h2o-chat-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+        private = folder.is_dir() and not folder.is_symlink() and st.st_mode & 0o077 == 0
+        if not private or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+            raise PermissionError  # someone else's folder in a shared /tmp: use a fresh one
+    except OSError:
+        folder = Path(tempfile.mkdtemp(prefix="h2o-chat-"))
+    _fallback[wanted] = folder
+    if note:
+        note(
+            f"note: cannot write {wanted} ({why}); converted weights are cached in {folder} instead "
+            "(set H2O_CHAT_CACHE to a writable folder to keep them)"
+        )
+    return folder
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ cache has not seen. This works for any template without decoding tokens back to 
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,19 @@ PLAIN_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 PLAIN_STOP = "\nUser:"
+
+
+FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
+
+
+def budget_note(prompt_tokens: int, budget: int | None) -> str | None:
+    """A note for a prompt far beyond what the budget can use well, or None."""
+    if budget is None or prompt_tokens <= FAR_BEYOND * budget:
+        return None
+    return (
+        f"the prompt is {prompt_tokens:,} tokens, {prompt_tokens // budget}x the budget of {budget}: the cache "
+        f"keeps about {100 * budget / prompt_tokens:.0f}% of it; a larger budget (--budget, /budget) keeps more"
+    )
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,7 @@ class Conversation:
         """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
         self.cache = self._new_cache(self.cache.policy)
         self.fed = 0  # tokens the cache has seen
+        self.pending = self.pending_messages = 0  # tokens (and messages) the current turn reads before its reply
         self.spans: list[Span] = []
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
@@ -121,8 +136,13 @@ class Conversation:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _new_turn_ids(self, user: dict) -> list[int]:
-        if self.fed == 0:  # nothing cached: the whole conversation
-            return self._encode(self._render([*self.messages, user], True))
+        return self._new_turn(user)[0]
+
+    def _new_turn(self, user: dict) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids the cache has not seen yet for a new user message, and where each message ends in them:
+        [(message index, end offset)], the new message being index len(self.messages)."""
+        if self.fed == 0:  # nothing cached: the whole conversation (a loaded one keeps its messages apart)
+            return self._whole_conversation([*self.messages, user])
         last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
         marked = [dict(m) for m in self.messages]
         marked[last]["content"] = SENTINEL
@@ -130,17 +150,56 @@ class Conversation:
         ids = self._encode(text.split(SENTINEL, 1)[1])
         if self._fed_stop is not None and ids and ids[0] == self._fed_stop:
             ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
-        return ([self._unfed] if self._unfed is not None else []) + ids
+        ids = ([self._unfed] if self._unfed is not None else []) + ids
+        return ids, [(len(self.messages), len(ids))]
+
+    def _whole_conversation(self, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Render the conversation once, and each prefix of it, to find the token offset where every message's
+        rendering ends. A message whose prefix does not render as a prefix of the whole (a template that
+        folds the system prompt into the first user turn, or refuses a partial conversation) shares the span
+        of the message after it."""
+        text = self._render(messages, True)
+        ids, starts = self._encode_with_starts(text)
+        ends = []
+        for k in range(1, len(messages)):
+            try:
+                prefix = self._render(messages[:k], False)
+            except Exception:  # jinja raises whatever the template's author chose
+                continue
+            if prefix and text.startswith(prefix):
+                end = bisect.bisect_left(starts, len(prefix)) if starts is not None else len(self._encode(prefix))
+                if 0 < end < len(ids) and (not ends or end > ends[-1][1]):
+                    ends.append((k - 1, end))
+        ends.append((len(messages) - 1, len(ids)))
+        return ids, ends
+
+    def _encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
+        """Token ids and each token's start offset in the text (None for tokenizers without offsets)."""
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError):  # slow tokenizers have no offsets
+            return self._encode(text), None
+        return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
 
     # -- a turn -----------------------------------------------------------------------------------
-    def send(self, text: str, max_new_tokens: int | None = None, progress: Progress = None) -> Iterator[Response]:
+    def send(self, text: str, max_new_tokens: int | None = None, *, progress: Progress = None) -> Iterator[Response]:
         """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
-        reply in the conversation. `progress(done, total)` follows the prefill of the new text."""
+        reply in the conversation. `progress(done, total)` is called once with (0, new tokens) before they are
+        read (after a note, if the budget is far too small for them, has gone to cache.notices), then after
+        each prefill chunk."""
         user = {"role": "user", "content": text}
-        ids = self._new_turn_ids(user)
+        ids, ends = self._new_turn(user)
+        self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
+        note = budget_note(len(ids), self.policy.budget)
+        if note:
+            self.cache.notices.append(note)
+        if progress is not None:
+            progress(0, len(ids))
         self.messages.append(user)
-        start = self.fed
-        self.spans.append(Span("user", len(self.messages) - 1, start, start + len(ids)))
+        start = begin = self.fed
+        for index, end in ends:  # one span per message (a whole loaded conversation has many)
+            self.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
+            begin = start + end
         self.fed += len(ids)
         self._unfed = self._fed_stop = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once

@@ -31,6 +31,7 @@ DECODE_MODES = ("auto", "eager", "graph", "compile")
 DEFAULT_CHUNK = 512
 _WARMUP = 2  # eager steps before a capture (lazy CUDA initialisation must not happen inside one)
 
+# progress(done, total) after each prefill chunk: prompt columns read, of all the passes over the prompt
 Progress = Callable[[int, int], None] | None
 
 
@@ -149,13 +150,12 @@ class Engine:
         mask = None if mask is None else mask.to(self.device)
         if self.sampler is not None:
             self.sampler.observe(ids, mask)
-        passes = 2 if compresses(self.cache) else 1
-        done = [0]
+        done = [0]  # prompt columns read so far, over every pass
 
-        def feed(cache) -> torch.Tensor:
+        def feed(cache, passes: int = 1) -> torch.Tensor:
             return self._chunks(cache, ids, mask, chunk_size, progress, done, passes)
 
-        if passes == 2:
+        if compresses(self.cache):  # snap reads an overflowing prompt twice: one bar over both passes
             return compress_prompt(self.model, self.cache, ids, mask, feed)
         return feed(self.cache)
 

@@ -16,9 +16,11 @@ import typer
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.options import (
     ChunkSize,
+    Command,
     Device,
     Download,
     Dtype,
+    Group,
     HeavyRatio,
     Model,
     ModelsFile,
@@ -34,8 +36,10 @@ from h2o_chat.options import (
     reported,
     status,
 )
+from h2o_chat.ui import progress_bar
 
 eval_app = typer.Typer(
+    cls=Group,
     no_args_is_help=True,
     help="Measure what a cache budget costs in quality: perplexity, long-context retrieval, agreement.",
 )
@@ -107,7 +111,7 @@ def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None
         status(f"wrote {plot}")
 
 
-@eval_app.command("ppl")
+@eval_app.command("ppl", cls=Command)
 def ppl_command(
     text: Annotated[Path | None, typer.Option(help="UTF-8 text to score. Default: the shipped Alice.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of the text to score (all of it if shorter).")] = 2048,
@@ -158,13 +162,14 @@ def ppl_command(
             status(f"the text has {len(ids)} tokens; scoring all of them")
         configs = ev.make_configs(names, specs, len(ids), **knobs)
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
-        results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, status, prompt_tokens)
+        with progress_bar(f"ppl, {len(configs)} rows") as bar:
+            results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, bar, prompt_tokens)
         source = text.name if text else "alice.txt"
         records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
         _emit(records, plots.ppl_table(records), json_out, markdown_path, plot, plots.ppl_plot)
 
 
-@eval_app.command("needle")
+@eval_app.command("needle", cls=Command)
 def needle_command(
     haystack: Texts = None,
     haystack_tokens: Annotated[int, typer.Option(help="Tokens of filler text per haystack.")] = 1500,
@@ -210,12 +215,15 @@ def needle_command(
         longest = max(len(t.ids) for t in trials)
         configs = ev.make_configs(names, specs, longest, **knobs)
         status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        records = tasks.needle(loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions)
+        with progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
+            records = tasks.needle(
+                loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions, bar
+            )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.needle_table(records), json_out, markdown_path, plot, plots.needle_plot)
 
 
-@eval_app.command("agree")
+@eval_app.command("agree", cls=Command)
 def agree_command(
     text: Texts = None,
     prompts: Annotated[int, typer.Option(help="Excerpts, shared among the texts.")] = 4,
@@ -254,6 +262,9 @@ def agree_command(
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, **knobs)
         status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        records = tasks.agreement(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions)
+        with progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
+            records = tasks.agreement(
+                loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions, bar
+            )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.agree_table(records), json_out, markdown_path, None, None)

@@ -1,7 +1,7 @@
 """Quality evaluation: what a cache budget costs, measured through the same cache and decode steps as the chat.
 
 - perplexity: teacher-forced, token by token (the text's first token is the only prefill, then one
-  `decode_one` per token), every (policy, budget) as a row of one `GroupedCache`: decoding cost is dominated
+  engine decode step per token), every (policy, budget) as a row of one `GroupedCache`: decoding cost is dominated
   by reading the weights, so all configurations read the text together for little more than one.
 - needle: a 4-digit code hidden at several depths of a long text and asked for at the end (exact match).
 - agreement: ROUGE-L F1 (LCS over token ids) of each configuration's greedy continuation against the full
@@ -33,7 +33,15 @@ from h2o_chat.policies import Policy, make_policy
 
 SHIPPED = ("alice.txt", "moby_dick.txt")
 DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, and the baselines
-Progress = Callable[[str], None] | None
+Progress = Callable[[int, int], None] | None  # progress(tokens done, tokens total)
+
+
+def _prompt_part(progress: Progress, prompt: int, total: int) -> Progress:
+    """A prefill's progress mapped onto a loop's own tokens: reading the prompt covers its first `prompt` of
+    `total` tokens, however many passes the policy makes (snap reads twice)."""
+    if progress is None:
+        return None
+    return lambda done, of: progress(done * prompt // max(1, of), total)
 
 
 # -- budgets and configurations ------------------------------------------------------------------------------
@@ -200,16 +208,15 @@ def streaming_nll(
     engine = Engine(model, cache, decode)
     x = ids.to(engine.device).expand(G, -1)  # (G, N)
     nll = torch.empty(G, N - P, device=engine.device)  # filled on the device, read once at the end
-    t0 = time.perf_counter()
-    logits = engine.prefill(x[:, :P])  # (G, V)
+    logits = engine.prefill(x[:, :P], progress=_prompt_part(progress, P, N))  # (G, V)
     for t in range(P, N):
         nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none")
         if on_step is not None:
             on_step(t, cache)
         if t < N - 1:
             logits, _ = engine.decode(x[:, t])
-        if progress and (t % 256 == 0 or t == N - 1):
-            progress(f"ppl: {t + 1}/{N} tokens x {G} rows, {(t - P + 1) / (time.perf_counter() - t0):.1f} tokens/s")
+        if progress is not None:
+            progress(t + 1, N)
     return nll.cpu(), cache
 
 
@@ -241,17 +248,22 @@ def greedy_rows(
     max_new_tokens: int,
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "absolute",
+    progress: Progress = None,
     decode: str = "auto",
 ) -> list[list[list[int]]]:
     """Greedy continuation of every prompt under every configuration, all as rows of one left-padded batch.
-    Returns out[c][p]: prompt p under configs[c], cut before the first stop token."""
+    Returns out[c][p]: prompt p under configs[c], cut before the first stop token. `progress(done, total)`
+    counts the prompt's columns, then one per decode step."""
     P = len(prompts)
     ids, mask = left_pad(list(prompts) * len(configs), tokenizer.pad_token_id or 0)
     cache = make_eval_cache(model, [c.policy for c in configs], rows=[P] * len(configs), positions=positions)
     cache.reserve(ids.shape[1] + max_new_tokens)
     engine = Engine(model, cache, decode)
     stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=engine.device)
-    tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size))  # (B,)
+    L = ids.shape[1]
+    total = L + max_new_tokens
+    logits = engine.prefill(ids, mask, chunk_size, progress=_prompt_part(progress, L, total))
+    tokens = engine.first_tokens(logits)  # (B,)
     done = torch.isin(tokens, stops)
     steps = [tokens]
     for i in range(1, max_new_tokens):
@@ -260,6 +272,10 @@ def greedy_rows(
         tokens = engine.decode(tokens if i == 1 else None)[1].clone()  # a captured step's output is reused
         steps.append(tokens)
         done |= torch.isin(tokens, stops)
+        if progress is not None:
+            progress(L + i, total)
+    if progress is not None:
+        progress(total, total)
     rows = torch.stack(steps, 1).tolist()  # (B, steps)
     stop_set = set(stops.tolist())
     cut = [next((row[:j] for j, t in enumerate(row) if t in stop_set), row) for row in rows]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.attention import prepare_model
-from h2o_chat.config import ModelSpec, user_cache_dir
+from h2o_chat.config import ModelSpec, user_cache_dir, writable_cache_dir
 from h2o_chat.errors import DeviceError, ModelNotFoundError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -115,7 +115,11 @@ def converted_folder(gguf: Path, status: Status = None) -> Path:
     """Dequantise a GGUF file once into safetensors in the user cache; later loads reuse it."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = user_cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    name = f"{gguf.stem}-{key}"
+    target = user_cache_dir() / "converted" / name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target = writable_cache_dir(status) / "converted" / name  # a read-only cache: a temporary folder
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,6 +190,23 @@ def is_present(spec: ModelSpec) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _tokenizer_problem(spec: ModelSpec, location: str, error: Exception) -> str:
+    """One line on why the tokenizer would not load, and what to do."""
+    folder = Path(location)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return (
+            f"{spec.name}: {folder} has the model's config but no tokenizer ({', '.join(TOKENIZER_FILES[:2])}); "
+            "copy the tokenizer files from the model's original repository into it"
+        )
+    reason = " ".join(str(error).split())
+    if "sentencepiece" in reason:
+        return f"the tokenizer of {spec.name} needs sentencepiece to load: pip install sentencepiece"
+    return f"could not load the tokenizer of {spec.name} from {location}: {reason[:200]}"
+
+
 def _quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
@@ -202,9 +223,11 @@ def load(
     download: bool = False,
     status: Status = None,
     kv_tokens: int | None = None,
+    kv_rows: int = 1,
 ) -> Loaded:
-    """Load model and tokenizer, with attention routed through h2o-chat. On CUDA, first check that the
-    weights plus a `kv_tokens` cache fit in free GPU memory (else say what would)."""
+    """Load model and tokenizer, with attention routed through h2o-chat. First check that the weights plus a
+    cache of `kv_tokens` for each of `kv_rows` rows fit in free GPU memory, or on CPU in the machine's
+    available memory (else say what would)."""
     _quiet_transformers()
     dev, torch_dtype, quant = resolve_settings(spec, device, dtype, quantize)
     location = weights_location(spec, download, status)
@@ -216,7 +239,14 @@ def load(
 
         config = AutoConfig.from_pretrained(location, local_files_only=not download)
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
-        check_fits(spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes())
+        check_fits(
+            spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows
+        )
+    elif kv_tokens:
+        from h2o_chat.memory import check_fits_in_memory
+
+        config = AutoConfig.from_pretrained(location, local_files_only=not download)
+        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows)
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
     if quant != "none":
@@ -236,6 +266,9 @@ def load(
         kwargs["device_map"] = "auto" if dev.index is None else {"": dev.index}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=not download)
+    except (OSError, ValueError) as e:  # ValueError: no tokenizer file the backend can build from
+        raise ModelNotFoundError(_tokenizer_problem(spec, location, e)) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None

@@ -1,4 +1,5 @@
-"""Will it fit? Weights and KV cache sizes from a config, checked against free GPU memory before loading.
+"""Will it fit? Weights and KV cache sizes from a config, checked against free GPU memory (or, on CPU, the
+machine's available memory) before loading.
 
 Parameters are counted on the meta device (exact for any architecture, no memory used). bitsandbytes keeps
 the embeddings, the output head and the norms in the compute dtype and quantizes the Linear layers: NF4 packs
@@ -52,15 +53,17 @@ def footprint(config) -> Footprint:
         m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head_weight
     )
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    return Footprint(linear_params=linear, other_params=total - linear, **_kv_shape(config))
+
+
+def _kv_shape(config) -> dict[str, int]:
     text = config.get_text_config()
     heads = text.num_attention_heads
-    return Footprint(
-        linear_params=linear,
-        other_params=total - linear,
-        layers=text.num_hidden_layers,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-    )
+    return {
+        "layers": text.num_hidden_layers,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+    }
 
 
 def gb(n: float) -> str:
@@ -74,26 +77,45 @@ def check_fits(
     quantize: str,
     kv_tokens: int,
     free_bytes: int,
+    rows: int = 1,
+    gpu: bool = True,
 ) -> None:
-    """Raise a DeviceError saying what would fit when the model does not."""
-    need = fp.total_bytes(dtype, quantize, kv_tokens)
+    """Raise a DeviceError saying what would fit when the weights plus a KV cache of `kv_tokens` for each of
+    `rows` batch rows do not fit in `free_bytes` (of the GPU, or of this machine's memory when not `gpu`)."""
+    need = fp.total_bytes(dtype, quantize, kv_tokens, rows)
     if need <= free_bytes:
         return
     options = []
-    for q in ("4bit", "8bit", "none"):
-        if q != quantize and fp.total_bytes(dtype, q, kv_tokens) <= free_bytes:
-            options.append(f"--quantize {q} needs ~{gb(fp.total_bytes(dtype, q, kv_tokens))}")
+    for q in ("4bit", "8bit", "none") if gpu else ():
+        if q != quantize and fp.total_bytes(dtype, q, kv_tokens, rows) <= free_bytes:
+            options.append(f"--quantize {q} needs ~{gb(fp.total_bytes(dtype, q, kv_tokens, rows))}")
     weights_only = fp.total_bytes(dtype, quantize, 0)
     if weights_only <= free_bytes:  # the weights fit: a smaller budget would
-        per_token = fp.kv_bytes(1, dtype) * OVERHEAD
+        per_token = fp.kv_bytes(1, dtype, rows) * OVERHEAD
         budget = int((free_bytes - weights_only) / per_token)
         if budget >= 64:
-            options.append(f"--budget {budget} fits")
-    hint = "; ".join(options) if options else "no setting fits on this GPU: try a smaller model"
+            options.append(f"--budget {budget} fits" + (f" with {rows} rows (--batch-size)" if rows > 1 else ""))
+    where = "on this GPU" if gpu else "in this machine's memory"
+    hint = "; ".join(options) if options else f"no setting fits {where}: try a smaller model"
+    cache = f"a {kv_tokens}-token KV cache" + (f" for each of {rows} rows" if rows > 1 else "")
+    has = f"the GPU has {gb(free_bytes)} free" if gpu else f"this machine has {gb(free_bytes)} of memory available"
     raise DeviceError(
-        f"{name} with {str(dtype).removeprefix('torch.')} weights (quantize {quantize}) and a {kv_tokens}-token "
-        f"KV cache needs ~{gb(need)}, but the GPU has {gb(free_bytes)} free; {hint}"
+        f"{name} with {str(dtype).removeprefix('torch.')} weights (quantize {quantize}) and {cache} "
+        f"needs ~{gb(need)}, but {has}; {hint}"
     )
+
+
+def check_fits_in_memory(name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1) -> None:
+    """On CPU: the KV cache is allocated whole at the first token, so a budget beyond this machine's memory
+    fails there with "can't allocate"; say before loading which budget would fit."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    shape = _kv_shape(config)
+    kv = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * kv_tokens * rows * _DTYPE_BYTES[dtype]
+    if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
+        return
+    check_fits(name, footprint(config), dtype, "none", kv_tokens, available, rows=rows, gpu=False)
 
 
 def free_gpu_bytes() -> int:

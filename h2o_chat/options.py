@@ -11,9 +11,31 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from h2o_chat.config import load_registry
 from h2o_chat.errors import H2OChatError
+
+
+# -- help ------------------------------------------------------------------------------------------------
+class _FlagsTakeNoValue:
+    """In --help, a plain flag (--json, --no-panel, -h) shows no value type: Typer would print <bool>."""
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class Command(_FlagsTakeNoValue, TyperCommand):
+    """The class of every h2o-chat command (pass as cls=)."""
+
+
+class Group(_FlagsTakeNoValue, TyperGroup):
+    """The class of every h2o-chat command group (pass as cls=)."""
+
 
 # -- options shared by several commands ------------------------------------------------------------------
 Model = Annotated[
@@ -48,11 +70,12 @@ Sinks = Annotated[
 SnapWindow = Annotated[
     int | None,
     typer.Option(
-        help="snap: how many of the prompt's last queries choose what it keeps [default: 16, at most budget/4]."
+        help="snap: how many of the prompt's last queries choose what it keeps (default 16, at most a quarter "
+        "of the budget)."
     ),
 ]
 SnapKernel = Annotated[
-    int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps (odd) [default: 11].")
+    int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps, an odd number (default 11).")
 ]
 ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
 Positions = Annotated[
@@ -84,7 +107,7 @@ Quantize = Annotated[
     ),
 ]
 ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
-Download = Annotated[bool, typer.Option(help="Allow fetching weights from the Hugging Face Hub.")]
+Download = Annotated[bool, typer.Option("--download", help="Allow fetching weights from the Hugging Face Hub.")]
 
 
 @contextlib.contextmanager
@@ -99,12 +122,11 @@ def reported() -> Iterator[None]:
         typer.echo("h2o-chat: interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
-            typer.echo(
-                f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); lower --budget or "
-                "--chunk-size, or use --quantize 4bit",
-                err=True,
-            )
+        # torch's OutOfMemoryError (without importing torch here), or the CPU allocator's "can't allocate"
+        cpu_oom = isinstance(e, RuntimeError) and "can't allocate" in str(e)
+        if type(e).__name__ == "OutOfMemoryError" or cpu_oom:
+            hint = "lower --budget or --chunk-size" + ("" if cpu_oom else ", or use --quantize 4bit")
+            typer.echo(f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); {hint}", err=True)
             raise typer.Exit(3) from None
         raise
 
@@ -113,13 +135,20 @@ def status(message: str) -> None:
     typer.echo(f"h2o-chat: {message}", err=True)
 
 
-def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None):
-    """Resolve the name and load; `kv_tokens` (the budget) sizes the GPU memory check."""
+def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None, kv_rows: int = 1):
+    """Resolve the name and load; `kv_tokens` (the budget) for each of `kv_rows` rows sizes the memory check."""
     from h2o_chat.loading import load
 
     spec = load_registry(models_file).resolve(model)
     return load(
-        spec, device=device, dtype=dtype, quantize=quantize, download=download, status=status, kv_tokens=kv_tokens
+        spec,
+        device=device,
+        dtype=dtype,
+        quantize=quantize,
+        download=download,
+        status=status,
+        kv_tokens=kv_tokens,
+        kv_rows=kv_rows,
     )
 
 
@@ -153,6 +182,16 @@ def check_positions(value: str) -> str:
 def check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise H2OChatError(f"{name} must be a positive integer, got {value}")
+
+
+def check_sampling(temperature: float, top_p: float, repetition_penalty: float = 1.0) -> None:
+    """Say which sampling value is wrong."""
+    if not temperature >= 0:
+        raise H2OChatError(f"--temperature must be >= 0 (0 = greedy), got {temperature:g}")
+    if not 0 < top_p <= 1:
+        raise H2OChatError(f"--top-p must be above 0 and at most 1, got {top_p:g}")
+    if not repetition_penalty > 0:
+        raise H2OChatError(f"--repetition-penalty must be above 0 (1 = off), got {repetition_penalty:g}")
 
 
 def int_list(text: str, name: str) -> list[int]:

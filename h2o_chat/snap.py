@@ -132,11 +132,12 @@ def compress_prompt(
     cache,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    prefill: Callable[[object], torch.Tensor],
+    prefill: Callable[[object, int], torch.Tensor],
 ) -> torch.Tensor:
     """Prefill a prompt with question-aware selection in the layers whose policy compresses prompts, for the rows
-    whose own tokens overflow the budget; returns the last logits. `prefill(cache)` is the plain chunked prefill
-    of this prompt into a cache (the probe's copy or the real one)."""
+    whose own tokens overflow the budget; returns the last logits. `prefill(cache, passes)` is the plain chunked
+    prefill of this prompt into a cache (the probe's copy or the real one); `passes` says how many times the
+    prompt will be read in all (for progress)."""
     layers = h2o_layers(cache)
     groups = getattr(cache, "groups", [cache])
     row_groups = getattr(cache, "rows", [input_ids.shape[0]])
@@ -154,20 +155,20 @@ def compress_prompt(
                     overflow[g * per_layer + i] = rows
         start += n
     if not overflow:  # it all fits: nothing to choose
-        return prefill(cache)
+        return prefill(cache, 1)
 
     probe_cache = copy.deepcopy(cache)
     probe_layers = h2o_layers(probe_cache)
     probes = {i: Probe(layers[i].policy.window) for i in overflow}
     for i, probe in probes.items():
         probe_layers[i].probe = probe
-    prefill(probe_cache)
+    prefill(probe_cache, 2)
     del probe_cache, probe_layers
 
     for i, probe in probes.items():
         layers[i].observation = Observation(probe, layers[i].policy, overflow[i])
     try:
-        logits = prefill(cache)
+        logits = prefill(cache, 2)
     finally:
         for i in overflow:
             if layers[i].observation is not None:

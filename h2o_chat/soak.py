@@ -51,9 +51,10 @@ def run_soak(
     configs: list[SoakConfig],
     window: int = 1000,
     context: int | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
-    """One record per window: tokens seen, memory, KV bytes, and each configuration's perplexity."""
+    """One record per window: tokens seen, memory, KV bytes, and each configuration's perplexity.
+    `progress(tokens done, tokens total)` after each token."""
     device = next(model.parameters()).device
     marks: list[dict] = []
 
@@ -68,11 +69,15 @@ def run_soak(
                     "positions": [s.positions for s in stats],
                 }
             )
-            if progress:
-                progress(f"soak: {t + 1}/{ids.shape[1]} tokens, RSS {marks[-1]['rss'] / 2**20:.0f} MB")
 
     nll, _ = streaming_nll(
-        model, ids, [c.policy for c in configs], [c.positions for c in configs], on_step=on_step, context=context
+        model,
+        ids,
+        [c.policy for c in configs],
+        [c.positions for c in configs],
+        progress=progress,
+        on_step=on_step,
+        context=context,
     )
     records, start = [], 0
     for mark in marks:

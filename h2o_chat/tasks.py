@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from h2o_chat.errors import ConfigError
-from h2o_chat.evaluate import EvalConfig, chat_ids, greedy_rows, token_ids
+from h2o_chat.evaluate import EvalConfig, Progress, chat_ids, greedy_rows, token_ids
 from h2o_chat.generate import DEFAULT_CHUNK
 
 # -- needle in a haystack ------------------------------------------------------------------------------------
@@ -65,9 +65,11 @@ def needle(
     answer_tokens: int = 16,
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "absolute",
+    progress: Progress = None,
 ) -> list[dict]:
     """Accuracy per configuration and depth: a trial is correct when its 4 digits appear in the greedy answer."""
-    outs = greedy_rows(model, tokenizer, [t.ids for t in trials], configs, answer_tokens, chunk_size, positions)
+    prompts = [t.ids for t in trials]
+    outs = greedy_rows(model, tokenizer, prompts, configs, answer_tokens, chunk_size, positions, progress)
     records = []
     for config, answers in zip(configs, outs, strict=True):
         for depth in dict.fromkeys(t.depth for t in trials):
@@ -146,11 +148,13 @@ def agreement(
     max_new_tokens: int = 128,
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "absolute",
+    progress: Progress = None,
 ) -> list[dict]:
     """ROUGE-L F1 of each configuration's continuation against the full cache's (configs[0] is the reference)."""
     if configs[0].policy.budget is not None:
         raise ConfigError("agreement needs the full cache as the first configuration")
-    outs = greedy_rows(model, tokenizer, [ids for _, ids in prompts], configs, max_new_tokens, chunk_size, positions)
+    rows = [ids for _, ids in prompts]
+    outs = greedy_rows(model, tokenizer, rows, configs, max_new_tokens, chunk_size, positions, progress)
     records = []
     for config, rows in zip(configs, outs, strict=True):
         scores = [rouge_l(row, ref) for row, ref in zip(rows, outs[0], strict=True)]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.cache import H2OCache
-from h2o_chat.config import user_cache_dir
+from h2o_chat.config import user_cache_dir, writable_cache_dir
 from h2o_chat.engine import Engine
 from h2o_chat.memory import OVERHEAD, footprint
 from h2o_chat.policies import make_policy
@@ -91,7 +91,7 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | None = None) -> Path:
+def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | None = None, status=None) -> Path:
     """A model of a real shape with random weights, saved once (safetensors + a placeholder tokenizer)."""
     from tokenizers import Tokenizer, models
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -101,7 +101,11 @@ def random_model(shape: str, dtype: torch.dtype = torch.float16, folder: Path | 
 
         raise ConfigError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
     dtype_name = str(dtype).removeprefix("torch.")
-    folder = folder or user_cache_dir() / "random" / f"{shape}-{dtype_name}"
+    name = f"{shape}-{dtype_name}"
+    if folder is None:  # the user cache, or a temporary folder when it cannot be written
+        folder = user_cache_dir() / "random" / name
+        if not (folder / "config.json").exists():
+            folder = writable_cache_dir(status) / "random" / name
     if (folder / "config.json").exists():
         return folder
     params = dict(SHAPES[shape])
@@ -164,9 +168,11 @@ def run_throughput(
     max_batch: int = 256,
     chunk: int = 512,
     decode: str = "auto",
+    progress=None,
 ) -> list[ThroughputRecord]:
     """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits,
-    both decoded by the same engine (captured on CUDA). Warm-up steps (and the capture) are not timed."""
+    both decoded by the same engine (captured on CUDA). Warm-up steps (and the capture) are not timed.
+    `progress(done, total)` counts each configuration's prompt columns and decode steps."""
     model = loaded.model
     device = next(model.parameters()).device
     dtype = loaded.dtype
@@ -176,10 +182,15 @@ def run_throughput(
     total = prompt_tokens + generated_tokens
     warmup = min(4, generated_tokens - 1)
     out = []
-    for config, policy, cap in (("full", make_policy("full"), total), ("h2o", make_policy("h2o", budget), budget)):
+    plans = (("full", make_policy("full"), total), ("h2o", make_policy("h2o", budget), budget))
+    for k, (config, policy, cap) in enumerate(plans):
         batch = min(max_batch, largest_batch(fp, dtype, weights, cap, memory_limit, model.config, chunk))
+        before = k * total  # tokens of the configurations already run
+        report = None if progress is None else (lambda done, _of, before=before: progress(before + done, 2 * total))
         if batch == 0:
             out.append(ThroughputRecord(config, cap, 0, prompt_tokens, 0, 0.0, 0, 0, memory_limit, device.type))
+            if report:
+                report(total, total)
             continue
         cache = H2OCache.for_model(model, policy, "absolute", context=total + 1)
         cache.reserve(total)  # the full cache holds every token, allocated once
@@ -188,14 +199,18 @@ def run_throughput(
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk))
+        token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk, progress=report))
         for i in range(warmup):
             engine.decode(token if i == 0 else None)
         _sync(device)
         t = time.perf_counter()
-        for _ in range(generated_tokens - 1 - warmup):
+        for i in range(generated_tokens - 1 - warmup):
             engine.decode()
+            if report:
+                report(prompt_tokens + warmup + i + 1, total)
         _sync(device)
+        if report:
+            report(total, total)
         seconds = time.perf_counter() - t
         timed = generated_tokens - 1 - warmup
         out.append(

@@ -100,14 +100,14 @@ def fast_load(monkeypatch, embedded):
     """Reuse the session's embedded model instead of loading it in every invocation."""
     calls = []
 
-    def load_model(model, models_file, device, dtype, quantize, download, kv_tokens=None):
+    def load_model(model, models_file, device, dtype, quantize, download, kv_tokens=None, kv_rows=1):
         from h2o_chat.config import load_registry
         from h2o_chat.loading import load, resolve_settings
 
         calls.append(model)
         spec = load_registry(models_file).resolve(model)
         if model is not None:  # anything else goes through the real loading and its errors
-            return load(spec, device=device, dtype=dtype, quantize=quantize)
+            return load(spec, device=device, dtype=dtype, quantize=quantize, kv_tokens=kv_tokens, kv_rows=kv_rows)
         resolve_settings(spec, device, dtype, quantize)
         return embedded
 

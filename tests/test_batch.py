@@ -46,10 +46,14 @@ def test_malformed_lines_are_reported_and_the_rest_run(fast_load, tmp_path):
     )
     out = tmp_path / "out.jsonl"
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out), "--max-new-tokens", "12", "-b", "48"])
-    assert result.exit_code == 2
-    skipped = [line for line in result.stderr.splitlines() if "skipped" in line]
+    assert result.exit_code == 0, result.stderr  # every valid row finished; the skipped ones were reported
+    lines = result.stderr.splitlines()
+    skipped = [line for line in lines if line.startswith("h2o-chat: skipped")]
     assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "4", "5", "6", "7", "9", "10"]
     assert "not valid JSON" in skipped[0] and 'duplicate id "a"' in skipped[1] and "budget" in skipped[2]
+    first_row = next(i for i, line in enumerate(lines) if line.startswith(("h2o-chat: a:", "h2o-chat: b:")))
+    assert lines.index(skipped[-1]) < first_row  # reported before generation started, not at the end
+    assert "3 done, 0 already in out.jsonl, 7 lines skipped" in lines[-1]
     assert "Traceback" not in result.output
     got = {r["id"]: r for r in records(out)}
     assert set(got) == {"a", "b", "f"}
@@ -65,6 +69,16 @@ def test_input_file_errors(fast_load, tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(tmp_path / "no" / "dir" / "o.jsonl")])
     assert result.exit_code == 2 and "output folder does not exist" in result.stderr
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(tmp_path)])
+    assert result.exit_code == 2 and "is a folder" in result.stderr and "Traceback" not in result.output
+    assert result.stderr.count("\n") == 1
+    (tmp_path / "link.jsonl").symlink_to(inp)
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(tmp_path / "link.jsonl")])
+    assert result.exit_code == 2 and "is the input file" in result.stderr
+    assert inp.read_text() == '{"id": 1, "prompt": "hi"}\n'
+    (tmp_path / "all-bad.jsonl").write_text("{oops\n[1]\n")
+    result = runner.invoke(cli.app, ["batch", str(tmp_path / "all-bad.jsonl"), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and "no line of all-bad.jsonl can be run" in result.stderr.splitlines()[-1]
     (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe{}")
     result = runner.invoke(cli.app, ["batch", str(tmp_path / "bin.jsonl"), "-o", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2 and "not UTF-8" in result.stderr and "Traceback" not in result.output

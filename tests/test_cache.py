@@ -265,3 +265,18 @@ def test_changing_budget_mid_stream_keeps_the_best_and_frees_the_rest():
     assert cache.slots.capacity == 64 and cache.stats().kept == 16
     run(model, cache, torch.randint(0, 256, (1, 10)), [1] * 10)
     assert cache.stats().kept == 26
+
+
+def test_stats_tell_allocated_from_in_use_bytes():
+    model = tiny_model("llama", seed=2)  # 2 layers, 2 KV heads of 16 dims, fp32: 512 bytes a token (K+V)
+    cache = H2OCache.for_model(model, make_policy("h2o", 32))
+    run(model, cache, torch.randint(0, 256, (1, 10)), [10])
+    stats = cache.stats()
+    assert stats.kv_bytes == (32 + 1) * 512  # the whole budget (and its spare slot) from the first token
+    assert stats.kv_used_bytes == 10 * 512 == stats.full_kv_bytes  # ten tokens held, as a full cache would
+    run(model, cache, torch.randint(0, 256, (1, 40)), [1] * 40)
+    stats = cache.stats()
+    assert stats.kv_used_bytes == 32 * 512 and stats.kv_bytes == 33 * 512 and stats.full_kv_bytes == 50 * 512
+    record = stats.as_dict()
+    assert record["kept"] == 32 and type(record["kept"]) is int and type(record["evicted"]) is int
+    assert record["kv_used_bytes"] == 32 * 512

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -32,6 +33,11 @@ def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, termi
         panel=panel,
     )
     return ChatSession(embedded, options, console)
+
+
+def plain(screen: str) -> str:
+    """Terminal output without its escape sequences (styles, cursor moves)."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
 
 
 def drive(chat: ChatSession, tmp_path: Path, keys: str) -> str:
@@ -67,6 +73,20 @@ def test_slash_commands_budget_save_load(embedded, tmp_path):
     assert "What is two plus two?" in history and "/budget 32" in history
 
 
+def test_unwritable_history_turns_history_off_and_the_session_runs(embedded, tmp_path):
+    blocker = tmp_path / "home-is-a-file"  # as root, permission bits stop nothing: a file in the path does
+    blocker.write_text("")
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    with create_pipe_input() as pipe:
+        chat.prompt = make_prompt_session(blocker / "h2o-chat" / "history", chat, input=pipe, output=DummyOutput())
+        pipe.send_text("Say hi.\r/exit\r")
+        chat.run()
+    out = chat.console.file.getvalue()
+    notes = [line for line in out.splitlines() if "history is off" in line]
+    assert len(notes) == 1 and str(blocker / "h2o-chat" / "history") in notes[0]
+    assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"]  # the turn still ran
+
+
 def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     chat = session(embedded, tmp_path, policy=make_policy("snap", 64, sinks=2, window=8, kernel=3))
     chat.cmd_budget("48")
@@ -81,6 +101,13 @@ def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     assert chat.conv.policy == make_policy("snap", 40)
     out = chat.console.file.getvalue()
     assert "cache: snap 48 = 2 sink + 22 heavy + 24 recent; prompts kept by their last 8 queries" in out
+
+
+def test_policy_and_budget_are_independent_settings(embedded, tmp_path):
+    chat = session(embedded, tmp_path, budget=512, policy=make_policy("snap", 512))
+    out = drive(chat, tmp_path, "/budget 64\r/policy full\r/policy snap\r/policy h2o\r/exit\r")
+    assert chat.conv.policy == make_policy("h2o", 64)  # not back to 512 after a detour through full
+    assert "cache: snap 64 = 32 heavy + 32 recent" in out
 
 
 def test_cache_carries_over_between_turns(embedded, tmp_path):
@@ -122,6 +149,52 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(embedded, tmp_path, monkey
     assert chat.conv.fed == chat.conv.cache.stats().seen
 
 
+def test_evicted_after_load_lists_every_message_with_its_role_and_tokens(embedded, tmp_path):
+    tok = embedded.tokenizer
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        *(
+            {"role": role, "content": f"{role} message {i}: " + " ".join(["lorem ipsum"] * (3 + i))}
+            for i, role in enumerate(["user", "assistant"] * 3)
+        ),
+    ]
+    saved = tmp_path / "talk.json"
+    saved.write_text(json.dumps({"format": "h2o-chat/1", "messages": messages}))
+    chat = session(embedded, tmp_path, budget=48, max_new_tokens=4)
+    out = drive(chat, tmp_path, f"/load {saved}\rAnd now?\r/evicted\r/exit\r")
+
+    def length(msgs, generation_prompt=False):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    question = [*messages, {"role": "user", "content": "And now?"}]
+    expected = [length(messages[:1])] + [length(messages[: k + 1]) - length(messages[:k]) for k in range(1, 7)]
+    expected.append(length(question, True) - length(messages))
+    table = out[out.rindex("/evicted") if "/evicted" in out else 0 :]
+    rows = re.findall(r"^\s*(\d+)\s+(system|user|assistant)\s+(\d+)\s+(\d+)%", table, re.M)
+    assert [(int(i), role) for i, role, _, _ in rows] == [(i, m["role"]) for i, m in enumerate(question)] + [
+        (8, "assistant")
+    ]
+    assert [int(n) for _, _, n, _ in rows[:8]] == expected  # each message's own tokens, not one 1,000-token span
+    assert int(rows[7][3]) == 100 and int(rows[1][3]) < 100  # the question is cached; old messages were evicted
+    assert 'your message "And now?"' not in out  # the note no longer blames the question
+
+
+def test_a_long_message_shows_reading_progress_and_a_budget_note(embedded, tmp_path):
+    chat = session(embedded, tmp_path, max_new_tokens=2, panel=True, terminal=True, policy=make_policy("snap", 16))
+    long = " ".join(f"Item {i} is a small red box." for i in range(16))  # ~150 tokens: over 8x the budget
+    calls = []
+    send = chat.conv.send
+    chat.conv.send = lambda text, **kw: send(text, progress=lambda d, t: (calls.append((d, t)), kw["progress"](d, t)))
+    out = plain(drive(chat, tmp_path, f"{long}\r/exit\r"))
+    n = chat.conv.pending
+    assert calls[0] == (0, n) and calls[-1] == (2 * n, 2 * n)  # up front, then snap's two passes as one bar
+    assert "reading your message (twice: snap)" in out and f"/{2 * n} tokens" in out and "ETA" in out
+    note = next(line for line in out.splitlines() if "budget of 16" in line)
+    assert f"the prompt is {n:,} tokens" in note
+    assert out.index(note) < out.index("reading your message")  # said before the reading starts
+
+
 def test_user_is_told_once_when_their_message_is_evicted(embedded, tmp_path):
     chat = session(embedded, tmp_path, budget=40, max_new_tokens=24)
     out = drive(chat, tmp_path, "Please remember the word pineapple.\rTell me about oceans.\rAnd rivers?\r/exit\r")
@@ -133,11 +206,98 @@ def test_panel_renders_on_a_terminal(embedded, tmp_path):
     out = drive(chat, tmp_path, "Hello!\r/exit\r")
     for label in ("policy", "h2o 64", "tokens", "evicted", "KV cache", "memory", "RSS", "decode"):
         assert label in out
+    assert "tok/s (eager)" in out  # how decode steps run (the embedded model runs on the CPU here)
+
+
+def test_panel_separates_allocated_from_in_use_kv(embedded, tmp_path):
+    chat = session(embedded, tmp_path, budget=512, panel=True, terminal=True)
+    drive(chat, tmp_path, "Hello!\r/exit\r")
+    stats = chat.conv.cache.stats()
+    assert stats.kv_used_bytes < stats.kv_bytes  # a first short turn fills a fraction of the budget
+    text = " ".join(plain(chat.console.file.getvalue()).replace("│", " ").split())
+    expected = (
+        f"{ui.human_bytes(stats.kv_bytes)} allocated, {ui.human_bytes(stats.kv_used_bytes)} in use; "
+        f"a full cache would hold {ui.human_bytes(stats.full_kv_bytes)}"
+    )
+    assert expected in text
+    assert ui.human_bytes(stats.kv_used_bytes) == ui.human_bytes(stats.full_kv_bytes)  # nothing evicted yet
 
 
 def _installed_command() -> list[str]:
     script = Path(sys.executable).with_name("h2o-chat")
     return [str(script)] if script.exists() else [sys.executable, "-m", "h2o_chat"]
+
+
+class Pty:
+    """The real command on a pseudo-terminal of a given size; everything it draws is kept."""
+
+    def __init__(self, args: list[str], env: dict, rows: int, columns: int):
+        import fcntl
+        import pty
+        import struct
+        import termios
+
+        size = struct.pack("HHHH", rows, columns, 0, 0)
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child: the real command on a terminal of that size from its first line
+            fcntl.ioctl(0, termios.TIOCSWINSZ, size)
+            os.execvpe(_installed_command()[0], [*_installed_command(), *args], env)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, size)
+        self.rows, self.columns, self.screen = rows, columns, b""
+
+    def read_until(self, needle: bytes, timeout: float, start: int = 0) -> bool:
+        """Read until `needle` (bytes, or a compiled bytes regex) has been drawn since `start`."""
+        found = needle.search if isinstance(needle, re.Pattern) else lambda screen: needle in screen
+        end = time.time() + timeout
+        while time.time() < end:
+            ready, _, _ = select.select([self.fd], [], [], 0.5)
+            if ready:
+                try:
+                    self.screen += os.read(self.fd, 65536)
+                except OSError:
+                    return bool(found(self.screen[start:]))
+            if found(self.screen[start:]):
+                return True
+        return False
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        os.waitpid(self.pid, 0)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_long_paste_and_ctrl_c_leave_a_clean_scrollback(tmp_path):
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
+    env.pop("NO_COLOR", None)
+    term = Pty(["--temperature", "0", "--max-new-tokens", "200", "-b", "64"], env, rows=24, columns=100)
+    paste = "\n".join(f"Note {i:02d}: red box on shelf {i}." for i in range(1, 27))
+    paste += "\n\nWrite a long story about these boxes."
+    try:
+        assert term.read_until(b"\x1b[?2004h", 120), term.screen[-2000:]  # the prompt is up (bracketed paste on)
+        term.write(b"\x1b[200~" + paste.encode() + b"\x1b[201~")  # a bracketed paste, taller than the terminal
+        term.read_until(b"\x00never", 1)  # keep reading while waiting: a full pty buffer blocks the command
+        term.write(b"\r")
+        assert term.read_until(b"reading your message", 60), term.screen[-2000:]  # the prompt's progress bar
+        assert term.read_until(re.compile(rb"prefill [1-9]\d* tok/s"), 300), term.screen[-2000:]  # replying
+        term.read_until(b"\x00never", 3)  # some of the reply, ending mid-line
+        term.write(b"\x03")  # Ctrl-C
+        assert term.read_until(b"(reply stopped)", 60), term.screen[-2000:]
+        assert term.read_until(b"\x1b[?2004h", 30, start=len(term.screen) - 200)  # the next prompt
+        term.write(b"/exit\r")
+        term.read_until(b"\x00never", 3)
+    finally:
+        term.close()
+    drawn = plain(term.screen.decode(errors="replace"))
+    # the whole paste reaches the scrollback once, as sent (the terminal only ever showed its last lines)
+    assert drawn.count("> " + paste.replace("\n", "\r\n")) == 1, drawn[-3000:]
+    # Ctrl-C is not echoed into the live area (an echoed ^C wrapped the full-width panel line, so the redraw
+    # went up one line short and the line being written was printed twice)
+    stopped = drawn.index("(reply stopped)")
+    assert "^C" not in drawn[drawn.index("Write a long story about these boxes.") : stopped + 200]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")

@@ -17,6 +17,7 @@ from h2o_chat import cli, plots, tasks
 from h2o_chat import evaluate as ev
 from h2o_chat.bench import attention
 from h2o_chat.errors import ConfigError
+from h2o_chat.policies import make_policy
 
 runner = CliRunner()
 
@@ -66,7 +67,7 @@ def test_needle_goes_between_sentences():
 # -- perplexity through the cache ----------------------------------------------------------------------------
 def test_streaming_perplexity_equals_one_pass_forward(embedded):
     model, tok = embedded.model, embedded.tokenizer
-    n = 128
+    n = 64
     ids = torch.tensor([ev.token_ids(tok, ev.read_text())[:n]])
     results = ev.perplexity(model, ids, ev.make_configs(["h2o"], budgets("200", "25%"), n))
     with attention(model, "sdpa"), torch.inference_mode():
@@ -76,11 +77,42 @@ def test_streaming_perplexity_equals_one_pass_forward(embedded):
     assert full.ppl == pytest.approx(math.exp(float(nll.mean())), rel=5e-3)
     torch.testing.assert_close(full.nll, nll, atol=2e-3, rtol=2e-3)
     assert roomy.config.label == "h2o 200" and roomy.ppl == pytest.approx(full.ppl, rel=1e-5)  # nothing evicted
-    assert small.config.label == "h2o 32" and small.kept == 32 and small.ppl > full.ppl
-    assert len(full.window_ppl(50)) == 3 and full.record()["window_ppl"] == [round(full.ppl, 3)]
+    assert small.config.label == "h2o 16" and small.kept == 16 and small.ppl > full.ppl
+    assert len(full.window_ppl(25)) == 3 and full.record()["window_ppl"] == [round(full.ppl, 3)]
 
 
 # -- greedy rows, needle and agreement -----------------------------------------------------------------------
+def test_measurement_loops_report_progress_to_the_last_token(single_thread):
+    from h2o_chat.bench import run_decode_bench
+    from h2o_chat.soak import run_soak, soak_configs
+
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+
+    def recorder():
+        calls = []
+        return calls, lambda done, total: calls.append((done, total))
+
+    ids = torch.randint(4, 256, (1, 40))
+    calls, progress = recorder()
+    ev.streaming_nll(model, ids, [make_policy("snap", 16)], progress=progress, prompt_tokens=24)
+    assert calls[-1] == (40, 40) and calls == sorted(calls) and calls[0][0] <= 24  # the prompt, then token by token
+    calls, progress = recorder()
+    ev.greedy_rows(
+        model, tok, [ids[0, :30].tolist()], ev.make_configs(["h2o"], budgets("16"), 30), 5, 8, progress=progress
+    )
+    assert calls[-1] == (35, 35) and calls == sorted(calls)  # prompt columns, then one per step
+    calls, progress = recorder()
+    run_soak(model, torch.randint(4, 256, (1, 30)), soak_configs(8, 2), window=10, progress=progress)
+    assert calls[-1] == (30, 30)
+    calls, progress = recorder()
+    lines = []
+    run_decode_bench(
+        model, None, [16, 24], 8, ("full", "h2o"), steps=2, rounds=1, chunk=8, status=lines.append, progress=progress
+    )
+    assert calls[-1][0] == calls[-1][1] and calls == sorted(calls)  # every token the runs feed, counted ahead
+    assert len(lines) == 6 and "ms/token" in lines[0]  # measurements stay status lines
+
+
 def test_batched_rows_equal_separate_runs():
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     prompts = [torch.randint(4, 256, (n,)).tolist() for n in (20, 33)]
@@ -123,11 +155,11 @@ def test_ppl_command_json_table_plot_and_markdown(fast_load, tmp_path, capsys):
     result = invoke(
         "ppl",
         "--tokens",
-        "40",
+        "24",
         "-b",
         "50%",
         "-b",
-        "30",
+        "18",
         "-p",
         "h2o",
         "--json",
@@ -140,12 +172,12 @@ def test_ppl_command_json_table_plot_and_markdown(fast_load, tmp_path, capsys):
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["policy"], r["budget"], r["budget_pct"]) for r in records] == [
         ("full", None, None),
-        ("h2o", 20, 50.0),
-        ("h2o", 30, 75.0),
+        ("h2o", 12, 50.0),
+        ("h2o", 18, 75.0),
     ]
-    assert all(r["tokens"] == 40 and r["ppl"] > 1 and r["text"] == "alice.txt" for r in records)
+    assert all(r["tokens"] == 24 and r["ppl"] > 1 and r["text"] == "alice.txt" for r in records)
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert "| h2o |" in md.read_text() and "50% (20)" in md.read_text()
+    assert "| h2o |" in md.read_text() and "50% (12)" in md.read_text()
     (tmp_path / "ppl.json").write_text(result.stdout)
     plots.main(["ppl", str(tmp_path / "ppl.json")])  # re-rendered from the saved records
     assert capsys.readouterr().out == md.read_text()
@@ -222,11 +254,13 @@ def test_empty_text_file(fast_load, tmp_path):
 
 def test_ppl_after_a_compressed_prompt(embedded):
     """--prompt-tokens: the first tokens are one prompt (snap compresses it), the rest are scored."""
-    ids = torch.tensor([ev.token_ids(embedded.tokenizer, ev.read_text())[:200]])
-    configs = ev.make_configs(["h2o", "snap"], [ev.BudgetSpec.parse("64")], 200)
-    results = ev.perplexity(embedded.model, ids, configs, prompt_tokens=150)
-    assert [r.tokens for r in results] == [200, 200, 200] and all(r.nll.numel() == 50 for r in results)
+    model = embedded.model
+    ids = torch.tensor([ev.token_ids(embedded.tokenizer, ev.read_text())[:80]])
+    configs = ev.make_configs(["h2o", "snap"], [ev.BudgetSpec.parse("24")], 80)
+    results = ev.perplexity(model, ids, configs, prompt_tokens=64)
+    assert [r.tokens for r in results] == [80, 80, 80] and all(r.nll.numel() == 16 for r in results)
     full, h2o, snap = (r.ppl for r in results)
     assert full < 1.5 * min(h2o, snap) and h2o != snap  # snap chose different prompt tokens than h2o
-    whole = ev.perplexity(embedded.model, ids, configs[:1])[0]
-    assert abs(whole.nll[-50:].mean() - results[0].nll.mean()) < 1e-3  # the full cache: same either way
+    with attention(model, "sdpa"), torch.inference_mode():  # the full cache: one forward over the whole text
+        nll = F.cross_entropy(model(ids).logits[0, 63:-1].float(), ids[0, 64:], reduction="none")
+    torch.testing.assert_close(results[0].nll, nll, atol=2e-3, rtol=2e-3)

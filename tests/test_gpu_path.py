@@ -57,9 +57,17 @@ def test_throughput_at_equal_memory_on_cpu(tmp_path):
 
     folder = random_model("llama-tiny", torch.float32, tmp_path / "tiny")
     loaded = load(ModelSpec(name="llama-tiny", source=str(folder)), device="cpu")
+    calls = []
     records = run_throughput(
-        loaded, memory_limit=64 * 2**20, prompt_tokens=256, generated_tokens=16, budget=32, chunk=32
+        loaded,
+        memory_limit=64 * 2**20,
+        prompt_tokens=256,
+        generated_tokens=16,
+        budget=32,
+        chunk=32,
+        progress=lambda d, t: calls.append((d, t)),
     )
+    assert calls[-1] == (2 * 272, 2 * 272) and calls == sorted(calls)  # both configurations, prompt + steps
     full, h2o = records
     assert full.config == "full" and h2o.config == "h2o" and h2o.budget == 32
     assert h2o.batch > full.batch > 0  # a small cache per row fits more rows in the same memory

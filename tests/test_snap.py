@@ -15,8 +15,8 @@ from h2o_chat.errors import ConfigError
 from h2o_chat.policies import make_policy, pool_logits
 
 
-def prefill(model, cache, ids, chunk_size=512):
-    return Engine(model, cache, "eager").prefill(ids, chunk_size=chunk_size)
+def prefill(model, cache, ids, chunk_size=512, progress=None):
+    return Engine(model, cache, "eager").prefill(ids, chunk_size=chunk_size, progress=progress)
 
 
 class CaptureQueries:
@@ -149,3 +149,22 @@ def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
         assert [set(p[p >= 0].tolist()) for p in grouped.groups[row].layers[1].pos[0]] == [
             set(p[p >= 0].tolist()) for p in alone.layers[1].pos[0]
         ]
+
+
+def test_prefill_reports_progress_after_each_chunk_and_snap_reads_twice():
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(4, 256, (1, 50))
+    calls = []
+    prefill(model, H2OCache.for_model(model, make_policy("h2o", 16)), ids, chunk_size=16, progress=calls_to(calls))
+    # prompt tokens read, after each chunk; chunks end where the prompt ends, so the short one comes first
+    assert calls == [(2, 50), (18, 50), (34, 50), (50, 50)]
+    calls.clear()
+    prefill(model, H2OCache.for_model(model, make_policy("snap", 16)), ids, chunk_size=16, progress=calls_to(calls))
+    assert calls == [(2, 100), (18, 100), (34, 100), (50, 100), (52, 100), (68, 100), (84, 100), (100, 100)]
+    calls.clear()
+    prefill(model, H2OCache.for_model(model, make_policy("snap", 64)), ids, chunk_size=16, progress=calls_to(calls))
+    assert calls[-1] == (50, 50)  # a prompt that fits the budget is read once
+
+
+def calls_to(calls: list):
+    return lambda done, total: calls.append((done, total))
