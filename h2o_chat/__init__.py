@@ -1,6 +1,9 @@
 """h2o-chat: long text generation in bounded memory with the H2O (Heavy-Hitter Oracle) KV cache.
 
-The public API is imported lazily so that `h2o-chat --help` starts without importing torch.
+Four layers, each importing only those below it: `app` (commands, chat, batch, rendering) -> `measure`
+(bench, evaluation, soak) -> `models` (registry, loading, memory fit) -> `engine` (the library: caches,
+policies, attention, the decode engine); `errors` and `files` serve them all. The public API below is imported
+lazily so that `h2o-chat --help` starts without importing torch.
 """
 
 from __future__ import annotations
@@ -8,15 +11,15 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "H2OCache": "h2o_chat.cache",
-    "CacheStats": "h2o_chat.cache",
-    "Engine": "h2o_chat.engine",
-    "make_policy": "h2o_chat.policies",
-    "prepare_model": "h2o_chat.attention",
-    "Sampler": "h2o_chat.sampling",
-    "load": "h2o_chat.loading",
-    "stream_generate": "h2o_chat.generate",
-    "generate": "h2o_chat.generate",
+    "H2OCache": "h2o_chat.engine.cache",
+    "CacheStats": "h2o_chat.engine.slots",
+    "Engine": "h2o_chat.engine.decode",
+    "make_policy": "h2o_chat.engine.policies",
+    "prepare_model": "h2o_chat.engine.attention",
+    "Sampler": "h2o_chat.engine.sampling",
+    "load": "h2o_chat.models.loading",
+    "stream_generate": "h2o_chat.engine.generate",
+    "generate": "h2o_chat.engine.generate",
 }
 
 

@@ -1,3 +1,3 @@
-from h2o_chat.cli import main
+from h2o_chat.app.cli import main
 
 main()

@@ -22,7 +22,7 @@ run() {  # name, then the eval command's arguments; records the wall time
     "${h2o[@]}" eval "$@" --json > "$tmp/$name.json"
     mv "$tmp/$name.json" "$out/$name.json"
     echo "$((SECONDS - start))" > "$tmp/$name.seconds"
-    python -m h2o_chat.plots "$name" "$out/$name.json" > "$tmp/$name.md"  # the markdown table, from the records
+    python -m h2o_chat.measure.plots "$name" "$out/$name.json" > "$tmp/$name.md"  # the markdown table, from the records
 }
 
 policies=(-p h2o -p snap -p sink -p recent)

@@ -42,7 +42,7 @@ def tiny_config(family: str, layers: int = 2, max_positions: int = 8192):
 def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    from h2o_chat.attention import prepare_model
+    from h2o_chat.engine.attention import prepare_model
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), attn_implementation="sdpa").eval()
@@ -52,8 +52,8 @@ def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded SmolLM2-135M, loaded once for the whole session."""
-    from h2o_chat.config import load_registry
-    from h2o_chat.loading import load
+    from h2o_chat.models.loading import load
+    from h2o_chat.models.registry import load_registry
 
     return load(load_registry().resolve(None), device="cpu")
 
@@ -101,8 +101,8 @@ def fast_load(monkeypatch, embedded):
     calls = []
 
     def load_model(model, models_file, device, dtype, quantize, download, kv_tokens=None, kv_rows=1):
-        from h2o_chat.config import load_registry
-        from h2o_chat.loading import load, resolve_settings
+        from h2o_chat.models.loading import load, resolve_settings
+        from h2o_chat.models.registry import load_registry
 
         calls.append(model)
         spec = load_registry(models_file).resolve(model)
@@ -111,7 +111,7 @@ def fast_load(monkeypatch, embedded):
         resolve_settings(spec, device, dtype, quantize)
         return embedded
 
-    from h2o_chat import cli, evalcli
+    from h2o_chat.app import cli, evalcli
 
     for module in (cli, evalcli):
         if hasattr(module, "load_model"):

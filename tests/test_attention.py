@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h2o_chat.attention import attention_with_mass, causal_sdpa
+from h2o_chat.engine.attention import attention_with_mass, causal_sdpa
 
 
 def reference(q, k, v, scale, key_ok=None):

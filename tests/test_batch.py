@@ -12,9 +12,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from h2o_chat import cli
-from h2o_chat.batch import Defaults, Summary, finished_ids, generate_batch, read_items
-from h2o_chat.policies import make_policy
+from h2o_chat.app import cli
+from h2o_chat.app.batch import Defaults, Summary, finished_ids, generate_batch, read_items
+from h2o_chat.engine.policies import make_policy
 
 runner = CliRunner()
 

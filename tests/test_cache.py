@@ -7,12 +7,12 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from conftest import FAMILIES, tiny_model
-from h2o_chat import layer as layer_module
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import Engine, left_pad
+from h2o_chat.engine import layer as layer_module
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine, left_pad
+from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.sampling import Sampler
 from h2o_chat.errors import CacheUsageError
-from h2o_chat.policies import make_policy
-from h2o_chat.sampling import Sampler
 
 
 def run(model, cache, tokens: torch.Tensor, schedule: list[int]) -> torch.Tensor:

@@ -18,11 +18,11 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
-from h2o_chat import ui
-from h2o_chat.chat import ChatSession, RunOptions, make_prompt_session
-from h2o_chat.conversation import ChatSettings, Conversation
-from h2o_chat.generate import Sampler
-from h2o_chat.policies import make_policy
+from h2o_chat.app import ui
+from h2o_chat.app.chat import ChatSession, RunOptions, make_prompt_session
+from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.engine.generate import Sampler
+from h2o_chat.engine.policies import make_policy
 
 
 def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, terminal=False, policy=None):

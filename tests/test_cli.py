@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from h2o_chat import cli
+from h2o_chat.app import cli
 
 runner = CliRunner()
 
@@ -29,7 +29,7 @@ def assert_one_line_error(result, *fragments):
 
 
 def test_help_is_fast_and_imports_no_torch():
-    code = "import sys, h2o_chat.cli as c\ntry:\n    c.app(['--help'])\nexcept SystemExit:\n    pass\n"
+    code = "import sys, h2o_chat.app.cli as c\ntry:\n    c.app(['--help'])\nexcept SystemExit:\n    pass\n"
     code += "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().endswith("NO-TORCH"), out.stdout[-200:]
@@ -108,7 +108,7 @@ def test_models_lists_aliases_and_presence():
 
 
 def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
-    from h2o_chat.config import load_registry
+    from h2o_chat.models.registry import load_registry
 
     monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path / "weights"))
     result = runner.invoke(cli.app, ["models"], env={"COLUMNS": "80"})
@@ -150,9 +150,11 @@ def test_bad_input_gets_one_clear_line(fast_load, args, stdin, fragments):
 def test_unwritable_cache_folder_falls_back_to_a_temporary_one(tmp_path, monkeypatch, embedded):
     import tempfile
 
-    from h2o_chat import config, loading
+    from h2o_chat import files
+    from h2o_chat.models import loading
+    from h2o_chat.models.registry import load_registry
 
-    gguf = loading.embedded_gguf(config.load_registry().resolve(None).source)
+    gguf = loading.embedded_gguf(load_registry().resolve(None).source)
     converted = loading.converted_folder(gguf)  # the session's own conversion (the embedded fixture made it)
     blocker = tmp_path / "home-is-a-file"  # as root, permission bits stop nothing: a file in the path does
     blocker.write_text("")
@@ -160,12 +162,12 @@ def test_unwritable_cache_folder_falls_back_to_a_temporary_one(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(config, "_fallback", {})
-    fallback = config.writable_cache_dir()
+    monkeypatch.setattr(files, "_fallback", {})
+    fallback = files.writable_cache_dir()
     assert fallback.parent == tmp_path / "tmp" and fallback.stat().st_mode & 0o777 == 0o700
     (fallback / "converted").mkdir()
     (fallback / "converted" / converted.name).symlink_to(converted)  # as if converted there by an earlier run
-    monkeypatch.setattr(config, "_fallback", {})
+    monkeypatch.setattr(files, "_fallback", {})
 
     result = invoke(["-m", "smollm2-135m", "--temperature", "0", "--max-new-tokens", "4"], "Say hi.")
     assert result.exit_code == 0, result.stderr

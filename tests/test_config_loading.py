@@ -4,10 +4,10 @@ import importlib.util
 
 import pytest
 
-from h2o_chat import loading
-from h2o_chat.config import ModelSpec, load_registry
 from h2o_chat.errors import ConfigError, DeviceError, ModelNotFoundError, UnknownModelError
-from h2o_chat.loading import load
+from h2o_chat.models import loading
+from h2o_chat.models.loading import load
+from h2o_chat.models.registry import ModelSpec, load_registry
 
 
 def test_packaged_aliases():

@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from h2o_chat.cache import H2OCache
-from h2o_chat.generate import stream_generate
-from h2o_chat.policies import make_policy
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.generate import stream_generate
+from h2o_chat.engine.policies import make_policy
 
 
 def test_greedy_generation_is_token_identical_to_dynamic_cache(embedded, prompt_ids):

@@ -8,11 +8,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_model
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import Engine, left_pad, resolve_decode
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine, left_pad, resolve_decode
+from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.sampling import Sampler
 from h2o_chat.errors import ConfigError
-from h2o_chat.policies import make_policy
-from h2o_chat.sampling import Sampler
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
 

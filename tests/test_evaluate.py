@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from h2o_chat import cli, plots, tasks
-from h2o_chat import evaluate as ev
-from h2o_chat.bench import attention
+from h2o_chat.app import cli
+from h2o_chat.engine.policies import make_policy
 from h2o_chat.errors import ConfigError
-from h2o_chat.policies import make_policy
+from h2o_chat.measure import evaluate as ev
+from h2o_chat.measure import plots, tasks
+from h2o_chat.measure.bench import attention
 
 runner = CliRunner()
 
@@ -83,8 +84,8 @@ def test_streaming_perplexity_equals_one_pass_forward(embedded):
 
 # -- greedy rows, needle and agreement -----------------------------------------------------------------------
 def test_measurement_loops_report_progress_to_the_last_token(single_thread):
-    from h2o_chat.bench import run_decode_bench
-    from h2o_chat.soak import run_soak, soak_configs
+    from h2o_chat.measure.bench import run_decode_bench
+    from h2o_chat.measure.soak import run_soak, soak_configs
 
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
 
@@ -209,7 +210,9 @@ def test_needle_and_agree_commands_end_to_end_on_a_tiny_model(fast_load, tiny_fo
 
 
 def test_eval_help_imports_no_torch():
-    code = "import sys, h2o_chat.cli as c\ntry:\n    c.app(['eval', 'ppl', '--help'])\nexcept SystemExit:\n    pass\n"
+    code = (
+        "import sys, h2o_chat.app.cli as c\ntry:\n    c.app(['eval', 'ppl', '--help'])\nexcept SystemExit:\n    pass\n"
+    )
     code += "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().endswith("NO-TORCH") and "--budget" in out.stdout

@@ -9,14 +9,15 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model
-from h2o_chat import cli
-from h2o_chat.cache import H2OCache
-from h2o_chat.config import ModelSpec
-from h2o_chat.engine import Engine
+from h2o_chat.app import cli
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.policies import make_policy
 from h2o_chat.errors import DeviceError
-from h2o_chat.memory import check_fits, footprint
-from h2o_chat.policies import make_policy
-from h2o_chat.throughput import SHAPES, random_model, run_throughput
+from h2o_chat.measure.throughput import run_throughput
+from h2o_chat.models.memory import check_fits, footprint
+from h2o_chat.models.registry import ModelSpec
+from h2o_chat.models.shapes import SHAPES, random_model
 
 GB = 2**30
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
@@ -53,7 +54,7 @@ def test_does_not_fit_says_what_would():
 
 
 def test_throughput_at_equal_memory_on_cpu(tmp_path):
-    from h2o_chat.loading import load
+    from h2o_chat.models.loading import load
 
     folder = random_model("llama-tiny", torch.float32, tmp_path / "tiny")
     loaded = load(ModelSpec(name="llama-tiny", source=str(folder)), device="cpu")
@@ -150,8 +151,8 @@ def test_cuda_eager_decode_steps_never_sync_with_the_host():
 @needs_cuda
 def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'h2o-chat[cuda]')")
-    from h2o_chat.loading import load
-    from h2o_chat.ui import process_memory
+    from h2o_chat.app.ui import process_memory
+    from h2o_chat.models.loading import load
 
     loaded = load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda", quantize="4bit")
     assert loaded.quantize == "4bit" and loaded.dtype in (torch.bfloat16, torch.float16)
@@ -166,8 +167,8 @@ def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
 
 @needs_cuda
 def test_cuda_load_refuses_what_cannot_fit(monkeypatch, tiny_folder):
-    from h2o_chat import memory
-    from h2o_chat.loading import load
+    from h2o_chat.models import memory
+    from h2o_chat.models.loading import load
 
     monkeypatch.setattr(memory, "free_gpu_bytes", lambda: 1024)
     with pytest.raises(DeviceError, match="free"):

@@ -3,10 +3,10 @@
 import torch
 
 from conftest import tiny_model
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import Engine
-from h2o_chat.grouped import GroupedCache
-from h2o_chat.policies import make_policy
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.grouped import GroupedCache
+from h2o_chat.engine.policies import make_policy
 
 
 def teacher_force(model, cache, ids: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from h2o_chat.engine.policies import H2O, Full, Recent, Sink, lowest, make_policy
 from h2o_chat.errors import ConfigError
-from h2o_chat.policies import H2O, Full, Recent, Sink, lowest, make_policy
 
 
 def state(acc, pos):

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import Engine
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.grouped import GroupedCache
+from h2o_chat.engine.layer import _ranks
+from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.rope import Rope
+from h2o_chat.engine.sampling import Sampler
 from h2o_chat.errors import ConfigError, ContextLimitError
-from h2o_chat.grouped import GroupedCache
-from h2o_chat.layer import _ranks
-from h2o_chat.policies import make_policy
-from h2o_chat.rope import Rope
-from h2o_chat.sampling import Sampler
 
 
 def feed(model, cache, ids: torch.Tensor, schedule: list[int]) -> torch.Tensor:
@@ -154,7 +154,7 @@ def test_soak_command_reports_memory_and_perplexity_per_window(monkeypatch, tmp_
 
     from typer.testing import CliRunner
 
-    from h2o_chat import cli
+    from h2o_chat.app import cli
 
     monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
     result = CliRunner().invoke(
@@ -205,7 +205,7 @@ def test_model_generate_with_the_cache_equals_the_engine(positions):
 def test_sliding_window_models_are_refused():
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-    from h2o_chat.attention import prepare_model
+    from h2o_chat.engine.attention import prepare_model
 
     small = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     mistral = prepare_model(AutoModelForCausalLM.from_config(MistralConfig(**small, sliding_window=8)))
@@ -244,7 +244,7 @@ def test_scaled_rotary_embeddings_roll_exactly():
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_config
-    from h2o_chat.attention import prepare_model
+    from h2o_chat.engine.attention import prepare_model
 
     config = tiny_config("llama")
     config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h2o_chat.engine.sampling import PENALTY_WINDOW, Sampler
 from h2o_chat.errors import ConfigError
-from h2o_chat.sampling import PENALTY_WINDOW, Sampler
 
 P = torch.tensor([0.5, 0.3, 0.2])
 

@@ -7,12 +7,12 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from conftest import tiny_model
-from h2o_chat import layer as layer_module
-from h2o_chat import snap as snap_module
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import Engine
+from h2o_chat.engine import layer as layer_module
+from h2o_chat.engine import snap as snap_module
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.policies import make_policy, pool_logits
 from h2o_chat.errors import ConfigError
-from h2o_chat.policies import make_policy, pool_logits
 
 
 def prefill(model, cache, ids, chunk_size=512, progress=None):
@@ -135,7 +135,7 @@ def test_snap_settings_are_validated():
 
 
 def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
-    from h2o_chat.grouped import GroupedCache
+    from h2o_chat.engine.grouped import GroupedCache
 
     model = tiny_model("llama", seed=25)
     ids = torch.randint(0, 256, (1, 90))

@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from h2o_chat import ui
-from h2o_chat.bench import BenchRecord, ratios
+from h2o_chat.app import ui
+from h2o_chat.measure.bench import BenchRecord, ratios
 
 
 def draw(renderable, width: int = 120, **kwargs) -> str:
@@ -33,7 +33,7 @@ def test_bench_table_prints_measured_ratios_without_targets():
 
 
 def stats(seen: int = 415, kept: float = 64.0, evicted: float = 351.0, **kwargs):
-    from h2o_chat.cache import CacheStats
+    from h2o_chat.engine.slots import CacheStats
 
     return CacheStats(
         "snap", 64, {"heavy": 32, "recent": 32}, 30, seen, kept, 64, 64, evicted,

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from h2o_chat.engine.sampling import RowSampler, Sampler
+from h2o_chat.engine.snap import compress_prompt, compresses
 from h2o_chat.errors import ConfigError
-from h2o_chat.sampling import RowSampler, Sampler
-from h2o_chat.snap import compress_prompt, compresses
 
 DECODE_MODES = ("auto", "eager", "graph", "compile")
 DEFAULT_CHUNK = 512
@@ -58,7 +58,7 @@ def _persistent_inductor_cache() -> None:
     import os
 
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from h2o_chat.config import user_cache_dir
+        from h2o_chat.files import user_cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
 

@@ -16,13 +16,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from h2o_chat.errors import ConfigError
 
+if TYPE_CHECKING:  # no torch at import: the command line reads DEFAULT_POLICY before deciding to load any
+    import torch
+
 INF = float("inf")
+_LAST = 2**62  # above every position: "not a candidate" in the victim's tie-break
+
+# snap reads each prompt with its last queries (keeps what the question needs), then evicts as h2o does
+DEFAULT_POLICY = "snap"
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class Policy:
         Empty slots rank -inf and share position -1, so a filling cache takes them in slot order."""
         prio = self.priority(acc, pos, newest)
         lowest_prio = prio.amin(dim=-1, keepdim=True)
-        return torch.where(prio == lowest_prio, pos, torch.iinfo(pos.dtype).max).argmin(dim=-1)
+        return pos.masked_fill(prio != lowest_prio, _LAST).argmin(dim=-1)
 
 
 def _by_priority(priority: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -159,7 +164,7 @@ class Recent(Policy):
     name: ClassVar[str] = "recent"
 
     def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return pos.to(torch.float32)
+        return pos.float()
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,7 @@ class Sink(Policy):
         return {"sink": self.sinks, "recent": self.budget - self.sinks}
 
     def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return pos.to(torch.float32)
+        return pos.float()
 
     def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         return (pos >= 0) & (pos < self.sinks)
@@ -202,7 +207,7 @@ class Full(Policy):
         return None
 
     def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # never asked to evict
-        return pos.to(torch.float32)
+        return pos.float()
 
 
 @dataclass(frozen=True)
@@ -233,11 +238,13 @@ class Snap(H2O):
 def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
     """Max over `kernel` neighbouring positions along the last dim, so a selected token keeps its neighbours.
     Pooling logits per query commutes with the later softmax normalisation (exp(x - lse) is monotone)."""
+    import torch.nn.functional as F  # prefill only
+
     if kernel == 1:
         return logits
     shape = logits.shape
     flat = logits.reshape(-1, 1, shape[-1])
-    return torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
+    return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
 
 
 def observation_mass(obs: torch.Tensor, lse: torch.Tensor, query_ok: torch.Tensor) -> torch.Tensor:
@@ -245,7 +252,7 @@ def observation_mass(obs: torch.Tensor, lse: torch.Tensor, query_ok: torch.Tenso
     log-sum-exp of each query over every key seen, query_ok (B, Q) the real (non-padding) queries
     -> (B, H, N), summed over real queries (a padding query sees nothing: its lse is -inf)."""
     mass = (obs - lse[:, :, None, :]).exp()
-    return torch.where(query_ok[:, None, None, :], mass, 0.0).sum(-1)
+    return mass.masked_fill(~query_ok[:, None, None, :], 0.0).sum(-1)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap)}

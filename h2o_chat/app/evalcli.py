@@ -1,7 +1,8 @@
 """`h2o-chat eval`: what a budget costs in quality (perplexity, needle retrieval, generation agreement).
 
-Options in, calls out: the work is in `h2o_chat.evaluate`, tables and figures in `h2o_chat.plots`. Every input
-is checked before the weights load. No torch import at module level (start-up stays fast for --help).
+Options in, calls out: the work is in `h2o_chat.measure.evaluate`, tables and figures in
+`h2o_chat.measure.plots`. Every input is checked before the weights load. No torch import at module level
+(start-up stays fast for --help).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from typing import Annotated
 
 import typer
 
-from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.options import (
+from h2o_chat.app.options import (
     ChunkSize,
     Command,
     Device,
@@ -36,7 +36,8 @@ from h2o_chat.options import (
     reported,
     status,
 )
-from h2o_chat.ui import progress_bar
+from h2o_chat.app.ui import progress_bar
+from h2o_chat.errors import ConfigError, InputError
 
 eval_app = typer.Typer(
     cls=Group,
@@ -72,7 +73,7 @@ Texts = Annotated[
 
 def _plan(budgets, policies, n: int, knobs: dict, positions: str, plot, markdown_path):
     """Parse and validate what does not need the model; -> (budget specs, policy names)."""
-    from h2o_chat import evaluate as ev
+    from h2o_chat.measure import evaluate as ev
 
     specs = [ev.BudgetSpec.parse(b) for b in budgets or DEFAULT_BUDGETS]
     names = list(policies or ev.DEFAULT_POLICIES)
@@ -87,7 +88,7 @@ def _plan(budgets, policies, n: int, knobs: dict, positions: str, plot, markdown
 
 
 def _texts(paths: list[Path] | None) -> dict[str, str]:
-    from h2o_chat import evaluate as ev
+    from h2o_chat.measure import evaluate as ev
 
     if not paths:
         return {name: ev.read_text(shipped=name) for name in ev.SHIPPED}
@@ -95,13 +96,13 @@ def _texts(paths: list[Path] | None) -> dict[str, str]:
 
 
 def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None, plot: Path | None, draw: Callable):
-    from h2o_chat import plots
+    from h2o_chat.measure import plots
 
     if json_out:
         for record in records:
             typer.echo(json.dumps(record, ensure_ascii=False))
     else:
-        from h2o_chat.ui import make_console
+        from h2o_chat.app.ui import make_console
 
         make_console().print(plots.rich_table(table))
     if markdown_path is not None:
@@ -148,8 +149,8 @@ def ppl_command(
         if not 1 <= prompt_tokens < tokens:
             raise ConfigError(f"--prompt-tokens must be at least 1 and below --tokens ({tokens}), got {prompt_tokens}")
         specs, names = _plan(budget, policy, tokens, knobs, positions, plot, markdown_path)
-        from h2o_chat import evaluate as ev
-        from h2o_chat import plots
+        from h2o_chat.measure import evaluate as ev
+        from h2o_chat.measure import plots
 
         content = ev.read_text(text)
         loaded = load_model(model, models_file, device, dtype, quantize, download)
@@ -206,8 +207,8 @@ def needle_command(
         if not all(0 <= d <= 1 for d in depths):
             raise ConfigError(f"--depth must be between 0 and 1, got {', '.join(f'{d:g}' for d in depths)}")
         specs, names = _plan(budget, policy, haystack_tokens, knobs, positions, plot, markdown_path)
-        from h2o_chat import evaluate as ev
-        from h2o_chat import plots, tasks
+        from h2o_chat.measure import evaluate as ev
+        from h2o_chat.measure import plots, tasks
 
         texts = _texts(haystack)
         loaded = load_model(model, models_file, device, dtype, quantize, download)
@@ -253,8 +254,8 @@ def agree_command(
             check_positive(name, value)
         check_positive("--chunk-size", chunk_size)
         specs, names = _plan(budget, policy, prompt_tokens, knobs, positions, None, markdown_path)
-        from h2o_chat import evaluate as ev
-        from h2o_chat import plots, tasks
+        from h2o_chat.measure import evaluate as ev
+        from h2o_chat.measure import plots, tasks
 
         texts = _texts(text)
         loaded = load_model(model, models_file, device, dtype, quantize, download)

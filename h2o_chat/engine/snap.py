@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from h2o_chat.policies import Snap, observation_mass, pool_logits
+from h2o_chat.engine.policies import Snap, observation_mass, pool_logits
 
 
 class Probe:

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from h2o_chat.config import read_user_text
-from h2o_chat.engine import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.generate import stop_token_ids
+from h2o_chat.engine.grouped import GroupedCache
+from h2o_chat.engine.policies import Policy, make_policy
 from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.generate import stop_token_ids
-from h2o_chat.grouped import GroupedCache
-from h2o_chat.policies import Policy, make_policy
+from h2o_chat.files import read_user_text
 
 SHIPPED = ("alice.txt", "moby_dick.txt")
 DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, and the baselines

@@ -9,8 +9,7 @@ from typing import Annotated
 
 import typer
 
-from h2o_chat.errors import H2OChatError
-from h2o_chat.options import (
+from h2o_chat.app.options import (
     Budget,
     Decode,
     Device,
@@ -26,7 +25,8 @@ from h2o_chat.options import (
     reported,
     status,
 )
-from h2o_chat.ui import progress_bar
+from h2o_chat.app.ui import progress_bar
+from h2o_chat.errors import H2OChatError
 
 
 def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
@@ -35,9 +35,9 @@ def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
         return load_model(model, models_file, device, dtype, quantize, False, kv_tokens=kv_tokens)
     if model is not None:
         raise H2OChatError("give either --model or --shape, not both")
-    from h2o_chat.config import ModelSpec
-    from h2o_chat.loading import load, resolve_settings
-    from h2o_chat.throughput import SHAPES, random_model
+    from h2o_chat.models.loading import load, resolve_settings
+    from h2o_chat.models.registry import ModelSpec
+    from h2o_chat.models.shapes import SHAPES, random_model
 
     if shape not in SHAPES:
         raise H2OChatError(f"unknown --shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -100,8 +100,8 @@ def bench_command(
     with reported():
         import json
 
-        from h2o_chat import bench
-        from h2o_chat.ui import bench_table, make_console, throughput_table
+        from h2o_chat.app.ui import bench_table, make_console, throughput_table
+        from h2o_chat.measure import bench
 
         points = int_list(lengths, "--lengths")
         check_decode(decode)
@@ -122,7 +122,7 @@ def bench_command(
         loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
         tokenizer = None if shape else loaded.tokenizer
         if throughput:
-            from h2o_chat.throughput import as_dicts, run_throughput
+            from h2o_chat.measure.throughput import as_dicts, run_throughput
 
             if memory_limit is None:
                 import torch
@@ -187,7 +187,7 @@ def soak_command(
         import json
         from pathlib import Path
 
-        from h2o_chat.ui import make_console, soak_table
+        from h2o_chat.app.ui import make_console, soak_table
 
         for name, value in (("--tokens", tokens), ("--window", window), ("--context", context)):
             check_positive(name, value)
@@ -197,8 +197,8 @@ def soak_command(
         loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
         import torch
 
-        from h2o_chat import evaluate as ev
-        from h2o_chat.soak import run_soak, soak_configs
+        from h2o_chat.measure import evaluate as ev
+        from h2o_chat.measure.soak import run_soak, soak_configs
 
         if shape:  # random weights: any ids will do
             vocab = loaded.model.config.get_text_config().vocab_size

@@ -1,6 +1,6 @@
 """Presenting evaluation records: tables (rich for the terminal, markdown for docs) and matplotlib figures.
 
-Works on the JSON records of `h2o_chat.evaluate` only (no torch), so results can be re-rendered from files.
+Works on the JSON records of `h2o_chat.measure.evaluate` only (no torch), so results can be re-rendered from files.
 A table is (title, header, rows) of strings; `rich_table` and `markdown` render it.
 """
 
@@ -175,7 +175,7 @@ TABLES = {"ppl": ppl_table, "needle": needle_table, "agree": agree_table}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m h2o_chat.plots KIND RECORDS.jsonl`: print the markdown table of saved --json records."""
+    """`python -m h2o_chat.measure.plots KIND RECORDS.jsonl`: print the markdown table of saved --json records."""
     import json
     import sys
 

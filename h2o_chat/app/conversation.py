@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.cache import H2OCache
-from h2o_chat.config import read_user_text
-from h2o_chat.engine import DEFAULT_CHUNK, Engine, Progress
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, Progress
+from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
+from h2o_chat.engine.policies import Policy
 from h2o_chat.errors import InputError
-from h2o_chat.generate import Response, Sampler, stop_token_ids, stream_generate
-from h2o_chat.loading import Loaded
-from h2o_chat.policies import Policy
+from h2o_chat.files import read_user_text
+from h2o_chat.models.loading import Loaded
 
 SENTINEL = "\x00h2o-chat-reply\x00"
 

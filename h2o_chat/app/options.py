@@ -13,8 +13,8 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from h2o_chat.config import load_registry
 from h2o_chat.errors import H2OChatError
+from h2o_chat.models.registry import load_registry
 
 
 # -- help ------------------------------------------------------------------------------------------------
@@ -51,8 +51,6 @@ Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in 
 HeavyRatio = Annotated[
     float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
 ]
-# snap reads each prompt with its last queries (keeps what the question needs), then evicts as h2o does.
-DEFAULT_POLICY = "snap"
 PolicyName = Annotated[
     str,
     typer.Option(
@@ -137,7 +135,7 @@ def status(message: str) -> None:
 
 def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None, kv_rows: int = 1):
     """Resolve the name and load; `kv_tokens` (the budget) for each of `kv_rows` rows sizes the memory check."""
-    from h2o_chat.loading import load
+    from h2o_chat.models.loading import load
 
     spec = load_registry(models_file).resolve(model)
     return load(
@@ -160,13 +158,13 @@ def policy_knobs(
 
 
 def build_policy(policy: str, budget: int, knobs: dict):
-    from h2o_chat.policies import make_policy
+    from h2o_chat.engine.policies import make_policy
 
     return make_policy(policy, budget, **knobs)
 
 
 def check_decode(value: str) -> str:
-    from h2o_chat.engine import DECODE_MODES
+    from h2o_chat.engine.decode import DECODE_MODES
 
     if value not in DECODE_MODES:
         raise H2OChatError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {value!r}")
@@ -174,7 +172,7 @@ def check_decode(value: str) -> str:
 
 
 def check_positions(value: str) -> str:
-    from h2o_chat.cache import check_positions as check  # torch: only once a command runs, never for --help
+    from h2o_chat.engine.cache import check_positions as check  # torch: only once a command runs, never for --help
 
     return check(value)
 

@@ -6,76 +6,17 @@ No torch here: the CLI reads model specs before deciding whether to import anyth
 from __future__ import annotations
 
 import difflib
-import os
-import tempfile
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.errors import ConfigError, H2OChatError, InputError, UnknownModelError
+from h2o_chat.errors import ConfigError, UnknownModelError
+from h2o_chat.files import read_user_text, user_config_dir
 
 PACKAGE_MODELS = Path(__file__).with_name("models.toml")
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "4bit", "8bit")
-
-
-def user_config_dir() -> Path:
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "h2o-chat"
-
-
-def user_data_dir() -> Path:
-    """Where the input history lives."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "h2o-chat"
-
-
-def user_cache_dir() -> Path:
-    """Where converted weights live; H2O_CHAT_CACHE overrides."""
-    if os.environ.get("H2O_CHAT_CACHE"):
-        return Path(os.environ["H2O_CHAT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "h2o-chat"
-
-
-def unwritable(folder: Path) -> str | None:
-    """Why files cannot be created in `folder` (made if missing), or None when they can."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    return None
-
-
-_fallback: dict[Path, Path] = {}
-
-
-def writable_cache_dir(note: Callable[[str], None] | None = None) -> Path:
-    """The user cache folder, or, when it cannot be written (a read-only home), a private temporary folder for
-    this user; `note` is told once which, and why. A tool that cannot cache should still run."""
-    wanted = user_cache_dir()
-    if wanted in _fallback:
-        return _fallback[wanted]
-    why = unwritable(wanted)
-    if why is None:
-        return wanted
-    folder = Path(tempfile.gettempdir()) / f"h2o-chat-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    try:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        st = folder.lstat()
-        private = folder.is_dir() and not folder.is_symlink() and st.st_mode & 0o077 == 0
-        if not private or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
-            raise PermissionError  # someone else's folder in a shared /tmp: use a fresh one
-    except OSError:
-        folder = Path(tempfile.mkdtemp(prefix="h2o-chat-"))
-    _fallback[wanted] = folder
-    if note:
-        note(
-            f"note: cannot write {wanted} ({why}); converted weights are cached in {folder} instead "
-            "(set H2O_CHAT_CACHE to a writable folder to keep them)"
-        )
-    return folder
 
 
 @dataclass(frozen=True)
@@ -167,18 +108,6 @@ def _guess_family(path: Path) -> str:
         if model_type in FAMILIES:
             return model_type
     return _guess_family_from_name(path.name)
-
-
-def read_user_text(path: Path, what: str = "file", error: type[H2OChatError] = InputError) -> str:
-    """A user's UTF-8 file, or one clear error saying what is wrong with it."""
-    try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise error(f"{what} not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise error(f"cannot read {what} {path}: not UTF-8 text (byte offset {e.start})") from None
-    except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror}") from None
 
 
 def _read_toml(path: Path) -> dict:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import DEFAULT_CHUNK, Engine, Progress
-from h2o_chat.sampling import Sampler
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, Progress
+from h2o_chat.engine.sampling import Sampler
 
 __all__ = ["DEFAULT_CHUNK", "Response", "Sampler", "StreamingDetokenizer", "generate", "stop_token_ids"]
 

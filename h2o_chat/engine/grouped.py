@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from h2o_chat.cache import CacheStats, H2OCache, model_facts
-from h2o_chat.policies import Policy
-from h2o_chat.rope import Rope
+from h2o_chat.engine.cache import H2OCache, model_facts
+from h2o_chat.engine.policies import Policy
+from h2o_chat.engine.rope import Rope
+from h2o_chat.engine.slots import CacheStats
 
 
 class GroupedLayer(CacheLayerMixin):

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from h2o_chat.attention import attention_over_slots, attention_with_mass
-from h2o_chat.policies import lowest
+from h2o_chat.engine.attention import attention_over_slots, attention_with_mass
+from h2o_chat.engine.policies import lowest
 
 if TYPE_CHECKING:
-    from h2o_chat.cache import H2OCache
-    from h2o_chat.snap import Observation, Probe
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.snap import Observation, Probe
 
 
 class H2OLayer(CacheLayerMixin):

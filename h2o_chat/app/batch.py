@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.cache import H2OCache, mean_count
-from h2o_chat.config import read_user_text
-from h2o_chat.engine import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.generate import stop_token_ids
+from h2o_chat.engine.policies import Policy
+from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.slots import mean_count
 from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.generate import stop_token_ids
-from h2o_chat.loading import Loaded
-from h2o_chat.policies import Policy
-from h2o_chat.sampling import Sampler
+from h2o_chat.files import read_user_text
+from h2o_chat.models.loading import Loaded
 
 
 @dataclass

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.attention import prepare_model
-from h2o_chat.config import ModelSpec, user_cache_dir, writable_cache_dir
+from h2o_chat.engine.attention import prepare_model
 from h2o_chat.errors import DeviceError, ModelNotFoundError
+from h2o_chat.files import user_cache_dir, writable_cache_dir
+from h2o_chat.models.registry import ModelSpec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -235,7 +236,7 @@ def load(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dev.type == "cuda":
-        from h2o_chat.memory import check_fits, footprint, free_gpu_bytes
+        from h2o_chat.models.memory import check_fits, footprint, free_gpu_bytes
 
         config = AutoConfig.from_pretrained(location, local_files_only=not download)
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
@@ -243,7 +244,7 @@ def load(
             spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows
         )
     elif kv_tokens:
-        from h2o_chat.memory import check_fits_in_memory
+        from h2o_chat.models.memory import check_fits_in_memory
 
         config = AutoConfig.from_pretrained(location, local_files_only=not download)
         check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows)

@@ -28,9 +28,9 @@ from importlib import resources
 import torch
 from transformers import DynamicCache, StaticCache
 
-from h2o_chat.cache import H2OCache
-from h2o_chat.engine import Engine
-from h2o_chat.policies import make_policy
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.policies import make_policy
 
 CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-nobound")
 OURS = ("full", "h2o", "h2o-nobound")

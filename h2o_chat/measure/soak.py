@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_chat.evaluate import streaming_nll
-from h2o_chat.policies import Policy, make_policy
+from h2o_chat.engine.policies import Policy, make_policy
+from h2o_chat.measure.evaluate import streaming_nll
 
 
 @dataclass(frozen=True)

@@ -426,7 +426,7 @@ def throughput_table(records, model: str) -> Table:
 
 def soak_table(records, model: str, budget: int) -> Group:
     """Per window: tokens seen, process memory, perplexity per configuration; then memory flatness."""
-    from h2o_chat.soak import flatness
+    from h2o_chat.measure.soak import flatness
 
     labels = list(records[0]["ppl"]) if records else []
     table = Table(title=f"soak: {model}, budget {budget}: perplexity per window", title_justify="left")

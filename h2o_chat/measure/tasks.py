@@ -11,9 +11,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from h2o_chat.engine.generate import DEFAULT_CHUNK
 from h2o_chat.errors import ConfigError
-from h2o_chat.evaluate import EvalConfig, Progress, chat_ids, greedy_rows, token_ids
-from h2o_chat.generate import DEFAULT_CHUNK
+from h2o_chat.measure.evaluate import EvalConfig, Progress, chat_ids, greedy_rows, token_ids
 
 # -- needle in a haystack ------------------------------------------------------------------------------------
 NEEDLE = "The secret code is {code}."

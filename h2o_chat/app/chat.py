@@ -16,13 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from h2o_chat.config import user_data_dir
-from h2o_chat.conversation import ChatSettings, Conversation, budget_note
-from h2o_chat.errors import H2OChatError, InputError
-from h2o_chat.loading import Loaded
-from h2o_chat.options import DEFAULT_POLICY
-from h2o_chat.policies import Policy
-from h2o_chat.ui import (
+from h2o_chat.app.conversation import ChatSettings, Conversation, budget_note
+from h2o_chat.app.ui import (
     COMPACT_BELOW,
     PanelView,
     ProgressBar,
@@ -35,6 +30,10 @@ from h2o_chat.ui import (
     make_console,
     summary_line,
 )
+from h2o_chat.engine.policies import DEFAULT_POLICY, Policy
+from h2o_chat.errors import H2OChatError, InputError
+from h2o_chat.files import user_data_dir
+from h2o_chat.models.loading import Loaded
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     conv.engine.on_setup = lambda message: print(f"h2o-chat: {message} ...", file=sys.stderr)
 
     if options.raw:
-        from h2o_chat.generate import stream_generate
+        from h2o_chat.engine.generate import stream_generate
 
         ids = loaded.tokenizer(prompt)["input_ids"]
         conv.pending = len(ids)
@@ -305,7 +304,7 @@ class ChatSession:
     cmd_quit = cmd_exit
 
     def _set_policy(self, name: str, budget: int | None) -> None:
-        from h2o_chat.policies import make_policy, with_budget
+        from h2o_chat.engine.policies import make_policy, with_budget
 
         old = self.conv.policy
         if name == old.name and old.budget is not None:  # a new budget: keep the other settings (sinks, window)

@@ -8,9 +8,7 @@ from typing import Annotated
 
 import typer
 
-from h2o_chat.config import load_registry
-from h2o_chat.options import (
-    DEFAULT_POLICY,
+from h2o_chat.app.options import (
     Budget,
     ChunkSize,
     Command,
@@ -39,6 +37,8 @@ from h2o_chat.options import (
     reported,
     status,
 )
+from h2o_chat.engine.policies import DEFAULT_POLICY
+from h2o_chat.models.registry import load_registry
 
 
 class PromptOrCommand(Group):
@@ -117,7 +117,7 @@ def main_command(
         check_positions(positions)
         check_decode(decode)
         check_sampling(temperature, top_p, repetition_penalty)
-        from h2o_chat.sampling import Sampler
+        from h2o_chat.engine.sampling import Sampler
 
         sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
         knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
@@ -129,11 +129,11 @@ def main_command(
 
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
         if argument is None and not interactive:
-            from h2o_chat.chat import read_stdin_prompt
+            from h2o_chat.app.chat import read_stdin_prompt
 
             prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights
-        from h2o_chat.chat import RunOptions
-        from h2o_chat.conversation import ChatSettings
+        from h2o_chat.app.chat import RunOptions
+        from h2o_chat.app.conversation import ChatSettings
 
         options = RunOptions(
             policy=pol,
@@ -151,11 +151,11 @@ def main_command(
         )
         loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=pol.budget)
         if interactive:
-            from h2o_chat.chat import run_interactive
+            from h2o_chat.app.chat import run_interactive
 
             run_interactive(loaded, options, history)
         else:
-            from h2o_chat.chat import run_piped
+            from h2o_chat.app.chat import run_piped
 
             run_piped(loaded, options, prompt)
 
@@ -167,9 +167,9 @@ def models_command(models_file: ModelsFile = None) -> None:
         from rich.table import Table
         from rich.text import Text
 
-        from h2o_chat.config import user_cache_dir
-        from h2o_chat.loading import is_present
-        from h2o_chat.ui import make_console
+        from h2o_chat.app.ui import make_console
+        from h2o_chat.files import user_cache_dir
+        from h2o_chat.models.loading import is_present
 
         registry = load_registry(models_file)
         table = Table(box=None, pad_edge=False)
@@ -230,7 +230,7 @@ def batch_command(
 ) -> None:
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
-        from h2o_chat.batch import Defaults, run_batch
+        from h2o_chat.app.batch import Defaults, run_batch
         from h2o_chat.errors import InputError
 
         check_positive("--batch-size", batch_size)
@@ -286,8 +286,8 @@ def batch_command(
         )
 
 
-from h2o_chat.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
-from h2o_chat.evalcli import eval_app  # noqa: E402
+from h2o_chat.app.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
+from h2o_chat.app.evalcli import eval_app  # noqa: E402
 
 app.command("bench", cls=Command)(bench_command)
 app.command("soak", cls=Command)(soak_command)

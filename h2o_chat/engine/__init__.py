@@ -1,0 +1,32 @@
+"""The engine: the library a transformers user imports. Bounded KV caches, eviction policies, attention with
+mass, question-aware prompt compression, rotary re-numbering, device sampling and the decode engine that
+captures a static decode step.
+
+It imports no Typer, rich, prompt-toolkit, and reads no file of the user's; below it lie only `errors` and
+`files`. The names here are imported lazily (the command line reads `policies` without importing torch).
+"""
+
+from __future__ import annotations
+
+_LAZY = {
+    "H2OCache": "h2o_chat.engine.cache",
+    "CacheStats": "h2o_chat.engine.slots",
+    "GroupedCache": "h2o_chat.engine.grouped",
+    "Engine": "h2o_chat.engine.decode",
+    "make_policy": "h2o_chat.engine.policies",
+    "prepare_model": "h2o_chat.engine.attention",
+    "Sampler": "h2o_chat.engine.sampling",
+    "stream_generate": "h2o_chat.engine.generate",
+    "generate": "h2o_chat.engine.generate",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'h2o_chat.engine' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)
