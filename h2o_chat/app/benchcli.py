@@ -198,7 +198,7 @@ def soak_command(
         import torch
 
         from h2o_chat.measure import evaluate as ev
-        from h2o_chat.measure.soak import run_soak, soak_configs
+        from h2o_chat.measure.soak import flatness, run_soak, soak_configs
 
         if shape:  # random weights: any ids will do
             vocab = loaded.model.config.get_text_config().vocab_size
@@ -212,4 +212,5 @@ def soak_command(
         if json_out:
             typer.echo("\n".join(json.dumps(r) for r in records))
         else:
-            make_console().print(soak_table(records, loaded.spec.name, budget))
+            memory = {key: flatness(records, key) for key in ("rss", "gpu_allocated") if key in records[0]}
+            make_console().print(soak_table(records, loaded.spec.name, budget, memory))

@@ -102,9 +102,9 @@ def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None
         for record in records:
             typer.echo(json.dumps(record, ensure_ascii=False))
     else:
-        from h2o_chat.app.ui import make_console
+        from h2o_chat.app.ui import make_console, rich_table
 
-        make_console().print(plots.rich_table(table))
+        make_console().print(rich_table(table))
     if markdown_path is not None:
         markdown_path.write_text(plots.markdown(table), encoding="utf-8")
     if plot is not None:

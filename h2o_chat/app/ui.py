@@ -424,10 +424,20 @@ def throughput_table(records, model: str) -> Table:
     return table
 
 
-def soak_table(records, model: str, budget: int) -> Group:
-    """Per window: tokens seen, process memory, perplexity per configuration; then memory flatness."""
-    from h2o_chat.measure.soak import flatness
+def rich_table(table) -> Table:
+    """A measurement's (title, header, rows) table, drawn for the terminal."""
+    title, header, rows = table
+    out = Table(title=title, title_justify="left")
+    for i, col in enumerate(header):
+        out.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        out.add_row(*row)
+    return out
 
+
+def soak_table(records, model: str, budget: int, flatness: dict[str, float]) -> Group:
+    """Per window: tokens seen, process memory, perplexity per configuration; then memory flatness (max / min
+    after the first window, per memory figure, as the soak measured it)."""
     labels = list(records[0]["ppl"]) if records else []
     table = Table(title=f"soak: {model}, budget {budget}: perplexity per window", title_justify="left")
     table.add_column("tokens", justify="right")
@@ -440,7 +450,7 @@ def soak_table(records, model: str, budget: int) -> Group:
         )
     lines = Table(box=None, show_header=False)
     if len(records) > 1:
-        lines.add_row("process memory after the first window: max / min", f"{flatness(records):.3f}")
-        if "gpu_allocated" in records[0]:
-            lines.add_row("GPU memory after the first window: max / min", f"{flatness(records, 'gpu_allocated'):.3f}")
+        lines.add_row("process memory after the first window: max / min", f"{flatness['rss']:.3f}")
+        if "gpu_allocated" in flatness:
+            lines.add_row("GPU memory after the first window: max / min", f"{flatness['gpu_allocated']:.3f}")
     return Group(table, lines)

@@ -1,7 +1,7 @@
-"""Presenting evaluation records: tables (rich for the terminal, markdown for docs) and matplotlib figures.
+"""Presenting evaluation records: tables (markdown for docs; the app draws them in the terminal) and figures.
 
 Works on the JSON records of `h2o_chat.measure.evaluate` only (no torch), so results can be re-rendered from files.
-A table is (title, header, rows) of strings; `rich_table` and `markdown` render it.
+A table is (title, header, rows) of strings; `markdown` renders it here, `app.ui.rich_table` on a terminal.
 """
 
 from __future__ import annotations
@@ -82,18 +82,6 @@ def needle_table(records: list[dict]) -> Table:
         rows.append([policy, shown, *(by_depth.get(d, "") for d in depths), f"{correct / trials:.0%}"])
     n = records[0]["prompt_tokens"]
     return f"needle retrieval: 4-digit code at each depth of a {n}-token prompt", header, rows
-
-
-def rich_table(table: Table):
-    from rich.table import Table as RichTable
-
-    title, header, rows = table
-    out = RichTable(title=title, title_justify="left")
-    for i, col in enumerate(header):
-        out.add_column(col, justify="left" if i == 0 else "right")
-    for row in rows:
-        out.add_row(*row)
-    return out
 
 
 def markdown(table: Table) -> str:
