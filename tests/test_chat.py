@@ -19,8 +19,9 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
 from h2o_chat.app import ui
-from h2o_chat.app.chat import ChatSession, RunOptions, make_prompt_session
+from h2o_chat.app.chat import ChatSession, make_prompt_session
 from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.piped import RunOptions
 from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy
 
@@ -89,15 +90,15 @@ def test_unwritable_history_turns_history_off_and_the_session_runs(embedded, tmp
 
 def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     chat = session(embedded, tmp_path, policy=make_policy("snap", 64, sinks=2, window=8, kernel=3))
-    chat.cmd_budget("48")
+    chat.commands.cmd_budget("48")
     assert chat.conv.policy == make_policy("snap", 48, sinks=2, window=8, kernel=3)
-    chat.cmd_policy("h2o")
+    chat.commands.cmd_policy("h2o")
     assert chat.conv.policy == make_policy("h2o", 48)
-    chat.cmd_policy("snap")  # a default window (12 at budget 48) follows the budget down
-    chat.cmd_budget("12")
+    chat.commands.cmd_policy("snap")  # a default window (12 at budget 48) follows the budget down
+    chat.commands.cmd_budget("12")
     assert chat.conv.policy == make_policy("snap", 12) and chat.conv.policy.window == 3
-    chat.cmd_policy("full")
-    chat.cmd_budget("40")  # from the full cache a budget means the default policy again
+    chat.commands.cmd_policy("full")
+    chat.commands.cmd_budget("40")  # from the full cache a budget means the default policy again
     assert chat.conv.policy == make_policy("snap", 40)
     out = chat.console.file.getvalue()
     assert "cache: snap 48 = 2 sink + 22 heavy + 24 recent; prompts kept by their last 8 queries" in out

@@ -129,11 +129,11 @@ def main_command(
 
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
         if argument is None and not interactive:
-            from h2o_chat.app.chat import read_stdin_prompt
+            from h2o_chat.app.piped import read_stdin_prompt
 
             prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights
-        from h2o_chat.app.chat import RunOptions
         from h2o_chat.app.conversation import ChatSettings
+        from h2o_chat.app.piped import RunOptions
 
         options = RunOptions(
             policy=pol,
@@ -155,7 +155,7 @@ def main_command(
 
             run_interactive(loaded, options, history)
         else:
-            from h2o_chat.app.chat import run_piped
+            from h2o_chat.app.piped import run_piped
 
             run_piped(loaded, options, prompt)
 

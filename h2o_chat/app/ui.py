@@ -39,6 +39,11 @@ def process_memory() -> dict[str, int]:
     return out
 
 
+def reading_label(total: int, prompt_tokens: int) -> str:
+    """What a prompt-reading bar says: snap reads a prompt that overflows the budget twice (one bar over 2x)."""
+    return "reading the prompt" + (" (twice: snap)" if prompt_tokens and total >= 2 * prompt_tokens else "")
+
+
 def summary_line(response, stats, decode: str = "") -> str:
     """One line for stderr after a piped run; `decode` says how decode steps ran (eager, CUDA graph, ...)."""
     steps = f", {decode}" if decode else ""

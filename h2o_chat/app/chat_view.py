@@ -1,0 +1,118 @@
+"""What the chat session shows: the banner, the echo of each input, replies streaming above the live panel,
+notes, errors, the toolbar. Rendering only: the session and the slash commands hand it what to show."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
+
+from h2o_chat.app.ui import (
+    COMPACT_BELOW,
+    PanelView,
+    StreamView,
+    TurnStats,
+    describe_policy,
+    eviction_table,
+    human_bytes,
+    reading_label,
+)
+
+
+class ChatView:
+    """The chat's rendering on a rich console, with the live panel (or None for plain text)."""
+
+    def __init__(self, console: Console, panel: PanelView | None, model: str, device: str):
+        self.console, self.panel, self.model, self.device = console, panel, model, device
+        self.stream: StreamView | None = None
+
+    # -- lines --------------------------------------------------------------------------------------
+    def banner(self, policy: str) -> None:
+        self.console.print(
+            f"[bold]h2o-chat[/] {escape(self.model)} on {escape(self.device)} | {escape(policy)} | "
+            "/help for commands, Ctrl-D to leave"
+        )
+
+    def echo(self, text: str) -> None:
+        """Print what was sent, whole, for the scrollback. prompt-toolkit erases its own copy (erase_when_done):
+        a paste taller than the terminal is drawn only in part, and the part was left in the scrollback twice
+        (once scrolled off as the input grew, once as the final state), without its first paragraphs."""
+        self.console.print(Text.assemble(("> ", "bold"), text), soft_wrap=True)
+
+    def say(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def note(self, text: str) -> None:
+        self.console.print(f"[dim]note: {escape(text)}[/]", soft_wrap=True)
+
+    def error(self, error: Exception) -> None:
+        self.console.print(f"[red]error:[/] {escape(str(error))}")
+
+    def setup(self, message: str) -> None:
+        """A one-time capture or compilation of the decode step: say what the pause is."""
+        self.console.print(f"[dim]{escape(message)} ...[/]")
+
+    # -- panels and tables --------------------------------------------------------------------------
+    def toolbar(self, stats, width: int) -> str:
+        """The bottom bar: as many figures as fit the terminal's width (the least important go first), never
+        cut mid-word; `/help` stays."""
+        short = stats.policy if stats.budget is None else f"{stats.policy} {stats.budget}"
+        parts = [
+            describe_policy(stats) if width >= COMPACT_BELOW else short,
+            f"{stats.seen} seen, {stats.kept:.0f} kept",
+            f"{stats.evicted:.0f} evicted",
+            f"KV {human_bytes(stats.kv_bytes)} allocated, {human_bytes(stats.kv_used_bytes)} in use",
+            f"full cache {human_bytes(stats.full_kv_bytes)}",
+        ]
+        while len(parts) > 1 and len(" " + " | ".join([*parts, "/help"])) >= width:
+            parts.pop()
+        return " " + " | ".join([*parts, "/help"])
+
+    def stats(self, stats) -> None:
+        panel = self.panel or PanelView(self.model, self.device)
+        self.console.print(panel.render(stats))
+
+    def evictions(self, reports) -> None:
+        self.console.print(eviction_table(reports) if reports else "nothing cached yet")
+
+    # -- a reply ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reply(self, evicted_before: float, decode: str) -> Iterator[StreamView]:
+        """The live area of one reply: streamed text above the panel."""
+        if self.panel is not None:
+            self.panel.turn = TurnStats(evicted_at_start=evicted_before, decode=decode)
+        with StreamView(self.console, self.panel) as stream:
+            self.stream = stream
+            try:
+                yield stream
+            finally:
+                self.stream = None
+
+    def reading(self, done: int, total: int, pending: int, messages: int, stats_fn) -> None:
+        """Progress while the message (or a re-read conversation) is read."""
+        what = f"reading the conversation ({messages} messages)" if messages > 1 else "reading your message"
+        label = reading_label(total, pending).replace("reading the prompt", what)
+        self.stream.prefill(done, total, label, stats_fn)
+
+    def token(self, record, decode: str) -> None:
+        if self.panel is not None:
+            self.panel.turn.prompt_tps, self.panel.turn.generation_tps = record.prompt_tps, record.generation_tps
+            self.panel.turn.decode = decode
+        self.stream.update(record.text, record.cache.stats)
+
+    def reply_ended(self, stopped: bool, last, fresh) -> None:
+        """How the reply ended, and which of the user's earlier messages have started losing tokens."""
+        if stopped:
+            self.console.print("[dim](reply stopped)[/]")
+        elif last is not None and last.finish_reason == "length":
+            self.console.print(f"[dim](reply cut at {last.generation_tokens} tokens: --max-new-tokens)[/]")
+        if len(fresh) > 1:  # e.g. a long loaded conversation read into a small budget: one line, not one each
+            self.note(f"{len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which")
+        elif fresh:
+            self.note(
+                f'your message "{fresh[0].preview}" is no longer fully cached ({100 * fresh[0].kept:.0f}% kept); '
+                "/evicted shows more"
+            )

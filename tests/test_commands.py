@@ -1,0 +1,88 @@
+"""The chat's parts on their own: slash commands over a conversation with a recording view, no prompt loop."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from h2o_chat.app.chat_view import ChatView
+from h2o_chat.app.commands import SlashCommands
+from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.sampling import Sampler
+
+
+class RecordingView:
+    """Stands in for ChatView: keeps what the commands asked to show."""
+
+    def __init__(self):
+        self.said, self.errors, self.shown = [], [], []
+
+    def say(self, text):
+        self.said.append(text)
+
+    def error(self, error):
+        self.errors.append(str(error))
+
+    def stats(self, stats):
+        self.shown.append(("stats", stats.policy))
+
+    def evictions(self, reports):
+        self.shown.append(("evicted", len(reports)))
+
+
+def commands(embedded, policy=None):
+    conv = Conversation(embedded, policy or make_policy("snap", 64), ChatSettings(sampler=Sampler(0)))
+    view = RecordingView()
+    return SlashCommands(conv, view), conv, view
+
+
+def test_commands_change_settings_and_report_through_the_view(embedded, tmp_path):
+    cmds, conv, view = commands(embedded)
+    assert cmds.run("/budget 48") is None and conv.policy == make_policy("snap", 48)
+    cmds.run("/policy full")
+    cmds.run("/policy h2o")  # the budget is remembered through the full cache
+    assert conv.policy == make_policy("h2o", 48)
+    cmds.run("/system Be brief.")
+    assert conv.messages[0] == {"role": "system", "content": "Be brief."}
+    cmds.run(f"/save {tmp_path / 'c.json'}")
+    assert json.loads((tmp_path / "c.json").read_text())["messages"] == conv.messages
+    cmds.run("/stats")
+    cmds.run("/evicted")
+    assert view.shown == [("stats", "h2o"), ("evicted", 0)]
+    assert cmds.run("/exit") == "exit" and cmds.run("/QUIT") == "exit"
+    assert view.said[0] == "cache: snap 48 = 24 heavy + 24 recent; prompts kept by their last 12 queries"
+
+
+def test_bad_commands_are_shown_not_raised(embedded):
+    cmds, conv, view = commands(embedded)
+    assert cmds.run("/nope") is None and view.said == ["unknown command /nope; /help lists the commands"]
+    cmds.run("/budget lots")
+    cmds.run("/budget 0")
+    cmds.run("/load /nonexistent.json")
+    assert view.errors[0] == "/budget takes a number of tokens, got 'lots'"
+    assert "positive" in view.errors[1] and "not found" in view.errors[2]
+    assert conv.policy == make_policy("snap", 64)  # nothing changed
+
+
+def test_the_view_draws_what_it_is_given():
+    console = Console(file=io.StringIO(), width=100, no_color=True)
+    view = ChatView(console, None, "tiny", "cpu, float32")
+
+    class Report:
+        preview, kept = "remember the word pineapple", 0.4
+
+    class Last:
+        finish_reason, generation_tokens = "length", 16
+
+    view.reply_ended(False, Last(), [Report()])
+    view.reply_ended(True, Last(), [Report(), Report()])
+    out = console.file.getvalue().splitlines()
+    assert out == [
+        "(reply cut at 16 tokens: --max-new-tokens)",
+        'note: your message "remember the word pineapple" is no longer fully cached (40% kept); /evicted shows more',
+        "(reply stopped)",
+        "note: 2 of your earlier messages are no longer fully cached; /evicted shows which",
+    ]
