@@ -111,11 +111,9 @@ def fast_load(monkeypatch, embedded):
         resolve_settings(spec, device, dtype, quantize)
         return embedded
 
-    from h2o_chat.app import cli, evalcli
+    from h2o_chat.app import options
 
-    for module in (cli, evalcli):
-        if hasattr(module, "load_model"):
-            monkeypatch.setattr(module, "load_model", load_model)
+    monkeypatch.setattr(options, "load_model", load_model)  # every command loads through ModelOptions.load
     return calls
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -229,3 +230,34 @@ def test_bench_command_small(fast_load):
 def test_bench_rejects_bad_lengths():
     assert_one_line_error(invoke(["bench", "--lengths", "512,abc"]), "--lengths")
     assert_one_line_error(invoke(["bench", "--configs", "h2o,fast"]), "unknown bench config")
+
+
+def test_option_groups_are_declared_once_and_shared():
+    """--model, --device, ... come from one ModelOptions declaration in every command that loads a model; a
+    command can change a group's defaults (batch samples greedily) without declaring the options again."""
+    import click
+    import typer.main
+
+    from h2o_chat.app.options import ModelOptions, SamplingOptions
+
+    root = typer.main.get_command(cli.app)
+    ctx = click.Context(root)
+    commands = {
+        "main": root,
+        "batch": root.get_command(ctx, "batch"),
+        "bench": root.get_command(ctx, "bench"),
+        "soak": root.get_command(ctx, "soak"),
+        **{f"eval {n}": root.get_command(ctx, "eval").get_command(ctx, n) for n in ("ppl", "needle", "agree")},
+    }
+    model_options = [f.name for f in dataclasses.fields(ModelOptions)]
+    helps = {}
+    for name, command in commands.items():
+        params = {p.name: p for p in command.params}
+        assert set(model_options) <= set(params), name
+        for option in model_options:
+            helps.setdefault(option, set()).add(params[option].help)
+    assert all(len(h) == 1 for h in helps.values())  # one declaration, one help text
+    main = {p.name: p.default for p in commands["main"].params}
+    batch = {p.name: p.default for p in commands["batch"].params}
+    assert (main["temperature"], batch["temperature"]) == (SamplingOptions().temperature, 0.0)
+    assert (main["max_new_tokens"], batch["max_new_tokens"]) == (512, 256)

@@ -11,17 +11,11 @@ import typer
 
 from h2o_chat.app.options import (
     Budget,
-    Decode,
-    Device,
-    Dtype,
-    Model,
-    ModelsFile,
-    Quantize,
+    ModelOptions,
     build_policy,
-    check_decode,
     check_positive,
+    grouped,
     int_list,
-    load_model,
     reported,
     status,
 )
@@ -29,12 +23,14 @@ from h2o_chat.app.ui import progress_bar
 from h2o_chat.errors import H2OChatError
 
 
-def _load(model, shape, models_file, device, dtype, quantize, kv_tokens):
+def _load(models: ModelOptions, shape: str | None, kv_tokens: int):
     """The named model, or a random-weight model of a real shape (no download needed)."""
+    models.check()
     if shape is None:
-        return load_model(model, models_file, device, dtype, quantize, False, kv_tokens=kv_tokens)
-    if model is not None:
+        return models.load(kv_tokens=kv_tokens)
+    if models.model is not None:
         raise H2OChatError("give either --model or --shape, not both")
+    device, dtype, quantize = models.device, models.dtype, models.quantize
     from h2o_chat.models.loading import load, resolve_settings
     from h2o_chat.models.registry import ModelSpec
     from h2o_chat.models.shapes import SHAPES, random_model
@@ -58,8 +54,8 @@ Shape = Annotated[
 ]
 
 
+@grouped
 def bench_command(
-    model: Model = None,
     shape: Shape = None,
     budget: Budget = 512,
     lengths: Annotated[str, typer.Option(help="Tokens seen at which to time decoding, comma-separated.")] = (
@@ -89,12 +85,8 @@ def bench_command(
     ] = None,
     prompt_tokens: Annotated[int, typer.Option(help="--throughput: prompt length per row.")] = 512,
     gen_tokens: Annotated[int, typer.Option(help="--throughput: tokens generated per row.")] = 1536,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    decode: Decode = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")] = False,
-    models_file: ModelsFile = None,
+    models: ModelOptions = ModelOptions(),
 ) -> None:
     """Decode speed and KV memory as the context grows: full cache vs h2o, side by side."""
     with reported():
@@ -104,7 +96,6 @@ def bench_command(
         from h2o_chat.measure import bench
 
         points = int_list(lengths, "--lengths")
-        check_decode(decode)
         names = tuple(c.strip() for c in (configs or "dynamic,full,h2o,h2o-nobound").split(",") if c.strip())
         unknown = [c for c in names if c not in bench.CONFIGS]
         if unknown:
@@ -119,7 +110,7 @@ def bench_command(
         if memory_limit is not None and memory_limit <= 0:
             raise H2OChatError(f"--memory-limit must be a positive number of GB, got {memory_limit}")
         build_policy("h2o", budget, {})  # validates the budget
-        loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
+        loaded = _load(models, shape, budget)
         tokenizer = None if shape else loaded.tokenizer
         if throughput:
             from h2o_chat.measure.throughput import as_dicts, run_throughput
@@ -134,7 +125,9 @@ def bench_command(
             else:
                 limit = int(memory_limit * 2**30)
             with progress_bar("throughput") as bar:
-                records = run_throughput(loaded, limit, prompt_tokens, gen_tokens, budget, progress=bar, decode=decode)
+                records = run_throughput(
+                    loaded, limit, prompt_tokens, gen_tokens, budget, progress=bar, decode=models.decode
+                )
             if json_out:
                 typer.echo("\n".join(json.dumps(r) for r in as_dicts(records)))
             else:
@@ -153,7 +146,7 @@ def bench_command(
                 batch=batch,
                 status=None if json_out else bar.print,
                 progress=bar,
-                decode=decode,
+                decode=models.decode,
             )
         if json_out:
             typer.echo(bench.as_json_lines(records))
@@ -161,8 +154,8 @@ def bench_command(
             make_console().print(bench_table(records, bench.ratios(records, budget)))
 
 
+@grouped
 def soak_command(
-    model: Model = None,
     shape: Shape = None,
     tokens: Annotated[int, typer.Option(help="Tokens to read, teacher-forced one by one.")] = 20_000,
     budget: Budget = 256,
@@ -174,11 +167,8 @@ def soak_command(
     text: Annotated[
         str | None, typer.Option(help="UTF-8 text (repeated as needed). Default: the shipped Alice.")
     ] = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per window instead of a table.")] = False,
-    models_file: ModelsFile = None,
+    models: ModelOptions = ModelOptions(),
 ) -> None:
     """Read far past the trained context with a fixed budget: memory and perplexity per window.
 
@@ -194,7 +184,7 @@ def soak_command(
         if sinks < 0:
             raise H2OChatError(f"--sinks must be >= 0, got {sinks}")
         build_policy("h2o", budget, {"sinks": sinks})  # validates budget and sinks
-        loaded = _load(model, shape, models_file, device, dtype, quantize, budget)
+        loaded = _load(models, shape, budget)
         import torch
 
         from h2o_chat.measure import evaluate as ev
@@ -208,7 +198,7 @@ def soak_command(
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
         configs = soak_configs(budget, sinks)
         with progress_bar("soak") as bar:
-            records = run_soak(loaded.model, ids, configs, window, context, progress=bar)
+            records = run_soak(loaded.model, ids, configs, window, context, progress=bar, decode=models.decode)
         if json_out:
             typer.echo("\n".join(json.dumps(r) for r in records))
         else:

@@ -9,35 +9,18 @@ from typing import Annotated
 import typer
 
 from h2o_chat.app.options import (
-    Budget,
-    ChunkSize,
+    CacheOptions,
     Command,
-    Decode,
-    Device,
-    Download,
-    Dtype,
     Group,
-    HeavyRatio,
-    Model,
+    ModelOptions,
     ModelsFile,
-    PolicyName,
-    Positions,
-    Quantize,
-    RepetitionPenalty,
-    Sinks,
-    SnapKernel,
-    SnapWindow,
-    build_policy,
-    check_decode,
-    check_positions,
+    PolicyKnobs,
+    SamplingOptions,
     check_positive,
-    check_sampling,
-    load_model,
-    policy_knobs,
+    grouped,
     reported,
     status,
 )
-from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.models.registry import load_registry
 
 
@@ -75,53 +58,31 @@ app = typer.Typer(
 
 
 @app.callback(invoke_without_command=True)
+@grouped
 def main_command(
     ctx: typer.Context,
-    model: Model = None,
-    budget: Budget = 512,
-    heavy_ratio: HeavyRatio = 0.5,
-    policy: PolicyName = DEFAULT_POLICY,
-    sinks: Sinks = None,
-    snap_window: SnapWindow = None,
-    snap_kernel: SnapKernel = None,
-    chunk_size: ChunkSize = 512,
-    positions: Positions = "auto",
-    max_new_tokens: Annotated[int, typer.Option(help="Most tokens per reply.")] = 512,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.9,
-    repetition_penalty: RepetitionPenalty = 1.1,
-    seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt (batch: for lines without one).")] = None,
     raw: Annotated[
         bool, typer.Option("--raw", help="Piped: continue stdin as plain text, without the chat template.")
     ] = False,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    decode: Decode = "auto",
     no_panel: Annotated[bool, typer.Option("--no-panel", help="Plain streamed text, no live panel.")] = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="Piped: print one JSON record (text and stats) instead of streamed text.")
     ] = False,
     history: Annotated[Path | None, typer.Option(help="Input history file (interactive).")] = None,
-    models_file: ModelsFile = None,
-    download: Download = False,
+    models: ModelOptions = ModelOptions(),
+    cache: CacheOptions = CacheOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
+    sampling: SamplingOptions = SamplingOptions(),
 ) -> None:
     """Chat (terminal) or generate once for the whole of stdin (pipe)."""
     if ctx.invoked_subcommand is not None:
         return
     argument = ctx.meta.get(PROMPT)
     with reported():
-        check_positive("--max-new-tokens", max_new_tokens)
-        check_positive("--chunk-size", chunk_size)
-        check_positions(positions)
-        check_decode(decode)
-        check_sampling(temperature, top_p, repetition_penalty)
-        from h2o_chat.engine.sampling import Sampler
-
-        sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
-        knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
-        pol = build_policy(policy, budget, knobs)
+        for group in (models, cache, sampling):
+            group.check()
+        policy = cache.build(knobs)
         interactive = argument is None and sys.stdin.isatty()
         prompt = argument  # a prompt argument: one reply, stdin is not read
         if argument is not None and not argument.strip():
@@ -136,20 +97,20 @@ def main_command(
         from h2o_chat.app.piped import RunOptions
 
         options = RunOptions(
-            policy=pol,
+            policy=policy,
             settings=ChatSettings(
-                max_new_tokens=max_new_tokens,
-                chunk_size=chunk_size,
+                max_new_tokens=sampling.max_new_tokens,
+                chunk_size=cache.chunk_size,
                 system=system,
-                positions=positions,
-                sampler=sampler,
-                decode=decode,
+                positions=cache.positions,
+                sampler=sampling.sampler(),
+                decode=models.decode,
             ),
             panel=not no_panel,
             json=json_out,
             raw=raw,
         )
-        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=pol.budget)
+        loaded = models.load(kv_tokens=policy.budget)
         if interactive:
             from h2o_chat.app.chat import run_interactive
 
@@ -193,40 +154,24 @@ def models_command(models_file: ModelsFile = None) -> None:
 
 
 @app.command("batch", cls=Command)
+@grouped
 def batch_command(
     input_path: Annotated[
         Path,
         typer.Argument(
             metavar="INPUT.jsonl",
-            help='Lines of {"id", "prompt"} or {"id", "messages"}, optional max_new_tokens, temperature, budget.',
+            help='Lines of {"id", "prompt"} or {"id", "messages"}, optional max_new_tokens, temperature, '
+            "repetition_penalty, budget.",
         ),
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Results, appended as each row finishes.")],
     batch_size: Annotated[int, typer.Option(help="Rows generated together.")] = 8,
-    model: Model = None,
-    budget: Budget = 512,
-    heavy_ratio: HeavyRatio = 0.5,
-    policy: PolicyName = DEFAULT_POLICY,
-    sinks: Sinks = None,
-    snap_window: SnapWindow = None,
-    snap_kernel: SnapKernel = None,
-    chunk_size: ChunkSize = 512,
-    positions: Positions = "auto",
-    max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
-    temperature: Annotated[float, typer.Option(help="Default for lines without temperature (0 = greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
-    repetition_penalty: Annotated[
-        float, typer.Option(help="Default for lines without repetition_penalty (1 = off; see the main command).")
-    ] = 1.1,
-    seed: Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    decode: Decode = "auto",
-    models_file: ModelsFile = None,
-    download: Download = False,
+    models: ModelOptions = ModelOptions(),
+    cache: CacheOptions = CacheOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
+    sampling: SamplingOptions = SamplingOptions(max_new_tokens=256, temperature=0.0, top_p=1.0),
 ) -> None:
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
@@ -234,11 +179,8 @@ def batch_command(
         from h2o_chat.errors import InputError
 
         check_positive("--batch-size", batch_size)
-        check_positions(positions)
-        check_positive("--max-new-tokens", max_new_tokens)
-        check_positive("--chunk-size", chunk_size)
-        check_decode(decode)
-        check_sampling(temperature, top_p, repetition_penalty)
+        for group in (models, cache, sampling):
+            group.check()
         if not input_path.is_file():
             raise InputError(f"input file not found: {input_path}")
         if output.is_dir():
@@ -247,20 +189,19 @@ def batch_command(
             raise InputError(f"output folder does not exist: {output.parent}")
         if output.resolve() == input_path.resolve():
             raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
-        knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
-        build_policy(policy, budget, knobs)  # fail before loading weights
+        cache.build(knobs)  # fail before loading weights
 
         def policy_for(line_budget: int | None):
-            return build_policy(policy, line_budget if line_budget is not None else budget, knobs)
+            return cache.build(knobs, line_budget)
 
-        loaded = load_model(model, models_file, device, dtype, quantize, download, kv_tokens=budget, kv_rows=batch_size)
+        loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size)
         defaults = Defaults(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            budget=budget,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            budget=cache.budget,
             system=system,
             raw=raw,
-            repetition_penalty=repetition_penalty,
+            repetition_penalty=sampling.repetition_penalty,
         )
         summary = run_batch(
             loaded,
@@ -269,12 +210,12 @@ def batch_command(
             policy_for,
             defaults,
             batch_size=batch_size,
-            top_p=top_p,
-            seed=seed,
-            chunk_size=chunk_size,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            chunk_size=cache.chunk_size,
             on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
-            positions=positions,
-            decode=decode,
+            positions=cache.positions,
+            decode=models.decode,
             on_skip=lambda problem: status(f"skipped {problem}"),
         )
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0

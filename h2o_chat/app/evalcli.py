@@ -9,30 +9,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import typer
 
 from h2o_chat.app.options import (
     ChunkSize,
     Command,
-    Device,
-    Download,
-    Dtype,
     Group,
-    HeavyRatio,
-    Model,
-    ModelsFile,
+    ModelOptions,
+    PolicyKnobs,
     Positions,
-    Quantize,
-    Sinks,
-    SnapKernel,
-    SnapWindow,
     check_positions,
     check_positive,
-    load_model,
-    policy_knobs,
+    grouped,
     reported,
     status,
 )
@@ -71,20 +63,31 @@ Texts = Annotated[
 ]
 
 
-def _plan(budgets, policies, n: int, knobs: dict, positions: str, plot, markdown_path):
-    """Parse and validate what does not need the model; -> (budget specs, policy names)."""
-    from h2o_chat.measure import evaluate as ev
+@dataclass(frozen=True)
+class Compared:
+    """What an evaluation compares with the full cache, and where its records go."""
 
-    specs = [ev.BudgetSpec.parse(b) for b in budgets or DEFAULT_BUDGETS]
-    names = list(policies or ev.DEFAULT_POLICIES)
-    ev.make_configs(names, specs, n, **knobs)  # unknown policies, impossible budgets
-    check_positions(positions)
-    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
-        raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
-    for path in (plot, markdown_path):
-        if path is not None and not path.parent.exists():
-            raise InputError(f"output folder does not exist: {path.parent}")
-    return specs, names
+    budget: Budgets = None
+    policy: Policies = None
+    positions: Positions = "absolute"
+    json_out: JsonOut = False
+    markdown_path: MarkdownOut = None
+    PANEL: ClassVar[str] = "Compared"
+
+    def plan(self, n: int, knobs: PolicyKnobs, plot: Path | None = None):
+        """Parse and validate what does not need the model; -> (budget specs, policy names)."""
+        from h2o_chat.measure import evaluate as ev
+
+        specs = [ev.BudgetSpec.parse(b) for b in self.budget or DEFAULT_BUDGETS]
+        names = list(self.policy or ev.DEFAULT_POLICIES)
+        ev.make_configs(names, specs, n, **knobs.kwargs())  # unknown policies, impossible budgets
+        check_positions(self.positions)
+        if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+            raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
+        for path in (plot, self.markdown_path):
+            if path is not None and not path.parent.exists():
+                raise InputError(f"output folder does not exist: {path.parent}")
+        return specs, names
 
 
 def _texts(paths: list[Path] | None) -> dict[str, str]:
@@ -95,24 +98,25 @@ def _texts(paths: list[Path] | None) -> dict[str, str]:
     return {path.name: ev.read_text(path) for path in paths}
 
 
-def _emit(records: list[dict], table, json_out: bool, markdown_path: Path | None, plot: Path | None, draw: Callable):
+def _emit(records: list[dict], table, compared: Compared, plot: Path | None, draw: Callable | None):
     from h2o_chat.measure import plots
 
-    if json_out:
+    if compared.json_out:
         for record in records:
             typer.echo(json.dumps(record, ensure_ascii=False))
     else:
         from h2o_chat.app.ui import make_console, rich_table
 
         make_console().print(rich_table(table))
-    if markdown_path is not None:
-        markdown_path.write_text(plots.markdown(table), encoding="utf-8")
+    if compared.markdown_path is not None:
+        compared.markdown_path.write_text(plots.markdown(table), encoding="utf-8")
     if plot is not None:
         draw(records, plot)
         status(f"wrote {plot}")
 
 
 @eval_app.command("ppl", cls=Command)
+@grouped
 def ppl_command(
     text: Annotated[Path | None, typer.Option(help="UTF-8 text to score. Default: the shipped Alice.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of the text to score (all of it if shorter).")] = 2048,
@@ -123,37 +127,25 @@ def ppl_command(
             "by snap), then score the rest token by token."
         ),
     ] = 1,
-    budget: Budgets = None,
-    policy: Policies = None,
-    positions: Positions = "absolute",
-    heavy_ratio: HeavyRatio = 0.5,
-    sinks: Sinks = None,
-    snap_window: SnapWindow = None,
-    snap_kernel: SnapKernel = None,
-    json_out: JsonOut = False,
     plot: Plot = None,
-    markdown_path: MarkdownOut = None,
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    models_file: ModelsFile = None,
-    download: Download = False,
+    compared: Compared = Compared(),
+    models: ModelOptions = ModelOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
 ) -> None:
     """Streaming perplexity: teacher-force a text token by token through the cache, per policy and budget."""
-    knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
     with reported():
+        models.check()
         check_positive("--tokens", tokens)
         if tokens < 2:
             raise ConfigError("--tokens must be at least 2 (the first token is context, the rest are predicted)")
         if not 1 <= prompt_tokens < tokens:
             raise ConfigError(f"--prompt-tokens must be at least 1 and below --tokens ({tokens}), got {prompt_tokens}")
-        specs, names = _plan(budget, policy, tokens, knobs, positions, plot, markdown_path)
+        specs, names = compared.plan(tokens, knobs, plot)
         from h2o_chat.measure import evaluate as ev
         from h2o_chat.measure import plots
 
         content = ev.read_text(text)
-        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        loaded = models.load()
         import torch
 
         ids = ev.token_ids(loaded.tokenizer, content)[:tokens]
@@ -161,16 +153,19 @@ def ppl_command(
             raise InputError(f"{text or 'the text'} has {len(ids)} tokens, not more than --prompt-tokens")
         if len(ids) < tokens:
             status(f"the text has {len(ids)} tokens; scoring all of them")
-        configs = ev.make_configs(names, specs, len(ids), **knobs)
+        configs = ev.make_configs(names, specs, len(ids), **knobs.kwargs())
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
         with progress_bar(f"ppl, {len(configs)} rows") as bar:
-            results = ev.perplexity(loaded.model, torch.tensor([ids]), configs, positions, bar, prompt_tokens)
+            results = ev.perplexity(
+                loaded.model, torch.tensor([ids]), configs, compared.positions, bar, prompt_tokens, decode=models.decode
+            )
         source = text.name if text else "alice.txt"
         records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
-        _emit(records, plots.ppl_table(records), json_out, markdown_path, plot, plots.ppl_plot)
+        _emit(records, plots.ppl_table(records), compared, plot, plots.ppl_plot)
 
 
 @eval_app.command("needle", cls=Command)
+@grouped
 def needle_command(
     haystack: Texts = None,
     haystack_tokens: Annotated[int, typer.Option(help="Tokens of filler text per haystack.")] = 1500,
@@ -179,93 +174,79 @@ def needle_command(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed for the random 4-digit codes.")] = 0,
     answer_tokens: Annotated[int, typer.Option(help="Greedy tokens of answer.")] = 16,
-    budget: Budgets = None,
-    policy: Policies = None,
-    positions: Positions = "absolute",
-    heavy_ratio: HeavyRatio = 0.5,
-    sinks: Sinks = None,
-    snap_window: SnapWindow = None,
-    snap_kernel: SnapKernel = None,
     chunk_size: ChunkSize = 512,
-    json_out: JsonOut = False,
     plot: Plot = None,
-    markdown_path: MarkdownOut = None,
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    models_file: ModelsFile = None,
-    download: Download = False,
+    compared: Compared = Compared(),
+    models: ModelOptions = ModelOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
 ) -> None:
     """Needle in a haystack: a secret code hidden at several depths of a long text, asked for at the end."""
-    knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
     with reported():
+        models.check()
         for name, value in (("--haystack-tokens", haystack_tokens), ("--answer-tokens", answer_tokens)):
             check_positive(name, value)
         check_positive("--chunk-size", chunk_size)
         depths = list(depth or (0.1, 0.5, 0.9))
         if not all(0 <= d <= 1 for d in depths):
             raise ConfigError(f"--depth must be between 0 and 1, got {', '.join(f'{d:g}' for d in depths)}")
-        specs, names = _plan(budget, policy, haystack_tokens, knobs, positions, plot, markdown_path)
+        specs, names = compared.plan(haystack_tokens, knobs, plot)
         from h2o_chat.measure import evaluate as ev
         from h2o_chat.measure import plots, tasks
 
         texts = _texts(haystack)
-        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        loaded = models.load()
         trials = tasks.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
         longest = max(len(t.ids) for t in trials)
-        configs = ev.make_configs(names, specs, longest, **knobs)
+        configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
         status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
         with progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
             records = tasks.needle(
-                loaded.model, loaded.tokenizer, trials, configs, answer_tokens, chunk_size, positions, bar
+                loaded.model,
+                loaded.tokenizer,
+                trials,
+                configs,
+                answer_tokens,
+                chunk_size,
+                compared.positions,
+                bar,
+                models.decode,
             )
         records = [{**r, "model": loaded.spec.name} for r in records]
-        _emit(records, plots.needle_table(records), json_out, markdown_path, plot, plots.needle_plot)
+        _emit(records, plots.needle_table(records), compared, plot, plots.needle_plot)
 
 
 @eval_app.command("agree", cls=Command)
+@grouped
 def agree_command(
     text: Texts = None,
     prompts: Annotated[int, typer.Option(help="Excerpts, shared among the texts.")] = 4,
     prompt_tokens: Annotated[int, typer.Option(help="Tokens per excerpt.")] = 1000,
     tokens: Annotated[int, typer.Option(help="Greedy tokens generated per prompt.")] = 128,
-    budget: Budgets = None,
-    policy: Policies = None,
-    positions: Positions = "absolute",
-    heavy_ratio: HeavyRatio = 0.5,
-    sinks: Sinks = None,
-    snap_window: SnapWindow = None,
-    snap_kernel: SnapKernel = None,
     chunk_size: ChunkSize = 512,
-    json_out: JsonOut = False,
-    markdown_path: MarkdownOut = None,
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    quantize: Quantize = None,
-    models_file: ModelsFile = None,
-    download: Download = False,
+    compared: Compared = Compared(),
+    models: ModelOptions = ModelOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
 ) -> None:
     """Generation agreement: ROUGE-L F1 of each policy's greedy continuation against the full cache's."""
-    knobs = policy_knobs(heavy_ratio, sinks, snap_window, snap_kernel)
     with reported():
+        models.check()
         for name, value in (("--prompts", prompts), ("--prompt-tokens", prompt_tokens), ("--tokens", tokens)):
             check_positive(name, value)
         check_positive("--chunk-size", chunk_size)
-        specs, names = _plan(budget, policy, prompt_tokens, knobs, positions, None, markdown_path)
+        specs, names = compared.plan(prompt_tokens, knobs)
         from h2o_chat.measure import evaluate as ev
         from h2o_chat.measure import plots, tasks
 
         texts = _texts(text)
-        loaded = load_model(model, models_file, device, dtype, quantize, download)
+        loaded = models.load()
         items = tasks.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
         longest = max(len(ids) for _, ids in items)
-        configs = ev.make_configs(names, specs, longest, **knobs)
+        configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
         status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
         with progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
             records = tasks.agreement(
-                loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, positions, bar
+                *(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, compared.positions, bar),
+                decode=models.decode,
             )
         records = [{**r, "model": loaded.spec.name} for r in records]
-        _emit(records, plots.agree_table(records), json_out, markdown_path, None, None)
+        _emit(records, plots.agree_table(records), compared, None, None)

@@ -1,18 +1,28 @@
-"""What the command modules share: option types, error reporting, model and policy construction.
+"""What the command modules share: option types and option groups, error reporting, model and policy construction.
 
+Options that several commands take are declared once, in groups (`ModelOptions`, `CacheOptions`, `PolicyKnobs`,
+`SamplingOptions`): a command decorated with `@grouped` names a group as one parameter, optionally with its own
+defaults (`sampling: SamplingOptions = SamplingOptions(temperature=0.0)`), and receives it filled in.
 No torch import at module level (start-up stays fast for --help).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import H2OChatError
 from h2o_chat.models.registry import load_registry
 
@@ -106,6 +116,135 @@ Quantize = Annotated[
 ]
 ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
 Download = Annotated[bool, typer.Option("--download", help="Allow fetching weights from the Hugging Face Hub.")]
+MaxNewTokens = Annotated[int, typer.Option(help="Most tokens per reply (batch: for lines without max_new_tokens).")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy (batch: for lines without temperature).")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold.")]
+Seed = Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")]
+
+
+# -- option groups ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model, where, how its decode steps run."""
+
+    PANEL: ClassVar[str] = "Model"
+
+    model: Model = None
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    quantize: Quantize = None
+    decode: Decode = "auto"
+    models_file: ModelsFile = None
+    download: Download = False
+
+    def check(self) -> None:
+        check_decode(self.decode)
+
+    def load(self, kv_tokens: int | None = None, kv_rows: int = 1):
+        return load_model(
+            self.model, self.models_file, self.device, self.dtype, self.quantize, self.download, kv_tokens, kv_rows
+        )
+
+
+@dataclass(frozen=True)
+class PolicyKnobs:
+    """A policy's settings beyond its name and budget."""
+
+    PANEL: ClassVar[str] = "Policy settings"
+
+    heavy_ratio: HeavyRatio = 0.5
+    sinks: Sinks = None
+    snap_window: SnapWindow = None
+    snap_kernel: SnapKernel = None
+
+    def kwargs(self) -> dict:
+        """As keyword arguments for make_policy."""
+        return policy_knobs(self.heavy_ratio, self.sinks, self.snap_window, self.snap_kernel)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The cache of a chat, a piped run or a batch: policy, budget, prefill chunk, positions."""
+
+    PANEL: ClassVar[str] = "Cache"
+
+    budget: Budget = 512
+    policy: PolicyName = DEFAULT_POLICY
+    chunk_size: ChunkSize = 512
+    positions: Positions = "auto"
+
+    def check(self) -> None:
+        check_positive("--chunk-size", self.chunk_size)
+        check_positions(self.positions)
+
+    def build(self, knobs: PolicyKnobs, budget: int | None = None):
+        """The policy at this budget (or another, e.g. a batch line's own)."""
+        return build_policy(self.policy, self.budget if budget is None else budget, knobs.kwargs())
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How replies are sampled."""
+
+    PANEL: ClassVar[str] = "Sampling"
+
+    max_new_tokens: MaxNewTokens = 512
+    temperature: Temperature = 0.7
+    top_p: TopP = 0.9
+    repetition_penalty: RepetitionPenalty = 1.1
+    seed: Seed = None
+
+    def check(self) -> None:
+        check_positive("--max-new-tokens", self.max_new_tokens)
+        check_sampling(self.temperature, self.top_p, self.repetition_penalty)
+
+    def sampler(self):
+        from h2o_chat.engine.sampling import Sampler
+
+        return Sampler(self.temperature, self.top_p, self.seed, self.repetition_penalty)
+
+
+def _in_panel(annotation, panel: str):
+    """Annotated[T, typer.Option(...)] with the option shown under its group's heading in --help."""
+    base, *extras = typing.get_args(annotation)
+    extras = [copy.copy(x) for x in extras]
+    for x in extras:
+        if hasattr(x, "rich_help_panel"):
+            x.rich_help_panel = panel
+    return Annotated[(base, *extras)]
+
+
+def grouped(func: Callable) -> Callable:
+    """Let a Typer command take option groups: each parameter annotated with a group class becomes the group's
+    options in --help (at the end, with the parameter's default instance giving their defaults) and reaches the
+    command as one filled-in group."""
+    hints = typing.get_type_hints(func, include_extras=True)
+    params, fields_of = [], {}
+    for name, param in inspect.signature(func).parameters.items():
+        kind = hints.get(name)
+        if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+            params.append(param.replace(annotation=hints.get(name, param.annotation)))
+            continue
+        defaults = param.default if param.default is not inspect.Parameter.empty else kind()
+        group_hints = typing.get_type_hints(kind, include_extras=True)
+        fields_of[name] = (kind, [f.name for f in dataclasses.fields(kind)])
+        for f in dataclasses.fields(kind):
+            default = getattr(defaults, f.name)
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default))
+            params[-1] = params[-1].replace(annotation=_in_panel(group_hints[f.name], kind.PANEL))
+    names = [p.name for p in params]
+    assert len(names) == len(set(names)), f"{func.__name__}: an option is declared twice"
+    params.sort(key=lambda p: p.kind == inspect.Parameter.KEYWORD_ONLY)  # plain parameters first, groups after
+
+    @functools.wraps(func)
+    def command(**kwargs):
+        for name, (kind, fields) in fields_of.items():
+            kwargs[name] = kind(**{f: kwargs.pop(f) for f in fields})
+        return func(**kwargs)
+
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
 
 
 @contextlib.contextmanager

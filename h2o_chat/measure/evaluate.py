@@ -227,9 +227,11 @@ def perplexity(
     positions: str = "absolute",
     progress: Progress = None,
     prompt_tokens: int = 1,
+    decode: str = "auto",
 ) -> list[PplResult]:
     t0 = time.perf_counter()
-    nll, cache = streaming_nll(model, ids, [c.policy for c in configs], positions, progress, None, prompt_tokens)
+    policies = [c.policy for c in configs]
+    nll, cache = streaming_nll(model, ids, policies, positions, progress, None, prompt_tokens, decode=decode)
     seconds = time.perf_counter() - t0
     stats = cache.group_stats()
     return [

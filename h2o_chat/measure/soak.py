@@ -52,6 +52,7 @@ def run_soak(
     window: int = 1000,
     context: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    decode: str = "auto",
 ) -> list[dict]:
     """One record per window: tokens seen, memory, KV bytes, and each configuration's perplexity.
     `progress(tokens done, tokens total)` after each token."""
@@ -78,6 +79,7 @@ def run_soak(
         progress=progress,
         on_step=on_step,
         context=context,
+        decode=decode,
     )
     records, start = [], 0
     for mark in marks:
