@@ -10,25 +10,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "H2OCache": "h2o_chat.engine.cache",
-    "CacheStats": "h2o_chat.engine.slots",
-    "Engine": "h2o_chat.engine.decode",
-    "make_policy": "h2o_chat.engine.policies",
-    "prepare_model": "h2o_chat.engine.attention",
-    "Sampler": "h2o_chat.engine.sampling",
-    "load": "h2o_chat.models.loading",
-    "stream_generate": "h2o_chat.engine.generate",
-    "generate": "h2o_chat.engine.generate",
-}
+from h2o_chat.engine import _LAZY as _ENGINE
+from h2o_chat.engine import lazy_attribute
+
+_LAZY = {**_ENGINE, "load": "h2o_chat.models.loading"}
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'h2o_chat' has no attribute {name!r}")
+    return lazy_attribute(_LAZY, name, __name__)
 
 
 __all__ = [*_LAZY, "__version__"]

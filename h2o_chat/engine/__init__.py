@@ -21,12 +21,17 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
+def lazy_attribute(table: dict[str, str], name: str, package: str):
+    """`name` from the module `table` says it lives in, imported on first use."""
+    if name in table:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'h2o_chat.engine' has no attribute {name!r}")
+        return getattr(importlib.import_module(table[name]), name)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str):
+    return lazy_attribute(_LAZY, name, __name__)
 
 
 __all__ = list(_LAZY)
