@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from h2o_chat.app import cli
@@ -130,3 +131,16 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     got = [r["id"] for r in records(out)]
     assert sorted(got) == sorted(ids) and len(got) == len(set(got))
     assert f"{len(ids) - first} done, {first} already in out.jsonl" in done.stderr
+
+
+def test_a_line_sets_its_own_repetition_penalty(embedded):
+    from h2o_chat.app.batch import parse_line
+
+    defaults = Defaults(repetition_penalty=1.1)
+    line = parse_line(json.dumps({"id": 1, "prompt": "hi", "repetition_penalty": 1.3}), 1, embedded.tokenizer, defaults)
+    assert line.repetition_penalty == 1.3
+    assert parse_line('{"id": 2, "prompt": "hi"}', 2, embedded.tokenizer, defaults).repetition_penalty == 1.1
+    for bad in (0, -1, "x", True):
+        text = json.dumps({"id": 3, "prompt": "hi", "repetition_penalty": bad})
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            parse_line(text, 3, embedded.tokenizer, defaults)
