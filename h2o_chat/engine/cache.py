@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 from h2o_chat.engine.layer import H2OLayer, _ranks
 from h2o_chat.engine.policies import Policy, highest
 from h2o_chat.engine.rope import Rope, RopeUnsupported
-from h2o_chat.engine.slots import CacheStats, Slots
+from h2o_chat.engine.slots import CacheStats, Slots, per_slot
 from h2o_chat.errors import CacheUsageError, ConfigError, ContextLimitError
 
 POSITIONS = ("auto", "absolute", "rolling")
@@ -297,8 +297,7 @@ class H2OCache(Cache):
         s.evicted += (s.pos.gather(-1, victim) >= 0).sum()
         spare = s.spare
         for buf in (s.keys, s.values, s.pos, s.score):
-            index = victim.view(*victim.shape, *([1] * (buf.dim() - 4))).expand(*victim.shape, *buf.shape[4:])
-            buf.scatter_(3, index, buf[:, :, :, spare : spare + 1])
+            buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
         self.clear_spare()
 
     # -- host bookkeeping (never inside a captured step) --------------------------------------------
@@ -376,11 +375,6 @@ class H2OCache(Cache):
         self._install(s.moved(keep, capacity))
 
     # -- inspection -------------------------------------------------------------------------------
-    def next_positions(self) -> torch.Tensor:
-        """Absolute position the next real token of each row will get, (B,)."""
-        self.settle()
-        return self.slots.seen.clone()
-
     def decode_positions(self) -> torch.Tensor:
         """Position ids for a decode step, (B, 1), on the device (capturable): true positions, or zeros when
         rolling (the hook makes the model's rotation the identity anyway)."""
@@ -405,8 +399,7 @@ class H2OCache(Cache):
                 0, 0.0, 0, 0, 0.0, 0, 0, 0, self.positions_label(),
             )  # fmt: skip
         kept = (s.pos >= 0).sum(-1)  # (L, B, H)
-        per_token = s.keys.shape[2] * s.batch * (s.keys.shape[-1] + s.values.shape[-1]) * s.keys.element_size()
-        per_token *= s.keys.shape[0]  # bytes of K+V for one token in every layer, row and head
+        slot_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * s.keys.element_size()  # K+V of one token, one slot
         heads = s.batch * s.keys.shape[2]
         return CacheStats(
             policy=self.policy.name,
@@ -419,8 +412,8 @@ class H2OCache(Cache):
             kept_max=int(kept.max()),
             evicted=float(s.evicted) / (len(self.layers) * heads),
             kv_bytes=s.keys.numel() * s.keys.element_size() + s.values.numel() * s.values.element_size(),
-            kv_used_bytes=int(kept.sum()) * per_token // (s.keys.shape[0] * heads),
-            full_kv_bytes=self.columns * per_token,
+            kv_used_bytes=int(kept.sum()) * slot_bytes,
+            full_kv_bytes=self.columns * slot_bytes * kept.numel(),  # every layer, row and head
             positions=self.positions_label(),
         )
 

@@ -281,12 +281,9 @@ class Engine:
         """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.cache.abandon_step()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
-        notice = f"decode steps run eagerly: capturing one failed ({reason[:160]})"
-        notices = getattr(self.cache, "notices", None)  # the UI shows the cache's notices
-        (notices if notices is not None else self.cache.groups[0].notices).append(notice)
+        self.cache.notices.append(f"decode steps run eagerly: capturing one failed ({reason[:160]})")
         self.mode, self._graph, self._compiled = "eager", None, None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync()
         return self._body()
 
     def _sync(self) -> None:

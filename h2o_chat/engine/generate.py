@@ -7,6 +7,7 @@ evaluators consume. Stop tokens and stop strings are checked on the host, one st
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def stream_generate(
     first = next(steps)  # waits for the prefill and the first token
     prompt_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
-    for n, row_tokens in enumerate(_chain(first, steps), start=1):
+    for n, row_tokens in enumerate(itertools.chain((first,), steps), start=1):
         token = row_tokens[0]
         reason = "stop" if token in stop_ids else ("length" if n >= max_new_tokens else None)
         if reason != "stop":
@@ -142,11 +143,6 @@ def stream_generate(
         yield Response(text, token, ids.shape[1], prompt_seconds, n, seconds, cache, reason, engine.fed_last)
         if reason is not None:
             return
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 def generate(model, tokenizer, cache: H2OCache, prompt_ids, **kwargs) -> str:

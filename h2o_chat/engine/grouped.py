@@ -135,8 +135,9 @@ class GroupedCache(Cache):
         return tuple(g.version for g in self.groups)
 
     @property
-    def slots(self):
-        return self.groups[0].slots
+    def notices(self) -> list[str]:
+        """Where a note for the user about the whole batch goes (pop_notices collects every group's)."""
+        return self.groups[0].notices
 
     def settle(self) -> None:
         for g in self.groups:
@@ -174,9 +175,6 @@ class GroupedCache(Cache):
 
     def chunk_positions(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.cat([g.chunk_positions(m) for g, m in zip(self.groups, mask.split(self.rows), strict=True)])
-
-    def next_positions(self) -> torch.Tensor:
-        return torch.cat([g.next_positions() for g in self.groups])
 
     def stats(self) -> CacheStats:
         """All groups as one snapshot (memory summed); `group_stats()` has one per group."""

@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from h2o_chat.engine.attention import attention_over_slots, attention_with_mass
 from h2o_chat.engine.policies import lowest
+from h2o_chat.engine.slots import per_slot
 
 if TYPE_CHECKING:
     from h2o_chat.engine.cache import H2OCache
@@ -236,13 +237,8 @@ class H2OLayer(CacheLayerMixin):
         rank = (keep_new.cumsum(-1) - 1).clamp(min=0)
         target = torch.where(keep_new, free_sorted.gather(-1, rank), C)  # (B, H, T); losers -> the spare slot
         for buf, values in zip(self._buffers(), new, strict=True):
-            buf.scatter_(2, _per_slot(target, buf), values.to(buf.dtype))
+            buf.scatter_(2, per_slot(target, buf), values.to(buf.dtype))
         self.cache.clear_spare(i)
-
-    # -- inspection -------------------------------------------------------------------------------
-    def kept(self) -> torch.Tensor:
-        """Real tokens held per (row, head), (B, H)."""
-        return (self.pos >= 0).sum(-1)
 
 
 def _ranks(pos: torch.Tensor) -> torch.Tensor:
@@ -250,8 +246,3 @@ def _ranks(pos: torch.Tensor) -> torch.Tensor:
     order = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
     index = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, index)
-
-
-def _per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """A slot index (B, H, k) expanded over buf's trailing dims, for gather/scatter along dim 2."""
-    return index.view(*index.shape, *([1] * (buf.dim() - 3))).expand(*index.shape, *buf.shape[3:])

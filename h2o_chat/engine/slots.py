@@ -13,6 +13,13 @@ from dataclasses import dataclass
 import torch
 
 
+def per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """A slot index (..., k) expanded over buf's trailing dims, for gather/scatter along buf's slot dim
+    (the index's last dim): (B, H, k) for one layer's (B, H, S, D), (L, B, H, k) for every layer's."""
+    extra = buf.shape[index.dim() :]
+    return index.view(*index.shape, *([1] * len(extra))).expand(*index.shape, *extra)
+
+
 @dataclass
 class Slots:
     """Every layer's slot storage, allocated once. S = capacity + 1: the last slot is the spare."""
@@ -57,8 +64,7 @@ class Slots:
 
         def move(t: torch.Tensor, fill: float) -> torch.Tensor:
             out = t.new_full((*t.shape[:3], capacity + 1, *t.shape[4:]), fill)
-            index = keep.view(*keep.shape, *([1] * (t.dim() - 4))).expand(*keep.shape, *t.shape[4:])
-            out[:, :, :, :k] = t.gather(3, index)
+            out[:, :, :, :k] = t.gather(3, per_slot(keep, t))
             return out
 
         return Slots(
