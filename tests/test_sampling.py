@@ -63,10 +63,11 @@ def test_repetition_penalty_steers_away_from_recent_tokens():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-1), "--temperature must be >= 0, got -1"),
-        (dict(top_p=0.0), r"--top-p must be in \(0, 1\], got 0.0"),
-        (dict(top_p=1.5), r"--top-p must be in \(0, 1\], got 1.5"),
-        (dict(repetition_penalty=0), "--repetition-penalty must be > 0"),
+        (dict(temperature=-1), r"--temperature must be >= 0 \(0 = greedy\), got -1$"),
+        (dict(temperature=float("nan")), r"--temperature must be >= 0 \(0 = greedy\), got nan$"),
+        (dict(top_p=0.0), "--top-p must be above 0 and at most 1, got 0$"),
+        (dict(top_p=1.5), "--top-p must be above 0 and at most 1, got 1.5$"),
+        (dict(repetition_penalty=0), r"--repetition-penalty must be above 0 \(1 = off\), got 0$"),
     ],
 )
 def test_bad_settings_say_which_value_is_wrong(kwargs, message):

@@ -196,7 +196,7 @@ class SamplingOptions:
 
     def check(self) -> None:
         check_positive("--max-new-tokens", self.max_new_tokens)
-        check_sampling(self.temperature, self.top_p, self.repetition_penalty)
+        self.sampler()  # the Sampler checks its settings
 
     def sampler(self):
         from h2o_chat.engine.sampling import Sampler
@@ -319,16 +319,6 @@ def check_positions(value: str) -> str:
 def check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise H2OChatError(f"{name} must be a positive integer, got {value}")
-
-
-def check_sampling(temperature: float, top_p: float, repetition_penalty: float = 1.0) -> None:
-    """Say which sampling value is wrong."""
-    if not temperature >= 0:
-        raise H2OChatError(f"--temperature must be >= 0 (0 = greedy), got {temperature:g}")
-    if not 0 < top_p <= 1:
-        raise H2OChatError(f"--top-p must be above 0 and at most 1, got {top_p:g}")
-    if not repetition_penalty > 0:
-        raise H2OChatError(f"--repetition-penalty must be above 0 (1 = off), got {repetition_penalty:g}")
 
 
 def int_list(text: str, name: str) -> list[int]:

@@ -36,12 +36,13 @@ class Sampler:
     _auto_seed: int = field(default_factory=lambda: int.from_bytes(os.urandom(4), "little"), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        """The one check of the sampling settings; each message says which value is wrong (NaN included)."""
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ConfigError(f"--repetition-penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+            raise ConfigError(f"--top-p must be above 0 and at most 1, got {self.top_p:g}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"--repetition-penalty must be above 0 (1 = off), got {self.repetition_penalty:g}")
 
     @property
     def effective_seed(self) -> int:
