@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_chat.app.conversation import is_messages
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
@@ -93,16 +94,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         messages = [{"role": "user", "content": obj["prompt"]}]
     else:
         messages = obj["messages"]
-        if not (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict)
-                and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
+        if not (messages and is_messages(messages)):
             raise ValueError('"messages" must be a list of {"role", "content"} objects')
     max_new = _positive_int(obj.get("max_new_tokens", defaults.max_new_tokens), "max_new_tokens")
     temperature = obj.get("temperature", defaults.temperature)

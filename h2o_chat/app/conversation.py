@@ -48,6 +48,16 @@ def budget_note(prompt_tokens: int, budget: int | None) -> str | None:
     )
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def is_messages(value) -> bool:
+    """Whether `value` is a list of {"role", "content"} messages (a saved conversation's, a batch line's)."""
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value
+    )
+
+
 @dataclass(frozen=True)
 class ChatSettings:
     max_new_tokens: int = 512
@@ -281,12 +291,7 @@ class Conversation:
         except ValueError as e:
             raise InputError(f"{path} is not a saved conversation (invalid JSON: {e})") from None
         messages = data.get("messages") if isinstance(data, dict) else None
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict)
-            and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str)
-            for m in messages
-        ):
+        if not is_messages(messages):
             raise InputError(f"{path} is not a saved conversation (expected a list of role/content messages)")
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         self._restart()
