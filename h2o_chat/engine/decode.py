@@ -46,6 +46,12 @@ def resolve_decode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device (a no-op on CPU): around timed work, and where a step must be finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _static(*tensors: torch.Tensor) -> None:
     """Tell torch.compile these tensors keep their address (a compiled step may update them in place)."""
     if not torch.compiler.is_compiling():
@@ -244,7 +250,7 @@ class Engine:
             if type(e).__name__ == "OutOfMemoryError":
                 raise
             return self._fall_back(e)
-        self._sync()
+        sync(self.device)
         self.setup_seconds += time.perf_counter() - t
         self._warm = 1
         return out
@@ -283,12 +289,8 @@ class Engine:
         self.cache.abandon_step()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
         self.cache.notices.append(f"decode steps run eagerly: capturing one failed ({reason[:160]})")
         self.mode, self._graph, self._compiled = "eager", None, None
-        self._sync()
+        sync(self.device)
         return self._body()
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only batch rows `index` (finished rows leave); the next step is captured anew."""

@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 
 CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-nobound")
@@ -71,11 +71,6 @@ def attention(model, implementation: str) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(before)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Run:
@@ -235,11 +230,11 @@ class _Measure:
             for r in range(self.rounds + 1):  # round 0 warms up (and compiles or captures)
                 for run in runs:
                     with attention(self.model, run.impl):
-                        _sync(self.device)
+                        sync(self.device)
                         t = time.perf_counter()
                         for _ in range(self.per_round):
                             run.step()
-                        _sync(self.device)
+                        sync(self.device)
                         seconds = time.perf_counter() - t
                     self.advanced(self.per_round)
                     if r:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.models.memory import OVERHEAD, footprint
 
@@ -99,13 +99,13 @@ def run_throughput(
         token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk, progress=report))
         for i in range(warmup):
             engine.decode(token if i == 0 else None)
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         for i in range(generated_tokens - 1 - warmup):
             engine.decode()
             if report:
                 report(prompt_tokens + warmup + i + 1, total)
-        _sync(device)
+        sync(device)
         if report:
             report(total, total)
         seconds = time.perf_counter() - t
@@ -128,11 +128,6 @@ def run_throughput(
         )
         del cache, engine
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def as_dicts(records: list[ThroughputRecord]) -> list[dict]:
