@@ -1,72 +1,103 @@
-"""The registered attention: outputs equal SDPA's, and the mass it reports is the softmax column sum."""
+"""The registered attention: outputs within tolerance of PyTorch's fused attention, and the mass it reports is the
+softmax column sum, computed in query blocks, the same whichever path gives the output."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from h2o_chat.engine import attention
 from h2o_chat.engine.attention import attention_with_mass, causal_sdpa
+from h2o_chat.engine.cache import Forward
 
 
-def reference(q, k, v, scale, key_ok=None):
-    """Eager causal attention over keys = cache + new (the last T are new): (out, probs per KV head)."""
+def reference(q, k, v, scale, allowed):
+    """Eager attention in float64 with a boolean (B, 1, T, S) mask: (out, probs summed per KV head)."""
     B, Hq, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     G = Hq // H
     kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    logits = (q @ kr.transpose(-1, -2)).double() * scale
-    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
-    if key_ok is not None:
-        mask = mask & key_ok[:, None, None, :]
-    logits = logits.masked_fill(~mask, -torch.inf)
-    probs = logits.softmax(-1)
-    out = (probs.to(q.dtype) @ vr).transpose(1, 2)
+    logits = (q.double() @ kr.double().transpose(-1, -2)) * scale
+    probs = logits.masked_fill(~allowed, -torch.inf).softmax(-1).nan_to_num(0.0)  # a query that sees nothing
+    out = (probs @ vr.double()).transpose(1, 2)
     return out, probs.view(B, H, G, T, S).sum(dim=(2, 3))
 
 
+def chunk_mask(real: torch.Tensor, stored_valid: torch.Tensor | None) -> torch.Tensor:
+    """The additive mask the cache builds once per chunk."""
+    fwd = Forward("chunk", real.shape[1], real=real, attend_from=0 if stored_valid is None else stored_valid.shape[1])
+    fwd.stored_valid = stored_valid
+    return fwd.mask(torch.float32)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["blocked-eager", "fused"])
 @pytest.mark.parametrize("T", [1, 7])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (3, 1)])
-def test_matches_sdpa_and_reports_mass(T, heads):
+def test_matches_fused_attention_and_reports_mass(T, heads, fused):
     torch.manual_seed(0)
     Hq, H = heads
     B, N, D = 2, 11, 16
     q = torch.randn(B, Hq, T, D)
     k, v = torch.randn(B, H, N + T, D), torch.randn(B, H, N + T, D)
-    out, mass_c, mass_n = attention_with_mass(q, k[:, :, :N], v[:, :, :N], k[:, :, N:], v[:, :, N:], D**-0.5)
+    mask = chunk_mask(torch.ones(B, T, dtype=torch.bool), torch.ones(B, N, dtype=torch.bool))
+    out, mass = attention_with_mass(q, k, v, mask, D**-0.5, mass=True, fused=fused)
     sdpa = F.scaled_dot_product_attention(
         q, k, v, attn_mask=torch.ones(T, N + T, dtype=torch.bool).tril(N), enable_gqa=True
     ).transpose(1, 2)
     torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)
-    ref_out, ref_mass = reference(q, k, v, D**-0.5)
-    torch.testing.assert_close(torch.cat((mass_c, mass_n), -1).double(), ref_mass, atol=1e-5, rtol=1e-5)
+    allowed = torch.ones(T, N + T, dtype=torch.bool).tril(N)[None, None]
+    _, ref_mass = reference(q, k, v, D**-0.5, allowed)
+    torch.testing.assert_close(mass.double(), ref_mass, atol=1e-5, rtol=1e-5)
     # every query distributes exactly one unit of mass per query head
-    assert torch.allclose(torch.cat((mass_c, mass_n), -1).sum(-1), torch.full((B, H), T * Hq / H))
+    assert torch.allclose(mass.sum(-1), torch.full((B, H), T * Hq / H))
+    plain, none = attention_with_mass(q, k, v, mask, D**-0.5, mass=False)
+    assert none is None
+    torch.testing.assert_close(plain, sdpa, atol=1e-5, rtol=1e-5)
 
 
-def test_padding_keys_get_no_mass_and_padding_queries_give_none():
+def test_padding_keys_get_no_mass_and_padding_queries_see_only_themselves():
     torch.manual_seed(1)
     B, Hq, H, T, N, D = 2, 4, 2, 5, 3, 8
     q = torch.randn(B, Hq, T, D)
     k, v = torch.randn(B, H, N + T, D), torch.randn(B, H, N + T, D)
-    cache_valid = torch.tensor([True, False, True]).expand(B, H, N)
-    new_valid = torch.tensor([[False, False, True, True, True], [True] * 5])
-    out, mass_c, mass_n = attention_with_mass(
-        q, k[:, :, :N], v[:, :, :N], k[:, :, N:], v[:, :, N:], D**-0.5, cache_valid, new_valid
-    )
-    assert (mass_c[..., 1] == 0).all()
-    assert (mass_n[0, :, :2] == 0).all()  # padding keys of row 0
-    key_ok = torch.cat((cache_valid[:, 0], new_valid), -1)
-    ref_out, _ = reference(q, k, v, D**-0.5, key_ok)
-    # real queries match the reference exactly; row 0's padding queries are simply excluded
-    torch.testing.assert_close(out[0, 2:], ref_out[0, 2:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[1], ref_out[1], atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(out).all()
-    # mass: the reference's probabilities restricted to real queries
-    G = Hq // H
-    logits = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)).double() * D**-0.5
-    mask = torch.ones(T, N + T, dtype=torch.bool).tril(N) & key_ok[:, None, None, :]
-    probs = logits.masked_fill(~mask, -torch.inf).softmax(-1).nan_to_num(0.0) * new_valid[:, None, :, None]
-    expected = probs.view(B, H, G, T, N + T).sum(dim=(2, 3))
-    torch.testing.assert_close(torch.cat((mass_c, mass_n), -1).double(), expected, atol=1e-5, rtol=1e-5)
+    stored = torch.tensor([True, True, False]).expand(B, N)  # the third stored slot is empty
+    real = torch.tensor([[False, False, True, True, True], [True] * 5])  # row 0 is left-padded
+    for fused in (False, True):
+        out, mass = attention_with_mass(q, k, v, chunk_mask(real, stored), D**-0.5, fused=fused)
+        assert (mass[..., 2] == 0).all()  # the empty slot
+        # row 0's padding keys get exactly their own padding query's mass (1 per query head), nothing else
+        torch.testing.assert_close(mass[0, :, N : N + 2], torch.full((H, 2), Hq / H))
+        key_ok = torch.cat((stored, real), -1)
+        causal = torch.ones(T, N + T, dtype=torch.bool).tril(N)
+        allowed = causal & key_ok[:, None, None, :] & real[:, None, :, None]
+        ref_out, ref_mass = reference(q, k, v, D**-0.5, allowed)  # padding queries take no part
+        torch.testing.assert_close(out[0, 2:].double(), ref_out[0, 2:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[1].double(), ref_out[1], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(out).all()
+        real_keys = key_ok[:, None, :].expand(B, H, N + T)
+        torch.testing.assert_close(mass[real_keys].double(), ref_mass[real_keys], atol=1e-5, rtol=1e-5)
+
+
+def test_mass_in_query_blocks_equals_one_block(monkeypatch):
+    """The mass is summed block by block over the queries, never as one (queries x keys) fp32 tensor."""
+    torch.manual_seed(3)
+    B, Hq, H, T, N, D = 1, 6, 2, 40, 24, 8
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, H, N + T, D), torch.randn(B, H, N + T, D)
+    mask = chunk_mask(torch.ones(B, T, dtype=torch.bool), torch.ones(B, N, dtype=torch.bool))
+    whole_out, whole = attention_with_mass(q, k, v, mask, D**-0.5)
+    shapes = []
+    real_softmax = torch.softmax
+
+    def spy(x, *args, **kwargs):
+        shapes.append(x.shape)
+        return real_softmax(x, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "MASS_BLOCK", B * Hq * (N + T) * 7)  # seven queries a block
+    monkeypatch.setattr(attention.torch, "softmax", spy)
+    out, blocked = attention_with_mass(q, k, v, mask, D**-0.5)
+    monkeypatch.undo()
+    assert len(shapes) == 6 and max(s[3] for s in shapes) == 7  # 40 queries in blocks of at most 7
+    torch.testing.assert_close(blocked, whole)
+    torch.testing.assert_close(out, whole_out)
 
 
 def test_fallback_is_plain_causal_sdpa():

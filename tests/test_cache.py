@@ -22,8 +22,6 @@ def run(model, cache, tokens: torch.Tensor, schedule: list[int]) -> torch.Tensor
         for size in schedule:
             out.append(model(input_ids=tokens[:, s : s + size], past_key_values=cache, use_cache=True).logits)
             s += size
-    if isinstance(cache, H2OCache):
-        cache.settle()  # the last forward's eviction (the next forward or stats() would also do it)
     return torch.cat(out, 1)
 
 
@@ -203,16 +201,16 @@ def test_chunked_long_prompt_holds_at_most_budget_plus_chunk(monkeypatch):
     seen_shapes = []
     real = layer_module.attention_with_mass
 
-    def spy(query, k_cache, v_cache, k_new, v_new, *args):
-        seen_shapes.append((k_cache.shape[2], k_new.shape[2]))
-        return real(query, k_cache, v_cache, k_new, v_new, *args)
+    def spy(query, keys, values, *args):
+        seen_shapes.append((keys.shape[2] - query.shape[2], query.shape[2]))
+        return real(query, keys, values, *args)
 
     monkeypatch.setattr(layer_module, "attention_with_mass", spy)
     model = tiny_model("llama", seed=4)
     cache = H2OCache.for_model(model, make_policy("h2o", budget))
     Engine(model, cache).prefill(torch.randint(0, 256, (1, length)), chunk_size=chunk)
     assert len(seen_shapes) == 2 * length // chunk  # every chunk, every layer
-    assert max(slots + new for slots, new in seen_shapes) <= budget + 1 + chunk  # the budget, its spare, a chunk
+    assert max(slots + new for slots, new in seen_shapes) <= budget + chunk  # the budget and a chunk
     assert cache.slots.capacity == budget
     stats = cache.stats()
     assert stats.seen == length and stats.kept == budget and stats.evicted == length - budget
@@ -251,8 +249,10 @@ def test_changing_budget_mid_stream_keeps_the_best_and_frees_the_rest():
     s = cache.slots
     before = {p: a for p, a in zip(s.pos[0, 0, 0].tolist(), s.score[0, 0, 0].tolist(), strict=True) if p >= 0}
     smaller = make_policy("h2o", 16)
-    prio = smaller.priority(s.score[..., :32], s.pos[..., :32], s.seen - 1)
-    expected = set(s.pos[0, 0, 0, prio[0, 0, 0].topk(16).indices].tolist())
+    # the new policy's choice, by hand: the 8 newest, then the 8 highest scores of the rest
+    held_now = sorted(before, reverse=True)
+    recent, older = held_now[:8], held_now[8:]
+    expected = set(recent) | set(sorted(older, key=lambda p: -before[p])[:8])
     cache.set_policy(smaller)
     layer = cache.layers[0]
     assert cache.slots.capacity == 16 and held(cache, 0)[0] == expected

@@ -75,28 +75,31 @@ def test_kept_tokens_are_those_the_final_queries_attend_to_most(family, kernel):
 
 def test_prompt_ten_times_the_budget_stays_bounded(monkeypatch):
     budget, chunk, length = 64, 64, 640
-    shapes, scored = [], []
-    real_attention, real_score = layer_module.attention_with_mass, snap_module.Observation.score_new
+    shapes, scored, masses = [], [], []
+    real_attention, real_score = layer_module.attention_with_mass, snap_module.Observation.score_chunk
 
-    def spy_attention(query, k_cache, v_cache, k_new, *args):
-        shapes.append(k_cache.shape[2] + k_new.shape[2])
-        return real_attention(query, k_cache, v_cache, k_new, *args)
+    def spy_attention(query, keys, values, mask, scaling, mass=True, fused=False):
+        shapes.append(keys.shape[2])
+        masses.append(mass)
+        return real_attention(query, keys, values, mask, scaling, mass, fused)
 
-    def spy_score(self, layer, k_new, pos_new):
-        scored.append(k_new.shape[2])
-        out = real_score(self, layer, k_new, pos_new)
-        assert self.obs.shape[2] == budget + 1  # observation logits live beside the budget's slots only
-        return out
+    def spy_score(self, i, key, fwd):
+        scored.append(key.shape[2])
+        real_score(self, i, key, fwd)
+        assert self.cache.slots.extra[0].shape[3] == budget + 1  # observation logits beside the slots only
 
     monkeypatch.setattr(layer_module, "attention_with_mass", spy_attention)
-    monkeypatch.setattr(snap_module.Observation, "score_new", spy_score)
+    monkeypatch.setattr(snap_module.Observation, "score_chunk", spy_score)
     model = tiny_model("llama", seed=22)
     cache = H2OCache.for_model(model, make_policy("snap", budget, window=8))
     engine = Engine(model, cache, "eager")
     engine.prefill(torch.randint(0, 256, (1, length)), chunk_size=chunk)
-    assert len(shapes) == 2 * 2 * length // chunk  # two passes, two layers, every chunk
-    assert max(shapes) <= budget + 1 + chunk and max(scored) <= chunk  # budget, its spare slot, one chunk
-    assert cache.slots.capacity == budget and all(lay.observation is None for lay in cache.layers)
+    per_pass = 2 * length // chunk  # two layers, every chunk
+    assert len(shapes) == 2 * per_pass
+    assert max(shapes) <= budget + chunk and max(scored) <= chunk  # the budget and one chunk
+    # the second read tracks no attention mass: the observation's mass replaces it when the prompt ends
+    assert all(masses[:per_pass]) and not any(masses[per_pass:])
+    assert cache.slots.capacity == budget and cache.observation is None and not cache.slots.extra
     stats = cache.stats()
     assert stats.seen == length and stats.kept == budget  # the probe's tokens were not counted twice
     engine.decode(torch.tensor([1]))  # generation goes on with h2o eviction
@@ -112,11 +115,11 @@ def test_a_prompt_that_fits_is_plain_h2o():
     torch.testing.assert_close(caches[0].layers[1].score, caches[1].layers[1].score)
 
 
-def test_scores_hand_over_to_h2o_and_rolling_works():
+def test_scores_hand_over_to_h2o_and_renumbered_positions_work():
     model = tiny_model("llama", seed=24, max_positions=64)
     cache = H2OCache.for_model(model, make_policy("snap", 32, window=4), "auto")
     engine = Engine(model, cache, "eager")
-    engine.prefill(torch.randint(0, 256, (1, 100)), chunk_size=16)  # past the context: rolling
+    engine.prefill(torch.randint(0, 256, (1, 100)), chunk_size=16)  # past the context: renumbered
     assert cache.rolling
     layer = cache.layers[0]
     total = layer.score[0].sum(-1)  # observation mass: 4 queries x 2 query heads, pooled over up to 7 tokens
@@ -134,21 +137,23 @@ def test_snap_settings_are_validated():
     assert "last 16 queries" in make_policy("snap", 512).describe()
 
 
-def test_snap_rows_of_a_grouped_cache_compress_like_a_snap_cache():
-    from h2o_chat.engine.grouped import GroupedCache
-
-    model = tiny_model("llama", seed=25)
+@pytest.mark.parametrize("positions", ["absolute", "auto"])
+def test_snap_rows_beside_other_policies_compress_like_a_snap_cache(positions):
+    """Rows of one cache follow their own policies: a snap row next to an h2o row keeps what it keeps alone
+    (also after positions were renumbered, when scoring rotates keys back to their true positions)."""
+    model = tiny_model("llama", seed=25, max_positions=64)
     ids = torch.randint(0, 256, (1, 90))
     policies = [make_policy("h2o", 24), make_policy("snap", 24, window=6)]
-    grouped = GroupedCache.for_model(model, policies)
-    together = prefill(model, grouped, ids.expand(2, -1), chunk_size=30)
+    together_cache = H2OCache.for_model(model, policies, positions, rows=[1, 1])
+    together = prefill(model, together_cache, ids.expand(2, -1), chunk_size=30)
     for row, policy in enumerate(policies):
-        alone = H2OCache.for_model(model, policy)
+        alone = H2OCache.for_model(model, policy, positions)
         expected = prefill(model, alone, ids, chunk_size=30)
         torch.testing.assert_close(together[row], expected[0], atol=1e-5, rtol=1e-5)
-        assert [set(p[p >= 0].tolist()) for p in grouped.groups[row].layers[1].pos[0]] == [
-            set(p[p >= 0].tolist()) for p in alone.layers[1].pos[0]
-        ]
+        for layer in range(2):
+            both, one = together_cache.layers[layer].pos[row], alone.layers[layer].pos[0]
+            assert [set(p[p >= 0].tolist()) for p in both] == [set(p[p >= 0].tolist()) for p in one]
+    assert together_cache.renumbered == (positions == "auto")
 
 
 def test_prefill_reports_progress_after_each_chunk_and_snap_reads_twice():

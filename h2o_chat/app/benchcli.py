@@ -83,6 +83,15 @@ def bench_command(
     memory_limit: Annotated[
         float | None, typer.Option(help="GB for --throughput (default: the GPU's free memory; 4 on CPU).")
     ] = None,
+    prefill: Annotated[
+        bool,
+        typer.Option(
+            "--prefill",
+            help="Instead: seconds, tokens/s and peak memory to read a prompt of each --lengths (and --batch rows): "
+            "transformers (one pass and chunked) vs full, h2o and snap.",
+        ),
+    ] = False,
+    chunk_size: Annotated[int, typer.Option(help="--prefill: tokens per prefill chunk.")] = 512,
     prompt_tokens: Annotated[int, typer.Option(help="--throughput: prompt length per row.")] = 512,
     gen_tokens: Annotated[int, typer.Option(help="--throughput: tokens generated per row.")] = 1536,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")] = False,
@@ -112,6 +121,10 @@ def bench_command(
         build_policy("h2o", budget, {})  # validates the budget
         loaded = _load(models, shape, budget)
         tokenizer = None if shape else loaded.tokenizer
+        if prefill:
+            check_positive("--chunk-size", chunk_size)
+            _prefill_bench(loaded, points, budget, chunk_size, batch, configs, json_out)
+            return
         if throughput:
             from h2o_chat.measure.throughput import as_dicts, run_throughput
 
@@ -152,6 +165,29 @@ def bench_command(
             typer.echo(bench.as_json_lines(records))
         else:
             make_console().print(bench_table(records, bench.ratios(records, budget)))
+
+
+def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out) -> None:
+    import json
+
+    import torch
+
+    from h2o_chat.app.ui import make_console, prefill_table
+    from h2o_chat.measure import prefill
+
+    names = tuple(c.strip() for c in (configs or ",".join(prefill.PREFILL_CONFIGS)).split(",") if c.strip())
+    unknown = [c for c in names if c not in prefill.PREFILL_CONFIGS]
+    if unknown:
+        raise H2OChatError(f"unknown --prefill config {unknown[0]!r}; choose from {', '.join(prefill.PREFILL_CONFIGS)}")
+    vocab = loaded.model.config.get_text_config().vocab_size
+    for length in points:
+        ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
+        with progress_bar(f"prefill {batch} x {length}") as bar:
+            records = prefill.run_prefill_bench(loaded.model, ids, budget, chunk, names, progress=bar)
+        if json_out:
+            typer.echo("\n".join(json.dumps(r) for r in prefill.as_dicts(records)))
+        else:
+            make_console().print(prefill_table(records, prefill.ratios(records), loaded.spec.name))
 
 
 @grouped

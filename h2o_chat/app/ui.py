@@ -403,6 +403,27 @@ def bench_table(records, ratios) -> Group:
     return Group(table, lines)
 
 
+def prefill_table(records, ratios, model: str) -> Group:
+    """Reading one prompt: seconds, tokens/s, extra peak memory and operators per layer and chunk per row, then
+    the ratios measured in the same run."""
+    first = records[0]
+    title = f"reading a {first.batch} x {first.prompt_tokens}-token prompt ({model}, {first.device}, {first.dtype})"
+    table = Table(title=title, title_justify="left")
+    for col in ("reader", "chunk", "seconds", "tokens/s", "extra peak", "ops/layer/chunk"):
+        table.add_column(col, justify="left" if col == "reader" else "right")
+    for r in records:
+        label = r.config if r.budget is None else f"{r.config} {r.budget}"
+        ops = f"{r.ops_per_layer:.0f}" if r.ops_per_layer else ""
+        chunk = str(r.chunk) if r.chunk else "one pass"
+        table.add_row(
+            label, chunk, f"{r.seconds:.3f}", f"{r.tokens_per_second:,.0f}", human_bytes(r.extra_peak_bytes), ops
+        )
+    lines = Table(box=None, show_header=False)
+    for text, value in ratios:
+        lines.add_row(text, f"{value:.2f}x")
+    return Group(table, lines)
+
+
 def throughput_table(records, model: str) -> Table:
     """Tokens/s at the largest batch that fits the memory limit, full cache vs h2o."""
     limit = human_bytes(records[0].memory_limit) if records else "?"

@@ -11,7 +11,6 @@ from __future__ import annotations
 _LAZY = {
     "H2OCache": "h2o_chat.engine.cache",
     "CacheStats": "h2o_chat.engine.slots",
-    "GroupedCache": "h2o_chat.engine.grouped",
     "Engine": "h2o_chat.engine.decode",
     "make_policy": "h2o_chat.engine.policies",
     "prepare_model": "h2o_chat.engine.attention",

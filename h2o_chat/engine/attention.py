@@ -1,22 +1,24 @@
 """The attention function registered with transformers as "h2o", and how a model's attention finds its cache.
 
-H2O needs, for every cached token, the softmax attention mass it receives. Two kernels compute attention with
-that mass in one fp32 softmax:
+H2O needs, for every cached token, the softmax attention mass it receives (summed over the queries and over
+the query heads that share a KV head; per batch row, where the official code sums over the batch too).
 
 - `attention_over_slots`: a decode step. The new token already sits in its layer's spare slot, so attention
   runs over all slots of fixed shape, empty ones masked (static shapes: the step can be captured as a graph).
-- `attention_with_mass`: a prefill chunk of T tokens, over the stored slots and the chunk (causal among the new
-  tokens, padding masked), without concatenating the chunk onto the cache.
+  One fp32 softmax gives the output and the mass.
+- `attention_with_mass`: a prompt chunk of T queries over the filled slots and the chunk's own keys (causal
+  among them, padding masked by one additive mask built once per chunk). The output comes from PyTorch's
+  fused `scaled_dot_product_attention` when the mass is not needed, and on CUDA (where the fused kernel is much
+  faster than a second matrix product); the mass is then recomputed in query blocks, never as one fp32
+  (queries x keys) tensor. On CPU the blocked eager product that yields the mass also gives the output, which
+  measured faster than the fused kernel plus the mass. Both compute the mass the same way (logits in the
+  model's dtype, softmax in fp32): the same tokens are kept whichever path runs.
 
-Mass is summed over the queries and over the query heads that share a KV head (GQA: summing or averaging a
-group gives the same ranking; we sum, as the official code sums over heads and queries).
-
-Routing, without any side channel: `prepare_model` registers a forward pre-hook on every attention module.
-When the module is called with an H2O cache (`past_key_values` or `layer_past`), the hook asks the cache for
-that layer and passes it to the attention function as the keyword `h2o_layer` (transformers forwards the
-module's keyword arguments to its attention function). The hook refuses a model whose attention is not "h2o",
-and the cache refuses an update that did not come through the hook, so a bypass fails at once. In rolling
-mode the hook also hands the module an identity rotation (the cache rotates by rank itself).
+Routing, without any side channel: `prepare_model` registers a forward pre-hook on every attention module,
+which hands the cache's layer to the attention function as the keyword `h2o_layer` (transformers forwards the
+module's keyword arguments to its attention function), and hooks on the model's base module that begin and
+end a forward for callers that do not drive the cache themselves (`model.generate`). The hook refuses a model
+whose attention is not "h2o", and the cache refuses an update outside a forward it began.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from h2o_chat.errors import CacheUsageError
 
 ATTN_IMPLEMENTATION = "h2o"
+MASS_BLOCK = 1 << 24  # fp32 probabilities per block of queries (64 MB): the prefill's largest transient
 
 # keyword arguments some models pass to their attention function, which h2o-chat's attention does not honour
 _UNSUPPORTED = {
@@ -41,7 +44,7 @@ def attention_over_slots(
     keys: torch.Tensor,  # (B, H, S, D): every slot, the new token's included
     values: torch.Tensor,  # (B, H, S, Dv)
     scaling: float,
-    valid: torch.Tensor,  # (B, H, S) bool: slots holding a token
+    valid: torch.Tensor,  # (B, 1, S) bool: slots holding a token (the same for every head)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32)."""
     B, Hq, T, D = query.shape
@@ -53,52 +56,58 @@ def attention_over_slots(
     return out.reshape(B, Hq, T, -1).transpose(1, 2), probs.sum(dim=-2)
 
 
+def fused_attention(
+    query: torch.Tensor,  # (B, Hq, T, D)
+    keys: torch.Tensor,  # (B, H, N, D)
+    values: torch.Tensor,  # (B, H, N, Dv)
+    mask: torch.Tensor | None,  # (B, 1, T, N) additive, or None
+    scaling: float,
+) -> torch.Tensor:
+    """PyTorch's fused attention (flash / memory-efficient kernels), grouped query heads included. (B, T, Hq, Dv)"""
+    G = query.shape[1] // keys.shape[1]
+    if G > 1 and query.device.type == "cuda" and mask is not None:
+        # with a mask CUDA runs the memory-efficient kernel, which wants as many KV heads as query heads
+        keys, values, G = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1), 1
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=G > 1)
+    return out.transpose(1, 2)
+
+
 def attention_with_mass(
     query: torch.Tensor,  # (B, Hq, T, D)
-    k_cache: torch.Tensor,  # (B, H, N, D)
-    v_cache: torch.Tensor,  # (B, H, N, Dv)
-    k_new: torch.Tensor,  # (B, H, T, D)
-    v_new: torch.Tensor,  # (B, H, T, Dv)
+    keys: torch.Tensor,  # (B, H, N, D): the stored slots attended, then the chunk's T keys
+    values: torch.Tensor,  # (B, H, N, Dv)
+    mask: torch.Tensor,  # (B, 1, T, N) additive, query dtype: 0 where a query may look, -inf elsewhere
     scaling: float,
-    cache_valid: torch.Tensor | None = None,  # (B, H, N) bool; None = all valid
-    new_valid: torch.Tensor | None = None,  # (B, T) bool; None = all valid
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal attention of T new queries over N cached keys (all in the past) and the T new keys.
+    mass: bool = True,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of a chunk's queries. Returns (output (B, T, Hq, Dv), mass per key (B, H, N) fp32 or None).
 
-    Returns (output (B, T, Hq, Dv), mass on cached keys (B, H, N) fp32, mass on new keys (B, H, T) fp32).
-    Padding queries (new_valid False) add no mass; padding keys get none.
-    """
+    `mass`: also sum each key's softmax probability over the queries (padding queries see only themselves, so
+    they give mass to no real key). `fused`: take the output from the fused kernel even when the mass is
+    computed (faster on CUDA); otherwise the blocked product that gives the mass gives the output too."""
+    if not mass:
+        return fused_attention(query, keys, values, mask, scaling), None
     B, Hq, T, D = query.shape
-    H, N = k_cache.shape[1], k_cache.shape[2]
+    H, N = keys.shape[1], keys.shape[2]
     G = Hq // H
-    # query heads h*G .. h*G+G-1 share KV head h (repeat_kv's order): rows of qg are (g, t)
-    qg = (query * scaling).reshape(B, H, G * T, D)
-    logits = torch.cat(
-        (qg @ k_cache.transpose(-1, -2), qg @ k_new.transpose(-1, -2)), dim=-1
-    ).float()  # (B, H, G*T, N+T)
-
-    if cache_valid is not None:
-        logits[..., :N].masked_fill_(~cache_valid[:, :, None, :], -torch.inf)
-    if T > 1 or new_valid is not None:
-        t = torch.arange(T, device=query.device)
-        allowed = t[None, :] <= t[:, None]  # (T, T) causal among the new tokens
-        if new_valid is not None:
-            # a query always sees itself, so padding rows never turn into NaN
-            allowed = (allowed & new_valid[:, None, None, :]) | torch.eye(T, dtype=torch.bool, device=t.device)
-        # (.., T, T) -> (.., G*T, T): the same pattern for each query head of the group
-        allowed = allowed.repeat(*([1] * (allowed.dim() - 2)), G, 1)
-        logits[..., N:].masked_fill_(~allowed, -torch.inf)
-
-    probs = logits.softmax(dim=-1)  # (B, H, G*T, N+T) fp32
-    weighted = probs
-    if new_valid is not None:
-        weighted = probs * new_valid.repeat(1, G)[:, None, :, None]  # padding queries add no mass
-    mass = weighted.sum(dim=-2)  # (B, H, N+T)
-
-    p = probs.to(v_cache.dtype)
-    out = p[..., :N] @ v_cache + p[..., N:] @ v_new  # (B, H, G*T, Dv)
-    out = out.reshape(B, Hq, T, -1).transpose(1, 2)  # (B, T, Hq, Dv)
-    return out, mass[..., :N], mass[..., N:]
+    q = (query * scaling).view(B, H, G, T, D)  # query heads h*G .. h*G+G-1 share KV head h (repeat_kv's order)
+    kt = keys.transpose(-1, -2)
+    total = torch.zeros(B, H, N, dtype=torch.float32, device=query.device)
+    block = max(1, min(T, MASS_BLOCK // max(1, B * Hq * N)))
+    outs = []
+    for s in range(0, T, block):
+        b = min(block, T - s)
+        qb = q if b == T else q[:, :, :, s : s + b]
+        logits = (qb.reshape(B, H, G * b, D) @ kt).view(B, H, G, b, N) + mask[:, :, None, s : s + b]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (B, H, G, b, N)
+        total += probs.sum(dim=(2, 3))
+        if not fused:
+            outs.append((probs.to(values.dtype).view(B, H, G * b, N) @ values).view(B, H, G, b, -1))
+    if fused:
+        return fused_attention(query, keys, values, mask, scaling), total
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.reshape(B, Hq, T, -1).transpose(1, 2), total
 
 
 def causal_sdpa(
@@ -134,37 +143,64 @@ def h2o_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     if h2o_layer is None:  # no H2O cache in this forward: plain causal attention
+        padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         return causal_sdpa(query, key, value, padding, scaling), None
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise CacheUsageError(f"this model uses {what}, which the H2O cache does not support")
-    return h2o_layer.attend(query, key, value, padding, scaling), None
+    return h2o_layer.attend(query, key, value, scaling), None
 
 
 def passthrough_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """Mask 'creation' for the h2o implementation: keep the 2D padding mask, build nothing."""
+    """Mask 'creation' for the h2o implementation: keep the 2D padding mask, build nothing (the cache builds
+    one mask per chunk itself)."""
     return attention_mask
+
+
+def _h2o_cache(kwargs: dict):
+    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+    return cache if getattr(cache, "h2o_layer", None) is not None else None
 
 
 def _route(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of an attention module: hand the H2O cache's layer to the attention function."""
-    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
-    h2o_layer = getattr(cache, "h2o_layer", None)
-    if h2o_layer is None:
+    cache = _h2o_cache(kwargs)
+    if cache is None:
         return None
     if module.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise CacheUsageError(
             f"an H2O cache was passed to a model whose attention is {module.config._attn_implementation!r}: "
             "call h2o_chat.prepare_model(model) and keep its attention implementation 'h2o'"
         )
-    hidden = args[0] if args else kwargs["hidden_states"]
-    kwargs["h2o_layer"] = h2o_layer(module.layer_idx, hidden.shape[1])
-    rotation = kwargs.get("position_embeddings")
-    if rotation is not None and cache.rolling:  # raw queries and keys: the cache rotates them by rank
-        kwargs["position_embeddings"] = cache.identity_rotation(rotation, module.layer_idx)
+    kwargs["h2o_layer"] = cache.h2o_layer(module.layer_idx)
     return args, kwargs
+
+
+def _begin(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Pre-hook of the model's base module, for callers that do not drive the cache (`model.generate`): begin a
+    forward -- a decode step when one token per row follows what the cache holds, else a prompt chunk -- and
+    number the new tokens as the cache does (true positions, or renumbered ones past the trained context)."""
+    cache = _h2o_cache(kwargs)
+    if cache is None or cache.host_managed:
+        return None
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs["inputs_embeds"]
+    T = ids.shape[1]
+    mask = kwargs.get("attention_mask")
+    mask = mask[:, -T:] if mask is not None and mask.dim() == 2 else None
+    padded = mask is not None and not bool(mask.all())
+    kind = "step" if T == 1 and cache.slots is not None and not padded else "chunk"
+    mask = mask.to(ids.device) if mask is not None else None
+    kwargs["position_ids"] = cache.begin(kind, mask if kind == "chunk" else None, T, batch=ids.shape[0])
+    return args, kwargs
+
+
+def _end(module: torch.nn.Module, args: tuple, kwargs: dict, output):
+    cache = _h2o_cache(kwargs)
+    if cache is not None and not cache.host_managed:
+        cache.end()
 
 
 _registered = False
@@ -192,6 +228,16 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
+def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that runs the decoder layers (LlamaModel, OPTDecoder, GPTNeoXModel): a forward through the
+    model passes through it once, with the cache among its arguments."""
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return m
+    return model.base_model
+
+
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """Route the model's attention through h2o-chat (needed for the H2O cache); returns the model."""
     register()
@@ -203,5 +249,8 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
             raise CacheUsageError(f"found no attention modules with a layer index in {type(model).__name__}")
         for m in modules:
             m.register_forward_pre_hook(_route, with_kwargs=True)
+        base = decoder_stack(model)
+        base.register_forward_pre_hook(_begin, with_kwargs=True)
+        base.register_forward_hook(_end, with_kwargs=True)
         model._h2o_routed = True
     return model

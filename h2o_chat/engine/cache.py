@@ -1,38 +1,41 @@
 """The H2O KV cache: a transformers `Cache` whose storage is allocated once and evicts in place.
 
-Storage (`Slots`) holds every layer stacked: keys/values (L, B, H, S, D), the absolute position of the token in
-each slot (L, B, H, S; -1 if empty or padding) and its accumulated attention mass (L, B, H, S) in fp32, plus the
-real tokens seen per row (B,). S is the capacity plus one spare slot. Each (layer, row, KV head) keeps its own
-set of positions. A forward pass works like this:
+Storage (`Slots`) holds every layer stacked: keys/values (L, B, H, S, D), each slot's true position and the
+position its key was rotated at, and its accumulated attention mass in fp32; S is the capacity plus one spare
+slot. Each (layer, row, KV head) keeps its own set of tokens; each row may follow its own policy (`Rules`).
 
-1. The attention hook (`attention.prepare_model`) asks `h2o_layer()` for the layer, which arms it.
-2. `update()` (called by the model): a decode step writes the new token into the spare slot and returns the
-   layer's slot buffers, always of the same shape; a prefill chunk passes its tokens through.
-3. The attention function calls the layer's `attend()`: attention with mass over the slots (and the chunk); the
-   mass is added to the scores (the paper's accumulation).
-4. `settle()`, when the forward has ended: a decode step evicts, per (layer, row, head), the slot the policy
-   ranks lowest -- empty slots first, so a filling cache appends -- by moving the spare slot into it (one argmin
-   and one scatter per buffer, for every layer at once: no Python loop, no host sync, no re-allocation).
-   A prefill chunk was already placed by its layer (the best `capacity` of stored + new are kept).
+A forward is begun and ended explicitly -- by the decode engine, or for `model.generate` by hooks on the
+model's base module -- and says what it is:
 
-Positions are tracked apart from the slot count (tokens seen != tokens stored): keys keep the rotary position
-they were written with, and `get_seq_length()` reports the columns fed, so the model numbers new tokens right.
-Host-side bookkeeping (`before_forward`: context checks, the switch to rolling positions, growing a full
-cache) happens before a forward, outside anything a CUDA graph captures.
+1. `before_forward(T)` (host only, never inside a captured step): context checks, renumbering positions, room
+   in a full cache.
+2. `begin(kind, mask)`: a decode step writes the new token's position into the spare slot; a prompt chunk
+   numbers its tokens and builds its attention mask, once for every layer. Returns the model's position ids.
+3. The model runs; each layer's attention (`H2OLayer.attend`) adds the mass it gives to the scores.
+4. `end()`: `evict.step` or `evict.chunk` places the new tokens for every layer at once; rows advance.
+
+Positions. Keys are stored rotated, as the model rotated them. While a row stays within the trained context its
+tokens get their true positions (the paper). When the next position would pass it (`--positions auto`), or a
+smaller window (`rolling`), the row's held tokens are renumbered once by their order among the held tokens
+(0, 1, 2, ...; StreamingLLM's positions within the cache): each key is rotated by the difference, and new
+tokens continue from there. Decode steps cost the same as with absolute positions; the renumbering, a rotation
+of the held keys, happens once every (window - budget) tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
 
-from h2o_chat.engine.layer import H2OLayer, _ranks
-from h2o_chat.engine.policies import Policy, highest
+from h2o_chat.engine import evict
+from h2o_chat.engine.layer import H2OLayer
+from h2o_chat.engine.policies import Policy, Rules
 from h2o_chat.engine.rope import Rope, RopeUnsupported
-from h2o_chat.engine.slots import CacheStats, Slots, per_slot
+from h2o_chat.engine.slots import CacheStats, Slots
 from h2o_chat.errors import CacheUsageError, ConfigError, ContextLimitError
 
 POSITIONS = ("auto", "absolute", "rolling")
@@ -41,11 +44,11 @@ _FULL_INITIAL = 256  # a `full` cache without a reservation starts here and doub
 
 def _inference(method):
     """Run a method that changes the storage in inference mode (storage made in inference mode may only be
-    changed there), without entering it again where it is on (inside a forward or a compiled step)."""
+    changed there), without entering it again where it is on."""
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling():  # a compiled decode step: the engine runs it in inference mode
+        if torch.compiler.is_compiling():  # a traced step: its caller runs it in inference mode
             return method(*args, **kwargs)
         with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
             return method(*args, **kwargs)
@@ -91,105 +94,194 @@ def model_facts(model: torch.nn.Module, context: int | None = None) -> dict:
     return {"num_layers": config.num_hidden_layers, "rope": rope, "context": context, "rope_problem": problem}
 
 
+@dataclass
+class Forward:
+    """The forward now running: what kind it is and, for a prompt chunk, what it leaves for `end()`."""
+
+    kind: str  # "step" | "chunk"
+    columns: int  # T
+    valid: torch.Tensor | None = None  # step: (B, 1, S) slots holding a token
+    real: torch.Tensor | None = None  # chunk: (B, T) real (non-padding) tokens
+    pos_new: torch.Tensor | None = None  # chunk: (B, T) true positions, -1 = padding
+    rot_new: torch.Tensor | None = None  # chunk: (B, T) positions the new keys are rotated at
+    attend_from: int = 0  # chunk: stored slots that can hold tokens (the chunk's keys follow them)
+    fits: bool = False  # chunk: every row has room for all its tokens (no selection needed)
+    track_mass: bool = True  # chunk: some row's policy needs the attention mass
+    fused: bool = False  # chunk: output from the fused kernel (see attention.attention_with_mass)
+    keys: torch.Tensor | None = None  # chunk: (L, B, H, T, D), filled layer by layer
+    values: torch.Tensor | None = None
+    score: torch.Tensor | None = None  # chunk: (L, B, H, T) fp32 mass the new tokens received
+    probe: object | None = None  # snap pass 1 (`snap.Probe`)
+    observation: object | None = None  # snap pass 2 (`snap.Observation`)
+    stored_valid: torch.Tensor | None = None  # chunk: (B, attend_from) stored slots holding a token
+    layers: int = 0
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, T, n + T) additive, built once per chunk for every layer and head: a real query sees the
+        stored tokens and the real chunk tokens up to itself; a padding query sees only itself."""
+        if self._mask is None or self._mask.dtype != dtype:
+            self._mask = self._build_mask(dtype)
+        return self._mask
+
+    def _build_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        real, T = self.real, self.columns
+        dev = real.device
+        new = torch.ones(T, T, dtype=torch.bool, device=dev).tril() & real[:, None, None, :]  # (B, 1, T, T)
+        new = (new & real[:, None, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
+        allowed = new
+        if self.attend_from:
+            allowed = torch.cat((self.stored_valid[:, None, None, :] & real[:, None, :, None], new), dim=-1)
+        return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, -torch.inf)
+
+    def stash(self, i: int, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor | None) -> None:
+        """Keep layer i's new keys, values and mass until the forward ends."""
+        if self.keys is None:
+            B, H, T, _ = key.shape
+            self.keys = key.new_empty(self.layers, *key.shape)
+            self.values = value.new_empty(self.layers, *value.shape)
+            self.score = torch.zeros(self.layers, B, H, T, dtype=torch.float32, device=key.device)
+        self.keys[i] = key
+        self.values[i] = value
+        if mass is not None:
+            self.score[i] = mass
+
+
+@dataclass
+class _Group:
+    policy: Policy
+    rows: int | None  # batch rows following it (None: all of them)
+    positions: str
+
+
 class H2OCache(Cache):
-    """A transformers Cache with one `H2OLayer` per decoder layer, all following `policy`.
+    """A transformers Cache with one `H2OLayer` per decoder layer. One policy for every row, or several side by
+    side (`policies` with `rows` each: evaluations compare configurations as rows of one batch).
 
     Use it with a model prepared by `h2o_chat.prepare_model`, either through `model.generate(...,
     past_key_values=cache)` or h2o-chat's decode engine (`h2o_chat.engine.Engine`), which captures decode steps.
     """
 
-    # generate() would compile its forward on CUDA for a compileable cache, with the hook's host bookkeeping inside;
-    # h2o-chat's engine captures decode steps itself
+    # generate() would compile its forward on CUDA for a compileable cache; h2o-chat's engine captures steps itself
     is_compileable = False
 
     def __init__(
         self,
-        policy: Policy,
+        policy: Policy | list[Policy],
         num_layers: int,
-        positions: str = "absolute",
+        positions: str | list[str] = "absolute",
         rope: Rope | None = None,
         context: int | None = None,
         rope_problem: str | None = None,
+        rows: list[int] | None = None,
     ):
         super().__init__(layers=[H2OLayer(self, i) for i in range(num_layers)])
-        self.policy = policy
-        check_positions(positions)
-        if positions == "rolling" and rope is None:
-            if rope_problem:
-                raise ConfigError(f"--positions rolling cannot be used with this model: {rope_problem}")
-            raise ConfigError(
-                "--positions rolling needs rotary position embeddings; this model has learned absolute positions "
-                f"(OPT), which cannot be re-assigned: it stops at its trained context ({context} tokens)"
-            )
-        self.positions, self.rope, self.context, self.rope_problem = positions, rope, context, rope_problem
-        self.rolling = positions == "rolling"  # keys stored un-rotated, rotated by rank at attention time
+        policies = [policy] if isinstance(policy, Policy) else list(policy)
+        modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
+        if rows is None and len(policies) > 1:
+            rows = [1] * len(policies)
+        for mode in modes:
+            check_positions(mode)
+            if mode == "rolling" and rope is None:
+                if rope_problem:
+                    raise ConfigError(f"--positions rolling cannot be used with this model: {rope_problem}")
+                raise ConfigError(
+                    "--positions rolling needs rotary position embeddings; this model has learned absolute "
+                    f"positions (OPT), which cannot be re-assigned: it stops at its trained context ({context} tokens)"
+                )
+        rows = rows or [None]
+        self.groups = [_Group(p, n, m) for p, n, m in zip(policies, rows, modes, strict=True)]
+        self.rope, self.context, self.rope_problem = rope, context, rope_problem
         self.slots: Slots | None = None
+        self.rules: Rules | None = None
         self.columns = 0  # token columns fed, padding included: what the model calls "seen"
-        self.host_managed = False  # True when a decode engine calls before_forward() itself
-        self.version = 0  # bumps whenever storage is re-allocated or positions change (graphs re-capture)
+        self.host_managed = False  # True when a decode engine begins and ends forwards itself
+        self.version = 0  # bumps whenever storage is re-allocated (captured steps are then stale)
         self.notices: list[str] = []  # things the user should be told once (the UI pops them)
-        self.advance: torch.Tensor | None = None  # (B,) real tokens of the pending prefill chunk
-        self._pending: str | None = None  # "step" | "chunk": a forward whose bookkeeping settle() finishes
+        self.forward: Forward | None = None
+        self.probe = None  # snap's pass 1 (`snap.Probe`), while it runs
+        self.observation = None  # snap's pass 2 (`snap.Observation`), while it runs
+        self.renumbered = False  # some row's keys are rotated at other than their true positions
+        self._rows: list[_Group] = []  # each row's group, set when storage is allocated
+        self._bound: list[int] = []  # per row: an upper bound on the next position a key is rotated at
+        self._switched: list[bool] = []  # per row: passed the trained context and renumbers from now on
         self._reserved = 0  # a full cache makes room for this many tokens when it allocates
-        self._warned_context = False
-        self._identity: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._warned: set[str] = set()
 
     @classmethod
     def for_model(
         cls,
         model: torch.nn.Module,
-        policy: Policy,
-        positions: str = "absolute",
+        policy: Policy | list[Policy],
+        positions: str | list[str] = "absolute",
         context: int | None = None,
+        rows: list[int] | None = None,
     ) -> H2OCache:
-        """`positions`: absolute (keys keep their true positions, the paper's default), rolling (positions by
-        cache slot, StreamingLLM) or auto (absolute within the trained context, rolling past it)."""
-        return cls(policy, positions=positions, **model_facts(model, context))
+        """`positions`: absolute (keys keep their true positions, the paper's default), rolling (renumbered by
+        order among the held tokens whenever they would pass a window of twice the budget) or auto (true
+        positions within the trained context, renumbered when they would pass it). Several policies: `rows[g]`
+        consecutive batch rows follow `policy[g]` (and `positions[g]` when a list)."""
+        return cls(policy, positions=positions, rows=rows, **model_facts(model, context))
+
+    # -- description --------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        """The policy (of the first group, when rows follow several)."""
+        return self.groups[0].policy
+
+    @property
+    def positions(self) -> str:
+        return self.groups[0].positions
+
+    @property
+    def rolling(self) -> bool:
+        """Whether some row's tokens are numbered by their order among the held tokens."""
+        return any(self._switched) or (not self._rows and any(g.positions == "rolling" for g in self.groups))
+
+    def _capacity(self, need: int = 0) -> int:
+        """Slots per layer for storage allocated now: the largest budget, or room for a full cache's tokens."""
+        budgets = [g.policy.capacity for g in self.groups]
+        capacity = max((b for b in budgets if b is not None), default=0)
+        if None in budgets:
+            capacity = max(capacity, _FULL_INITIAL, self._reserved, need)
+        return capacity
+
+    def _limit(self, row: int) -> int:
+        return self._rows[row].policy.capacity or self.slots.capacity
 
     # -- the transformers Cache protocol ----------------------------------------------------------
-    def h2o_layer(self, layer_idx: int, new_tokens: int) -> H2OLayer:
-        """Called by the attention hook before a layer's update: arm the layer (and, at the first layer of a
-        forward, finish the last one and do the host bookkeeping unless an engine does it)."""
-        if layer_idx == 0:
-            self.settle()
-            if not self.host_managed:
-                self.before_forward(new_tokens)
-        layer = self.layers[layer_idx]
-        layer.armed = True
-        return layer
+    def h2o_layer(self, layer_idx: int) -> H2OLayer:
+        """Called by the attention hook before the layer's update: the layer, if a forward has begun."""
+        if self.forward is None:
+            raise CacheUsageError(
+                "the H2O cache was used outside a forward it began: call h2o_chat.prepare_model(model) before "
+                "using an H2OCache, and run the model (or its base module), not its layers one by one"
+            )
+        return self.layers[layer_idx]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        layer = self.layers[layer_idx]
-        if not layer.armed:
+        fwd = self.forward
+        if fwd is None:
             raise CacheUsageError(
                 "the H2O cache was updated by attention that does not go through h2o-chat: "
                 "call h2o_chat.prepare_model(model) before using an H2OCache"
             )
-        layer.armed = False
         if self.slots is None:
             self.allocate(key_states, value_states)
         slots = self.slots
         if key_states.device != slots.keys.device:  # a layer placed elsewhere by accelerate
             key_states, value_states = key_states.to(slots.keys.device), value_states.to(slots.keys.device)
-        if key_states.shape[2] > 1:  # a prefill chunk: its layer inserts it after attention
-            if layer_idx == 0:
-                self._pending = "chunk"
+        if fwd.kind == "chunk":  # the layer's attention stashes the chunk; end() places it
             return key_states, value_states
-        # a decode step: the new token goes into the spare slot; shapes never change
-        spare = slots.spare
+        spare = slots.capacity  # a decode step: the new token goes into the spare slot; shapes never change
         slots.keys[layer_idx, :, :, spare] = key_states[:, :, 0]
         slots.values[layer_idx, :, :, spare] = value_states[:, :, 0]
-        if layer_idx == 0:  # once for every layer: the new token's position, which slots are valid, ranks
-            slots.pos[:, :, :, spare] = slots.seen[None, :, None]
-            slots.valid = slots.pos >= 0
-            slots.rank = _ranks(slots.pos) if self.rolling else None
-            self._pending = "step"
         return slots.keys[layer_idx], slots.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling() and self.slots is not None:
-            # inside a compiled step a host counter would be baked in (and recompiled every step): give a
-            # device value, as transformers' StaticCache does; h2o-chat passes position ids itself anyway
+            # a traced step would bake a host counter in (and retrace every step): give a device value, as
+            # transformers' StaticCache does; h2o-chat passes position ids itself anyway
             return self.slots.seen.max()
         return self.columns
 
@@ -197,11 +289,11 @@ class H2OCache(Cache):
         return self.layers[0].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.policy.capacity or -1
+        return (self.policy.capacity or -1) if len(self.groups) == 1 else -1
 
     def reset(self) -> None:
-        self.slots, self.columns, self._pending, self.advance = None, 0, None, None
-        self.rolling = self.positions == "rolling"
+        self.slots, self.rules, self.columns, self.forward = None, None, 0, None
+        self._rows, self._bound, self._switched, self.renumbered = [], [], [], False
         self.version += 1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -213,24 +305,28 @@ class H2OCache(Cache):
     # -- storage --------------------------------------------------------------------------------------
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """First update: storage for every layer, shaped after the first layer's keys and values."""
-        capacity = self.policy.capacity
-        if capacity is None:
-            capacity = max(_FULL_INITIAL, self._reserved, self.columns)
-        self._install(Slots.allocate(len(self.layers), key, value, capacity))
+        B = key.shape[0]
+        counts = [g.rows for g in self.groups]
+        if None in counts:
+            counts = [B]
+        elif sum(counts) != B:
+            raise CacheUsageError(f"the cache's policies cover {sum(counts)} rows, the batch has {B}")
+        self._rows = [g for g, n in zip(self.groups, counts, strict=True) for _ in range(n)]
+        self._bound = [self.columns] * B  # before_forward has counted this forward's columns
+        self._switched = [g.positions == "rolling" and self.rope is not None for g in self._rows]
+        self._install(Slots.allocate(len(self.layers), key, value, self._capacity(self.columns)))
 
     def _install(self, slots: Slots) -> None:
-        """New storage: decode steps captured for the old one are stale (the version tells the engine)."""
+        """New storage (and the rules sized for it): captured decode steps are stale (the version says so)."""
         self.slots = slots
+        self.rules = Rules.of([g.policy for g in self._rows], slots.capacity, slots.keys.device)
         self.version += 1
-        if self.rope is not None:
-            self.rope.prepare(slots.keys.shape[3] + 1, slots.keys.device)
-        if not torch.compiler.is_compiling():  # fixed addresses: compiled graphs may write into them in place
-            slots.mark_static()
+        slots.mark_static()
 
     @_inference
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens per row up front (only a full cache grows; a budget is fixed)."""
-        if self.policy.capacity is not None:
+        if all(g.policy.capacity is not None for g in self.groups):
             return
         need = self.columns + tokens
         if self.slots is None:
@@ -240,204 +336,325 @@ class H2OCache(Cache):
 
     @_inference
     def _resize(self, capacity: int) -> None:
-        self.settle()
-        S = self.slots.keys.shape[3]
-        keep = torch.arange(S - 1, device=self.slots.pos.device).expand(*self.slots.pos.shape[:3], S - 1)
-        self._install(self.slots.moved(keep, capacity))
+        s = self.slots
+        keep = torch.arange(s.capacity, device=s.pos.device).expand(*s.pos.shape[:3], s.capacity)
+        self._install(s.moved(keep, capacity))
 
     @_inference
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` (finished rows leave the batch)."""
-        self.settle()
-        if self.slots is not None:
-            self._install(self.slots.rows(index))
+        if self.slots is None:
+            return
+        index = index.to(self.slots.seen.device)
+        picks = index.tolist()
+        self._rows = [self._rows[i] for i in picks]
+        self._bound = [self._bound[i] for i in picks]
+        self._switched = [self._switched[i] for i in picks]
+        self._install(self.slots.rows(index))
 
-    def abandon_step(self) -> None:
-        """A decode step that was being captured did not run: drop what its Python side did."""
-        if self._pending == "step":
-            self._pending = None
-            self.clear_spare()
-        for layer in self.layers:
-            layer.armed = False
-
-    def clear_spare(self, layer_idx: int | None = None) -> None:
-        """Empty the spare slot (of one layer, or all)."""
-        s = self.slots
-        where = slice(None) if layer_idx is None else layer_idx
-        s.pos[where, :, :, s.spare] = -1
-        s.score[where, :, :, s.spare] = 0
-
-    def identity_rotation(
-        self, rotation: tuple[torch.Tensor, torch.Tensor], layer_idx: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos = 1, sin = 0 shaped like the model's rotation: its rotary embedding becomes the identity. Made
-        once per forward, at the first layer (every layer of a forward gets the same shape)."""
-        cos, sin = rotation
-        if layer_idx == 0 or self._identity is None:
-            self._identity = (torch.ones_like(cos), torch.zeros_like(sin))
-        return self._identity
-
-    # -- finishing a forward ------------------------------------------------------------------------
     @_inference
-    def settle(self) -> None:
-        """Finish the forward that ran: a decode step evicts into the spare slot's victim; rows advance."""
-        pending, self._pending = self._pending, None
-        if pending == "step":
-            self._evict_spare()
-            self.slots.seen += 1
-        elif pending == "chunk":
-            self.slots.seen += self.advance
-            self.advance = None
+    def snapshot(self) -> dict:
+        """What the cache holds now, copied to the host: `restore` brings it back (e.g. when the user stops the
+        reading of a long message, the conversation continues from before it)."""
+        host = {k: list(getattr(self, k)) for k in ("_rows", "_bound", "_switched")}
+        state = {"columns": self.columns, "renumbered": self.renumbered, "host": host}
+        state["slots"] = None if self.slots is None else self.slots.copy("cpu")
+        return state
 
-    def _evict_spare(self) -> None:
-        """Per (layer, row, head): the policy's lowest-priority slot (an empty one first) takes the spare slot's
-        token. The spare holds the newest token, which every policy protects, so it is never its own victim."""
-        s = self.slots
-        victim = self.policy.victim(s.score, s.pos, s.seen)[..., None]  # (L, B, H, 1)
-        s.evicted += (s.pos.gather(-1, victim) >= 0).sum()
-        spare = s.spare
-        for buf in (s.keys, s.values, s.pos, s.score):
-            buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
-        self.clear_spare()
+    @_inference
+    def restore(self, state: dict) -> None:
+        """Back to a snapshot; storage of the same shape is overwritten in place (captured steps stay valid)."""
+        self.forward = None
+        self.columns, self.renumbered = state["columns"], state["renumbered"]
+        for k, v in state["host"].items():
+            setattr(self, k, list(v))
+        saved = state["slots"]
+        if saved is None:
+            self.slots, self.rules = None, None
+            self.version += 1
+        elif self.slots is not None and self.slots.keys.shape == saved.keys.shape:
+            self.slots.load(saved)
+        else:
+            self._install(saved.copy(self.slots.keys.device if self.slots is not None else None))
 
-    # -- host bookkeeping (never inside a captured step) --------------------------------------------
+    # -- a forward ----------------------------------------------------------------------------------
     @_inference
     def before_forward(self, new_tokens: int) -> None:
-        """Before a forward of `new_tokens` columns: switch `auto` to rolling, stop models that cannot go on,
-        warn once, make room in a full cache; then count the columns."""
+        """Host bookkeeping before a forward of `new_tokens` columns (never inside a captured step): stop models
+        that cannot go on, warn once, renumber rows whose positions would pass their window, make room in a
+        full cache; then count the columns."""
         self._check_context(new_tokens)
-        if self.policy.capacity is None and self.slots is not None:
+        if self.slots is not None and any(g.policy.capacity is None for g in self.groups):
             need = self.columns + new_tokens
             if need > self.slots.capacity:
                 self._resize(max(2 * self.slots.capacity, need))
         self.columns += new_tokens
+        self._bound = [b + new_tokens for b in self._bound]
+
+    def begin(self, kind: str, mask: torch.Tensor | None = None, columns: int = 1, batch: int | None = None):
+        """Begin a forward of `columns` new columns: kind "step" (one token per row, every row real) or
+        "chunk" (a prompt chunk; `mask` (B, T) marks real tokens, None = all). Returns the position ids (B, T)
+        the model must give its rotary embedding. Called by the decode engine (host bookkeeping done before, by
+        `before_forward`), or by the model's hook for `model.generate`."""
+        if self.forward is not None:  # the last forward never ended (an exception inside the model)
+            self.abort()
+        if not self.host_managed:
+            self.before_forward(columns)
+        if kind == "step":
+            return self._begin_step()
+        if kind != "chunk":
+            raise CacheUsageError(f"unknown kind of forward {kind!r}")
+        return self._begin_chunk(mask, columns, batch)
+
+    def _begin_step(self) -> torch.Tensor:
+        s = self.slots
+        if s is None:
+            raise CacheUsageError("a decode step needs a prompt first: begin with a chunk")
+        spare = s.capacity
+        s.pos[..., spare] = s.seen[None, :, None]
+        s.rot[..., spare] = s.next_rot[None, :, None]
+        self.forward = Forward("step", 1, valid=s.valid()[:, None, :], layers=len(self.layers))
+        return s.next_rot[:, None]
+
+    @_inference
+    def _begin_chunk(self, mask: torch.Tensor | None, T: int, batch: int | None) -> torch.Tensor:
+        s = self.slots
+        if mask is None:
+            B = s.batch if s is not None else batch
+            if B is None:
+                raise CacheUsageError("a prompt chunk needs its padding mask or its batch size")
+            real = torch.ones(B, T, dtype=torch.bool, device=s.seen.device if s is not None else None)
+        else:
+            real = mask.bool()
+        B = real.shape[0]
+        zeros = torch.zeros(B, dtype=torch.long, device=real.device)
+        seen, next_rot = (s.seen, s.next_rot) if s is not None else (zeros, zeros)
+        steps = real.cumsum(-1) - 1
+        before = self.columns - T
+        capacity = s.capacity if s is not None else self._capacity(self.columns)
+        limits = [g.policy.capacity or capacity for g in self.groups]
+        fwd = Forward(
+            "chunk",
+            T,
+            real=real,
+            pos_new=(seen[:, None] + steps).masked_fill(~real, -1),
+            rot_new=(next_rot[:, None] + steps).masked_fill(~real, -1),
+            attend_from=min(capacity, before) if s is not None else 0,
+            fits=before + T <= min(limits),
+            track_mass=any(g.policy.by_score for g in self.groups)
+            and (self.observation is None or self.observation.track_mass),
+            fused=real.device.type == "cuda",
+            probe=self.probe,
+            observation=self.observation,
+            layers=len(self.layers),
+        )
+        if fwd.attend_from:
+            fwd.stored_valid = s.valid()[:, : fwd.attend_from]
+        self.forward = fwd
+        return fwd.rot_new.clamp(min=0)
+
+    @_inference
+    def end(self) -> None:
+        """Finish the forward that ran: place its tokens and advance the rows."""
+        fwd, s = self.forward, self.slots
+        self.forward = None
+        if fwd is None:
+            return
+        if fwd.kind == "step":
+            evict.step(s, self.rules)
+            s.seen += 1
+            s.next_rot += 1
+            return
+        if fwd.keys is None:  # nothing reached the attention (an empty model?)
+            return
+        extra = [fwd.observation.new_obs] if fwd.observation is not None else []
+        new = evict.NewTokens(fwd.keys, fwd.values, fwd.pos_new, fwd.rot_new, fwd.score, extra)
+        priority = None
+        if fwd.observation is not None and not fwd.fits:
+            priority = fwd.observation.priority(self, new)
+        evict.chunk(s, new, self.rules, fwd.fits, priority)
+        added = fwd.real.sum(-1)
+        s.seen += added
+        s.next_rot += added
+
+    def abort(self) -> None:
+        """Forget a forward that did not finish (nothing of its chunk was placed; a step's spare is cleared)."""
+        if self.forward is not None and self.forward.kind == "step" and self.slots is not None:
+            self.slots.clear_spare()
+        self.forward = None
+
+    # -- positions ----------------------------------------------------------------------------------
+    def _warn_once(self, key: str, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.notices.append(text)
 
     def _check_context(self, new_tokens: int) -> None:
-        columns = self.columns  # tokens seen by the longest row (padding included): no device sync
-        if self.rolling or self.context is None or columns + new_tokens <= self.context:
+        if self.context is None:
             return
-        if self.rope is None and self.rope_problem is None:
+        if self.columns + new_tokens > self.context and (self.rope is None and self.rope_problem is None):
             raise ContextLimitError(
                 f"the model's learned positions end at {self.context} tokens (OPT): it cannot read or write past "
                 "them, whatever the budget; start a new conversation (/reset) or shorten the input"
             )
-        if self.positions == "auto" and self.rope is not None:
-            self._switch_to_rolling()
-            self.notices.append(
-                f"passed the trained context ({self.context} tokens): switched to rolling positions, so the "
-                "kept tokens are re-numbered by cache slot and generation can go on"
-            )
-        elif not self._warned_context:
-            self._warned_context = True
-            why = (
-                f"rolling positions are not possible ({self.rope_problem})"
-                if self.rope_problem
-                else "--positions rolling (or auto) keeps positions within the budget"
-            )
-            self.notices.append(
-                f"passed the trained context ({self.context} tokens) with absolute positions: quality degrades "
-                f"from here; {why}"
-            )
+        if not self._rows:  # nothing stored yet: the first chunk starts at position 0
+            if new_tokens > self.context:
+                self._past_context_warning()
+            return
+        renumber = []
+        for r, group in enumerate(self._rows):
+            limit = group.policy.capacity
+            if group.positions == "absolute" or self.rope is None or limit is None:
+                if self._bound[r] + new_tokens > self.context:
+                    self._past_context_warning()
+                continue
+            window = self.context if group.positions == "auto" else min(self.context, 2 * limit)
+            window = max(window, limit + new_tokens)
+            if self._bound[r] + new_tokens > window:
+                renumber.append(r)
+        if renumber:
+            self._renumber(renumber)
+            over = max(self._bound[r] + new_tokens for r in renumber)
+            if over > self.context:
+                self._warn_once(
+                    "window",
+                    f"the budget plus this chunk ({over} positions) is more than the trained context "
+                    f"({self.context}): quality degrades; a smaller budget or --chunk-size keeps within it",
+                )
+
+    def _past_context_warning(self) -> None:
+        why = (
+            f"renumbered positions are not possible ({self.rope_problem})"
+            if self.rope_problem
+            else "--positions auto or rolling renumbers positions within the context"
+        )
+        self._warn_once(
+            "absolute",
+            f"passed the trained context ({self.context} tokens) with absolute positions: quality degrades from "
+            f"here; {why}",
+        )
 
     @_inference
-    def _switch_to_rolling(self) -> None:
-        """Undo each stored key's rotation at its true position; from now on keys are rotated by rank."""
-        self.settle()
+    def _renumber(self, rows: list[int]) -> None:
+        """Number the held tokens of `rows` 0, 1, 2, ... by true position (per layer and head) and rotate each
+        key by the change; new tokens continue after them."""
         s = self.slots
-        if s is not None:
-            s.keys.copy_(self.rope.unrotate(s.keys, s.pos.clamp(min=0)))
-        self.rolling = True
-        self.version += 1
-
-    def pop_notices(self) -> list[str]:
-        out, self.notices = self.notices, []
-        return out
+        if any(not self._switched[r] for r in rows):
+            self._warn_once(
+                "switched",
+                f"passed the trained context ({self.context} tokens): from here the kept tokens are renumbered "
+                "by their order whenever positions would pass it, so generation can go on",
+            )
+        selected = torch.zeros(s.batch, dtype=torch.bool, device=s.pos.device)
+        selected[rows] = True
+        big = torch.iinfo(s.pos.dtype).max
+        for i in range(len(self.layers)):  # one layer at a time: the rotation's transients stay small
+            pos, rot = s.pos[i], s.rot[i]
+            held = pos >= 0
+            order = torch.where(held, pos, big).argsort(dim=-1)
+            rank = torch.empty_like(order).scatter_(
+                -1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
+            )
+            change = torch.where(held & selected[:, None, None], rank - rot, 0)
+            s.keys[i] = self.rope.rotate_by(s.keys[i], change)
+            rot.copy_(torch.where(selected[:, None, None], torch.where(held, rank, -1), rot))
+        s.next_rot.copy_(torch.where(selected, s.held(), s.next_rot))
+        for r in rows:
+            self._switched[r] = True
+            self._bound[r] = self._limit(r)
+        self.renumbered = True
 
     # -- policy changes -------------------------------------------------------------------------------
     @_inference
     def set_policy(self, policy: Policy) -> None:
         """Change budget or policy while keeping what is cached: a smaller budget keeps the new policy's best
         slots (evicted tokens do not come back), a larger one re-allocates."""
-        self.settle()
-        self.policy = policy
+        if len(self.groups) > 1:
+            raise CacheUsageError("set_policy changes a cache with one policy for all rows")
+        self.groups[0].policy = policy
         s = self.slots
         if s is None:
             return
-        held = int((s.pos >= 0).sum(-1).max())
+        self._rows = [self.groups[0]] * s.batch
+        held = int(s.held().max())
         capacity = policy.capacity or max(held, self.columns, _FULL_INITIAL)
         C = s.capacity
         if held > capacity:
-            keep = highest(policy.priority(s.score[..., :C], s.pos[..., :C], s.seen - 1), capacity, s.pos[..., :C])
-            s.evicted += (s.pos >= 0).sum() - (s.pos.gather(-1, keep) >= 0).sum()
-        else:  # the held tokens first, in slot order
-            order = torch.where(s.pos[..., :C] >= 0, 0, 1).argsort(dim=-1, stable=True)
-            keep = order[..., : min(C, capacity)]
+            rules = Rules.of([policy] * s.batch, capacity, s.pos.device)
+            prio = rules.priority(s.score[..., :C], s.pos[..., :C], s.seen - 1)
+            keep = evict.order(prio, evict.tie(s.pos[..., :C])).topk(capacity, dim=-1).indices.sort(-1).values
+        else:  # the held tokens first (they fill the first slots already)
+            keep = torch.arange(min(C, capacity), device=s.pos.device).expand(*s.pos.shape[:3], min(C, capacity))
         self._install(s.moved(keep, capacity))
+        self._bound = [min(b, capacity) if self._switched[r] else b for r, b in enumerate(self._bound)]
 
     # -- inspection -------------------------------------------------------------------------------
-    def decode_positions(self) -> torch.Tensor:
-        """Position ids for a decode step, (B, 1), on the device (capturable): true positions, or zeros when
-        rolling (the hook makes the model's rotation the identity anyway)."""
-        self.settle()
-        seen = self.slots.seen
-        return torch.zeros_like(seen)[:, None] if self.rolling else seen[:, None]
-
-    def chunk_positions(self, mask: torch.Tensor) -> torch.Tensor:
-        """Position ids for a prefill chunk with padding mask (B, T): true positions, or zeros when rolling."""
-        self.settle()
-        if self.rolling:
-            return torch.zeros_like(mask, dtype=torch.long)
-        start = self.slots.seen if self.slots is not None else torch.zeros(mask.shape[0], dtype=torch.long)
-        return start.to(mask.device)[:, None] + (mask.long().cumsum(-1) - 1).clamp(min=0)
-
     def stats(self) -> CacheStats:
-        self.settle()
+        return self._stats(slice(None))
+
+    def group_stats(self) -> list[CacheStats]:
+        """One snapshot per policy group (rows side by side)."""
+        out, start = [], 0
+        for g in self.groups:
+            n = g.rows if g.rows is not None else (self.slots.batch if self.slots is not None else 1)
+            out.append(self._stats(slice(start, start + n), g))
+            start += n
+        return out
+
+    def _stats(self, rows: slice, group: _Group | None = None) -> CacheStats:
+        group = group or self.groups[0]
+        policy = group.policy
+        label = self.positions_label(group)
         s = self.slots
         if s is None:
             return CacheStats(
-                self.policy.name, self.policy.budget, self.policy.split(), len(self.layers),
-                0, 0.0, 0, 0, 0.0, 0, 0, 0, self.positions_label(),
-            )  # fmt: skip
-        kept = (s.pos >= 0).sum(-1)  # (L, B, H)
+                policy.name, policy.budget, policy.split(), len(self.layers), 0, 0.0, 0, 0, 0.0, 0, 0, 0, label
+            )
+        pos = s.pos[:, rows, :, : s.capacity]
+        kept = (pos >= 0).sum(-1)  # (L, b, H)
         slot_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * s.keys.element_size()  # K+V of one token, one slot
-        heads = s.batch * s.keys.shape[2]
+        slots_allocated = s.keys.shape[0] * pos.shape[1] * s.keys.shape[2] * s.keys.shape[3]
+        seen = s.seen[rows]
         return CacheStats(
-            policy=self.policy.name,
-            budget=self.policy.budget,
-            split=self.policy.split(),
+            policy=policy.name,
+            budget=policy.budget,
+            split=policy.split(),
             layers=len(self.layers),
-            seen=int(s.seen.max()),
+            seen=int(seen.max()),
             kept=float(kept.float().mean()),
             kept_min=int(kept.min()),
             kept_max=int(kept.max()),
-            evicted=float(s.evicted) / (len(self.layers) * heads),
-            kv_bytes=s.keys.numel() * s.keys.element_size() + s.values.numel() * s.values.element_size(),
+            evicted=float((seen[None, :, None] - kept).float().mean()),  # every real token seen is held or gone
+            kv_bytes=slots_allocated * slot_bytes,
             kv_used_bytes=int(kept.sum()) * slot_bytes,
-            full_kv_bytes=self.columns * slot_bytes * kept.numel(),  # every layer, row and head
-            positions=self.positions_label(),
+            full_kv_bytes=int(seen.sum()) * slot_bytes * s.keys.shape[0] * s.keys.shape[2],
+            positions=label,
         )
 
-    def positions_label(self) -> str:
+    def positions_label(self, group: _Group | None = None) -> str:
         """For the panel: how tokens are numbered now and why."""
-        now = "rolling (by cache slot)" if self.rolling else "absolute"
+        group = group or self.groups[0]
+        now = "renumbered by order among the held tokens" if self.rolling else "absolute"
         trained = f"trained context {self.context}" if self.context else "trained context unknown"
-        if self.positions != "auto":
-            return f"{now}, {trained}"
+        if group.positions != "auto":
+            return f"{group.positions}: {now}, {trained}" if group.positions == "rolling" else f"{now}, {trained}"
         return f"auto: {now}, {'passed the ' if self.rolling else ''}{trained}"
 
     def kept_fraction(self, start: int, end: int, row: int = 0) -> float:
         """Share of positions [start, end) still held, averaged over layers and heads (for /evicted)."""
-        self.settle()
         if end <= start or self.slots is None:
             return 1.0
-        pos = self.slots.pos[:, row]  # (L, H, S)
+        pos = self.slots.pos[:, row, :, : self.slots.capacity]  # (L, H, S)
         inside = ((pos >= start) & (pos < end)).sum(-1).float()  # (L, H)
         return float(inside.mean()) / (end - start)
 
     def row_stats(self, row: int) -> dict:
         """Seen, kept and evicted tokens of one batch row (per layer and head), for batch records."""
-        self.settle()
         s = self.slots
         seen = int(s.seen[row])
-        kept = float((s.pos[:, row] >= 0).sum(-1).float().mean())
+        kept = float((s.pos[:, row, :, : s.capacity] >= 0).sum(-1).float().mean())
         return {"seen": seen, "kept": kept, "evicted": seen - kept}
+
+    def pop_notices(self) -> list[str]:
+        out, self.notices = self.notices, []
+        return out

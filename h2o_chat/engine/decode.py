@@ -1,33 +1,40 @@
 """The decode engine: the one loop every generation, evaluation and benchmark in h2o-chat drives.
 
-In the style of gpt-fast: `prefill` (chunked, eager; snap's two passes), then `decode` steps of one token per
-row. A decode step is static -- the cache's shapes never change, its bookkeeping stays on the device, sampling
-happens on the device -- so it can run three ways (`--decode`):
+In the style of gpt-fast: `prefill` (chunked; snap's two passes), then `decode` steps of one token per row.
+The engine says what each forward is (`cache.begin("chunk" | "step")` ... `cache.end()`), never the shape. A
+decode step is static -- the cache's shapes never change, its bookkeeping stays on the device, sampling happens
+on the device -- so it can run two ways (`--decode`):
 
 - eager: plain PyTorch (the CPU default: on CPU nothing is gained by capturing).
 - graph: the whole step (model forward, cache update, eviction, sampling) captured once as a CUDA graph and
   replayed; capturing takes a second or two (the CUDA default).
-- compile: `torch.compile(fullgraph=True)` of the step (inductor fuses the small kernels; "reduce-overhead"
-  adds CUDA graphs on a GPU); the first step compiles, which takes a while.
 
-Host bookkeeping (`cache.before_forward`) runs before each step, outside the captured region. When something
-changes shape or meaning -- the cache re-allocates, positions switch to rolling, rows leave the batch, the
-sampler's settings change -- the step is captured again. `tokens()` streams sampled tokens one step behind the
-device on CUDA: step t+1 is queued before token t is read back, so the GPU never waits for the host.
+(`torch.compile` of the step was measured slower than both -- 233 vs 84 ms/token eager on CPU, 13.3 vs 8.9 ms
+captured on an H100 -- and is not offered.) Host bookkeeping (`cache.before_forward`) runs before each step,
+outside the captured region; renumbering positions rewrites storage in place, so a captured step stays valid.
+When something changes shape -- the cache re-allocates, rows leave the batch, the sampler's settings change --
+the step is captured again. `tokens()` streams sampled tokens one step behind the device on CUDA: step t+1 is
+queued before token t is read back, so the GPU never waits for the host.
+
+Ctrl-C while a prompt is read takes effect at the end of the chunk being read (`PrefillInterrupted`), so the
+cache always holds whole chunks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from h2o_chat.engine.sampling import RowSampler, Sampler
-from h2o_chat.engine.snap import compress_prompt, compresses
+from h2o_chat.engine.snap import compress_prompt
 from h2o_chat.errors import ConfigError
 
-DECODE_MODES = ("auto", "eager", "graph", "compile")
+DECODE_MODES = ("auto", "eager", "graph")
 DEFAULT_CHUNK = 512
 _WARMUP = 2  # eager steps before a capture (lazy CUDA initialisation must not happen inside one)
 
@@ -42,8 +49,36 @@ def resolve_decode(mode: str, device: torch.device) -> str:
     if mode == "auto":
         return "graph" if device.type == "cuda" else "eager"
     if mode == "graph" and device.type != "cuda":
-        raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use eager or compile here")
+        raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use eager here")
     return mode
+
+
+class PrefillInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a prompt was read: the cache holds the chunks read so far (`done` of `total` columns, over
+    every pass), whole."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"stopped reading the prompt after {done} of {total} tokens")
+        self.done, self.total = done, total
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[Callable[[], bool]]:
+    """Within the block Ctrl-C only sets a flag (the returned call reads it), so a prefill can stop between
+    chunks instead of inside one. Only in the main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    hit = [False]
+
+    def note(signum, frame) -> None:
+        hit[0] = True
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield lambda: hit[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def sync(device: torch.device) -> None:
@@ -53,20 +88,9 @@ def sync(device: torch.device) -> None:
 
 
 def _static(*tensors: torch.Tensor) -> None:
-    """Tell torch.compile these tensors keep their address (a compiled step may update them in place)."""
-    if not torch.compiler.is_compiling():
-        for t in tensors:
-            torch._dynamo.mark_static_address(t)
-
-
-def _persistent_inductor_cache() -> None:
-    """Keep inductor's compiled kernels in h2o-chat's cache folder (not /tmp), so a later run reuses them."""
-    import os
-
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from h2o_chat.files import user_cache_dir
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+    """Mark tensors that keep their address across steps (the captured step reads and writes them in place)."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,44 +105,40 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 class Engine:
-    """Prefill and decode steps over one cache (an H2OCache or a GroupedCache) for one model.
+    """Prefill and decode steps over one `H2OCache` for one model.
 
     The engine owns the cache's host bookkeeping from now on. Keep one engine per conversation: its captured
     step survives between turns as long as the cache keeps its storage.
     """
 
-    def __init__(self, model, cache, decode: str = "auto", compile_backend: str | None = None):
+    def __init__(self, model, cache, decode: str = "auto"):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.mode = resolve_decode(decode, self.device)
-        self.compile_backend = compile_backend
         self.vocab = model.config.get_text_config().vocab_size
         cache.host_managed = True
         self.sampler: RowSampler | None = None  # None: greedy (argmax), e.g. for evaluation
-        self.setup_seconds = 0.0  # one-time cost so far: captures or compilations
+        self.setup_seconds = 0.0  # one-time cost so far: captures
         self.captures = 0
         self.fed_last = False  # whether the last token tokens() yielded has been fed to the cache
         self._drop: torch.Tensor | None = None  # rows to keep, asked for while tokens() streams
         self._tokens: torch.Tensor | None = None  # the step's static input, (B,)
         self._key = None
-        self._warm = 0
+        self._warmups = 0  # eager steps run since the step last changed (a capture needs two)
         self._graph = None
         self._out = None
         self._pool = None
-        self._compiled = None
         self._host = None  # pinned buffers for reading tokens back without waiting for the next step
-        self.on_setup: Callable[[str], None] | None = None  # told before a capture or compilation starts
+        # queue step t+1 before reading token t back (on CUDA the host then never waits for the device)
+        self.lookahead = self.device.type == "cuda"
+        self.on_setup: Callable[[str], None] | None = None  # told before a capture starts
 
     # -- description ------------------------------------------------------------------------------
     def describe(self) -> str:
         """For the panel: how decode steps run."""
         if self.mode == "graph" and self.captures:
             return f"CUDA graph ({self.captures} captured, {self.setup_seconds:.1f} s)"
-        if self.mode == "graph":
-            return "CUDA graph"
-        if self.mode == "compile":
-            return f"compiled ({self.setup_seconds:.0f} s)" if self.setup_seconds else "compiled"
-        return "eager"
+        return "CUDA graph" if self.mode == "graph" else "eager"
 
     # -- sampling ---------------------------------------------------------------------------------
     def set_sampler(self, sampler: Sampler | None, batch: int, **per_row) -> None:
@@ -151,56 +171,53 @@ class Engine:
     ) -> torch.Tensor:
         """Feed a (left-padded) prompt (B, L) in chunks, evicting between chunks (KV memory: budget + chunk);
         returns the last position's logits (B, V). The cache numbers the tokens, continuing from what it has
-        seen (chat turns append). A policy that compresses prompts (snap) reads the prompt twice."""
+        seen (chat turns append). A policy that compresses prompts (snap) reads the prompt twice. Ctrl-C stops
+        at the end of the chunk being read and raises `PrefillInterrupted`."""
         ids = ids.to(self.device)
-        mask = None if mask is None else mask.to(self.device)
+        mask = torch.ones_like(ids) if mask is None else mask.to(self.device)
         if self.sampler is not None:
             self.sampler.observe(ids, mask)
         done = [0]  # prompt columns read so far, over every pass
+        with deferred_interrupt() as interrupted:
 
-        def feed(cache, passes: int = 1) -> torch.Tensor:
-            return self._chunks(cache, ids, mask, chunk_size, progress, done, passes)
+            def feed(cache, passes: int = 1) -> torch.Tensor:
+                return self._chunks(cache, ids, mask, chunk_size, progress, done, passes, interrupted)
 
-        if compresses(self.cache):  # snap reads an overflowing prompt twice: one bar over both passes
-            return compress_prompt(self.model, self.cache, ids, mask, feed)
-        return feed(self.cache)
+            return compress_prompt(self.cache, mask, feed)
 
-    def _chunks(self, cache, ids, mask, chunk_size, progress, done, passes) -> torch.Tensor:
+    def _chunks(self, cache, ids, mask, chunk_size, progress, done, passes, interrupted) -> torch.Tensor:
         B, L = ids.shape
-        padded = mask is not None and not bool(mask.all())  # one host sync per prompt
         logits = None
+        cache.host_managed = True
         # chunks end where the prompt ends: left-padded rows then meet the same chunk boundaries (counted from
         # their last token) as they would alone, so a row's eviction does not depend on its neighbours
         first = L % chunk_size or chunk_size
         for s, e in zip([0, *range(first, L, chunk_size)], range(first, L + 1, chunk_size), strict=True):
-            x = ids[:, s:e]
-            m = mask[:, s:e] if mask is not None else torch.ones_like(x)
-            cache.settle()
-            cache.before_forward(x.shape[1])
-            logits = self._forward(x, cache.chunk_positions(m), cache, m if padded else None)
-            cache.settle()
-            done[0] += x.shape[1]
+            cache.before_forward(e - s)
+            positions = cache.begin("chunk", mask[:, s:e], e - s)
+            try:
+                logits = self._forward(ids[:, s:e], positions, cache)
+            except BaseException:
+                cache.abort()
+                raise
+            cache.end()
+            done[0] += e - s
             if progress is not None:
                 progress(done[0], passes * L)
+            if interrupted():
+                raise PrefillInterrupted(done[0], passes * L)
         return logits
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None):
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]  # (B, V)
 
     # -- decode -----------------------------------------------------------------------------------
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step, all on the device: the static input tokens in, logits and next tokens out."""
         cache = self.cache
-        logits = self._forward(self._tokens[:, None], cache.decode_positions(), cache, None)
-        cache.settle()  # eviction for every layer, rows advance
+        logits = self._forward(self._tokens[:, None], cache.begin("step"), cache)
+        cache.end()  # eviction for every layer, rows advance
         tokens = self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
         self._tokens.copy_(tokens)
         return logits, tokens
@@ -211,8 +228,7 @@ class Engine:
         step's (logits (B, V), tokens (B,)) on the device. Outputs of a captured step are overwritten by the
         next step: use them before calling again."""
         cache = self.cache
-        cache.settle()
-        cache.before_forward(1)  # host only: context checks, rolling switch, room in a full cache
+        cache.before_forward(1)  # host only: context checks, renumbering, room in a full cache
         if tokens is not None:
             tokens = tokens.to(self.device)
             if self._tokens is None or self._tokens.shape != tokens.shape:
@@ -223,44 +239,17 @@ class Engine:
         sampler = self.sampler
         key = (cache.version, self._tokens.shape[0], id(sampler), sampler and (sampler.hot, sampler.penalized))
         if key != self._key:
-            self._key, self._warm, self._graph, self._out = key, 0, None, None
+            self._key, self._warmups, self._graph, self._out = key, 0, None, None
         if self.mode == "eager":
             return self._body()
-        if self.mode == "compile":
-            return self._compiled_step()
         return self._graph_step()
-
-    def _compiled_step(self):
-        if self._compiled is None:
-            backend = self.compile_backend or "inductor"
-            if backend == "inductor":
-                _persistent_inductor_cache()
-            options: dict = {"fullgraph": True, "backend": backend}
-            if backend == "inductor" and self.device.type == "cuda":
-                options["mode"] = "reduce-overhead"
-            self._compiled = torch.compile(self._body, **options)
-        if self._warm:
-            return self._compiled()
-        if self.on_setup is not None:
-            self.on_setup("compiling the decode step (once per cache layout; minutes on a CPU)")
-        t = time.perf_counter()  # the first step after a change (re)compiles
-        try:
-            out = self._compiled()
-        except Exception as e:  # torch.compile could not trace or build the step
-            if type(e).__name__ == "OutOfMemoryError":
-                raise
-            return self._fall_back(e)
-        sync(self.device)
-        self.setup_seconds += time.perf_counter() - t
-        self._warm = 1
-        return out
 
     def _graph_step(self):
         if self._graph is not None:
             self._graph.replay()
             return self._out
-        if self._warm < _WARMUP:  # real steps, eagerly, on a side stream as CUDA graphs require
-            self._warm += 1
+        if self._warmups < _WARMUP:  # real steps, eagerly, on a side stream as CUDA graphs require
+            self._warmups += 1
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -284,11 +273,11 @@ class Engine:
         return self._out
 
     def _fall_back(self, error: Exception) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
+        """A step that cannot be captured runs eagerly from now on, and the user is told why."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        self.cache.abandon_step()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
+        self.cache.abort()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
         self.cache.notices.append(f"decode steps run eagerly: capturing one failed ({reason[:160]})")
-        self.mode, self._graph, self._compiled = "eager", None, None
+        self.mode, self._graph = "eager", None
         sync(self.device)
         return self._body()
 
@@ -317,7 +306,7 @@ class Engine:
         row). On CUDA the step that feeds token t is queued before token t is read back (`fed_last` says whether
         the last yielded token has been fed to the cache). Stop by closing the iterator or leaving the loop."""
         pending = self.first_tokens(logits)
-        lookahead = self.device.type == "cuda"
+        lookahead = self.lookahead
         for i in range(steps):
             last = i + 1 == steps
             ahead = None
@@ -345,6 +334,9 @@ class Engine:
     def _read_async(self, t: torch.Tensor) -> Callable[[], list[int]]:
         """Copy t to pinned host memory behind the work queued so far; the returned call waits for that copy
         only, not for work queued after it."""
+        if self.device.type != "cuda":  # a forced lookahead on CPU: the values are there once it is read
+            t = t.clone()
+            return t.tolist
         if self._host is None or self._host[0].shape != t.shape:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for _ in range(2)]
         buf = self._host[0]

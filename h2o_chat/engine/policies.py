@@ -1,12 +1,10 @@
-"""Eviction policies: pure tensor code that ranks cached tokens; the cache evicts the lowest-ranked.
+"""Eviction policies: what the user chooses (a frozen, validated `Policy`) and what the cache computes with
+(`Rules`: every batch row's policy as tensors on the device, so rows with different policies and budgets share
+one cache and one decode step).
 
-A policy sees per-slot state -- accumulated attention `acc` and absolute position `pos`, both (..., B, H, N)
-(one layer, or every layer stacked in front) -- plus the newest position of each row (B,), and returns a
-keep-priority of the same shape: +inf for protected slots, -inf for empty or padding ones.
-
-The selection is written once, here: `victim` (argmin: the one slot a decode step overwrites), `lowest`
-(the k slots a prefill chunk drops) and `highest` (the k slots a smaller budget keeps). The cache calls
-nothing else to choose.
+A policy ranks cached tokens by a keep-priority: the accumulated attention mass (h2o, snap) or the position
+(recent, sink, full); the `recent` newest positions and the first `sinks` positions are protected (+inf); empty
+slots and padding rank -inf. Which slots lose is decided in one place, `h2o_chat.engine.evict`.
 
 Budgets are in tokens per layer (per KV head and batch row: every head keeps `budget` slots).
 """
@@ -15,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -24,7 +23,6 @@ if TYPE_CHECKING:  # no torch at import: the command line reads DEFAULT_POLICY b
     import torch
 
 INF = float("inf")
-_LAST = 2**62  # above every position: "not a candidate" in the victim's tie-break
 
 # snap reads each prompt with its last queries (keeps what the question needs), then evicts as h2o does
 DEFAULT_POLICY = "snap"
@@ -32,21 +30,31 @@ DEFAULT_POLICY = "snap"
 
 @dataclass(frozen=True)
 class Policy:
-    """Base class. Subclasses define `rank` (higher keeps) and optionally `protected`."""
+    """Base class: a budget and what it protects. Subclasses set `by_score` and the protected counts."""
 
     name: ClassVar[str] = ""
     compresses_prompts: ClassVar[bool] = False
+    by_score: ClassVar[bool] = False  # keep by accumulated attention (h2o, snap) rather than by position
     budget: int | None = 512
 
     def __post_init__(self) -> None:
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
             raise ConfigError(f"budget must be a positive number of tokens per layer, got {self.budget!r}")
 
-    # -- description ------------------------------------------------------------------------------
     @property
     def capacity(self) -> int | None:
         """Slots allocated per layer; None means the cache grows (no eviction)."""
         return self.budget
+
+    @property
+    def protected_recent(self) -> int:
+        """The newest positions that are never evicted."""
+        return 0
+
+    @property
+    def protected_sinks(self) -> int:
+        """The first positions that are never evicted."""
+        return 0
 
     def split(self) -> dict[str, int]:
         """How the budget divides: e.g. {"sink": 4, "heavy": 252, "recent": 256}."""
@@ -56,58 +64,6 @@ class Policy:
         parts = " + ".join(f"{v} {k}" for k, v in self.split().items() if v)
         return f"{self.name} {self.budget} = {parts}"
 
-    # -- maths ------------------------------------------------------------------------------------
-    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Policy-specific keep score, (B, H, N); higher keeps."""
-        raise NotImplementedError
-
-    def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor | None:
-        """Slots that may not be evicted (recent window, sinks), (B, H, N) bool, or None."""
-        return None
-
-    def priority(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        """Keep-priority per slot: +inf protected, -inf empty or padding (pos < 0)."""
-        p = self.rank(acc, pos)
-        prot = self.protected(pos, newest)
-        if prot is not None:
-            p = p.masked_fill(prot, INF)
-        return p.masked_fill(pos < 0, -INF)
-
-    def victim(self, acc: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        """The one slot to overwrite per (row, head), (..., B, H): the lowest priority, the oldest of equals.
-        Empty slots rank -inf and share position -1, so a filling cache takes them in slot order."""
-        prio = self.priority(acc, pos, newest)
-        lowest_prio = prio.amin(dim=-1, keepdim=True)
-        return pos.masked_fill(prio != lowest_prio, _LAST).argmin(dim=-1)
-
-
-def _by_priority(priority: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Slot indices ordered by (priority, position), ascending. Ties are broken by position, not by where a
-    token happens to sit, so a batch row evicts exactly as it would alone (snap's pooled scores tie often)."""
-    by_pos = pos.argsort(dim=-1, stable=True)
-    return by_pos.gather(-1, priority.gather(-1, by_pos).argsort(dim=-1, stable=True))
-
-
-def lowest(priority: torch.Tensor, k: int, pos: torch.Tensor) -> torch.Tensor:
-    """The k lowest-priority slots along the last dim (the ones to drop), the oldest of equals first, (..., k)."""
-    return _by_priority(priority, pos)[..., :k]
-
-
-def highest(priority: torch.Tensor, k: int, pos: torch.Tensor) -> torch.Tensor:
-    """The k highest-priority slots along the last dim (the ones to keep), in slot order, (..., k)."""
-    order = _by_priority(priority, pos)
-    return order[..., order.shape[-1] - k :].sort(dim=-1).values
-
-
-def _newest(newest: torch.Tensor) -> torch.Tensor:
-    """(B,) newest position per row -> broadcastable against (..., B, H, N)."""
-    return newest[:, None, None]
-
-
-def _recent_window(pos: torch.Tensor, newest: torch.Tensor, recent: int) -> torch.Tensor:
-    # the `recent` newest positions of each row are protected
-    return pos > _newest(newest) - recent
-
 
 @dataclass(frozen=True)
 class H2O(Policy):
@@ -116,6 +72,7 @@ class H2O(Policy):
     come out of the heavy share."""
 
     name: ClassVar[str] = "h2o"
+    by_score: ClassVar[bool] = True
     heavy_ratio: float = 0.5
     sinks: int = 0
 
@@ -129,32 +86,32 @@ class H2O(Policy):
             raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget is None:
             raise ConfigError("the h2o policy needs a budget (use --policy full for no eviction)")
-        if self.sinks > self.heavy:
+        if self.sinks > self.older:
             raise ConfigError(
-                f"budget {self.budget} with heavy_ratio {self.heavy_ratio} leaves {self.heavy} heavy slots, "
-                f"fewer than the {self.sinks} sink tokens; raise the budget or the heavy ratio"
+                f"budget {self.budget} with heavy_ratio {self.heavy_ratio} leaves {self.older} slots for older "
+                f"tokens, fewer than the {self.sinks} sink tokens; raise the budget or the heavy ratio"
             )
 
     @property
-    def heavy(self) -> int:
-        # at least one recent slot: the newest token is always kept (its query is attending right now)
+    def older(self) -> int:
+        """Slots for tokens outside the recent window: sinks plus heavy hitters. At least one slot is recent:
+        the newest token is always kept (its query is attending right now)."""
         return min(round(self.budget * self.heavy_ratio), self.budget - 1)
 
     @property
     def recent(self) -> int:
-        return self.budget - self.heavy
+        return self.budget - self.older
+
+    @property
+    def protected_recent(self) -> int:
+        return self.recent
+
+    @property
+    def protected_sinks(self) -> int:
+        return self.sinks
 
     def split(self) -> dict[str, int]:
-        return {"sink": self.sinks, "heavy": self.heavy - self.sinks, "recent": self.recent}
-
-    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return acc
-
-    def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        prot = _recent_window(pos, newest, self.recent)
-        if self.sinks:
-            prot = prot | ((pos >= 0) & (pos < self.sinks))
-        return prot
+        return {"sink": self.sinks, "heavy": self.older - self.sinks, "recent": self.recent}
 
 
 @dataclass(frozen=True)
@@ -162,9 +119,6 @@ class Recent(Policy):
     """A local window: keep the `budget` newest tokens."""
 
     name: ClassVar[str] = "recent"
-
-    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return pos.float()
 
 
 @dataclass(frozen=True)
@@ -179,14 +133,12 @@ class Sink(Policy):
         if self.budget is None or self.budget <= self.sinks:
             raise ConfigError(f"the sink policy needs a budget above its {self.sinks} sink tokens, got {self.budget}")
 
+    @property
+    def protected_sinks(self) -> int:
+        return self.sinks
+
     def split(self) -> dict[str, int]:
         return {"sink": self.sinks, "recent": self.budget - self.sinks}
-
-    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return pos.float()
-
-    def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        return (pos >= 0) & (pos < self.sinks)
 
 
 @dataclass(frozen=True)
@@ -206,15 +158,12 @@ class Full(Policy):
     def capacity(self) -> int | None:
         return None
 
-    def rank(self, acc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # never asked to evict
-        return pos.float()
-
 
 @dataclass(frozen=True)
 class Snap(H2O):
     """Question-aware prompts, then H2O: a prompt that overflows the budget is compressed by the attention of
     its last `window` queries (pooled over `kernel` neighbouring positions, as SnapKV does), so the tokens a
-    final question needs survive; generation then evicts like h2o. See h2o_chat/snap.py."""
+    final question needs survive; generation then evicts like h2o. See h2o_chat/engine/snap.py."""
 
     name: ClassVar[str] = "snap"
     window: int = 16  # defaults from the needle runs (see the README); make_policy caps it at budget // 4
@@ -222,17 +171,79 @@ class Snap(H2O):
     compresses_prompts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.budget, int) and self.budget == 1:
+            raise ConfigError("snap needs a budget of at least 2 (its query window plus one token)")
         super().__post_init__()
         if not 1 <= self.window < self.budget:
-            hint = "; snap needs a budget of at least 2" if self.budget < 2 else ""
-            raise ConfigError(
-                f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}{hint}"
-            )
+            raise ConfigError(f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ConfigError(f"the snap pooling kernel must be a positive odd number, got {self.kernel}")
 
     def describe(self) -> str:
         return f"{super().describe()}; prompts kept by their last {self.window} queries"
+
+
+@dataclass
+class Rules:
+    """Every batch row's policy as tensors on the device (rows may differ: evaluations compare policies and
+    budgets as rows of one batch). `priority` is the keep-priority of slots for all layers at once."""
+
+    by_score: torch.Tensor  # (B,) bool: rank by accumulated attention; else by position
+    recent: torch.Tensor  # (B,) long: the newest positions kept
+    sinks: torch.Tensor  # (B,) long: the first positions kept
+    limit: torch.Tensor  # (B,) long: slots a row may fill (its budget; the storage's capacity for full)
+    # host facts that let the common cases skip work
+    uniform: bool = True  # every row has the same rule and limit
+    all_by_score: bool = True
+    any_protected_sinks: bool = False
+
+    @classmethod
+    def of(cls, policies: Sequence[Policy], capacity: int, device) -> Rules:
+        """One policy per row; `capacity` is the storage's slots (full rows may fill all of them)."""
+        import torch
+
+        def column(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        limits = [p.capacity or capacity for p in policies]
+        return cls(
+            by_score=column([p.by_score for p in policies], torch.bool),
+            recent=column([p.protected_recent for p in policies]),
+            sinks=column([p.protected_sinks for p in policies]),
+            limit=column(limits),
+            uniform=len(set(policies)) == 1 and len(set(limits)) == 1,
+            all_by_score=all(p.by_score for p in policies),
+            any_protected_sinks=any(p.protected_sinks for p in policies),
+        )
+
+    def rows(self, index: torch.Tensor) -> Rules:
+        pick = [t.index_select(0, index) for t in (self.by_score, self.recent, self.sinks, self.limit)]
+        return Rules(*pick, self.uniform, self.all_by_score, self.any_protected_sinks)
+
+    def priority(
+        self, score: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor, stored: int | None = None
+    ) -> torch.Tensor:
+        """Keep-priority of each candidate, (..., B, H, N) from fp32 scores and positions of that shape and the
+        newest position of each row (B,): +inf protected, -inf empty or padding. The first `stored` candidates
+        (default: all) are storage slots: those beyond a row's limit are +inf too (never filled, never lost);
+        the rest are new tokens."""
+        import torch
+
+        def row(t: torch.Tensor) -> torch.Tensor:  # (B,) -> broadcastable over (..., B, H, N)
+            return t[:, None, None]
+
+        rank = score if self.all_by_score else torch.where(row(self.by_score), score, pos.float())
+        keep = pos > row(newest - self.recent)
+        if self.any_protected_sinks:
+            keep |= (pos >= 0) & (pos < row(self.sinks))
+        prio = rank.masked_fill(keep, INF).masked_fill(pos < 0, -INF)
+        if not self.uniform:  # slots beyond a row's budget are never filled: they never lose either
+            slot = torch.arange(pos.shape[-1], device=pos.device)
+            beyond = slot >= row(self.limit)
+            if stored is not None:
+                beyond &= slot < stored
+            prio = prio.masked_fill(beyond, INF)
+        return prio
 
 
 def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -245,14 +256,6 @@ def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
     shape = logits.shape
     flat = logits.reshape(-1, 1, shape[-1])
     return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
-
-
-def observation_mass(obs: torch.Tensor, lse: torch.Tensor, query_ok: torch.Tensor) -> torch.Tensor:
-    """Softmax mass from the observation queries: obs (B, H, N, Q) pooled logits, lse (B, H, Q) the
-    log-sum-exp of each query over every key seen, query_ok (B, Q) the real (non-padding) queries
-    -> (B, H, N), summed over real queries (a padding query sees nothing: its lse is -inf)."""
-    mass = (obs - lse[:, :, None, :]).exp()
-    return mass.masked_fill(~query_ok[:, None, None, :], 0.0).sum(-1)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap)}

@@ -1,14 +1,13 @@
-"""Rotary position embedding applied by the cache, for `--positions rolling`.
+"""The model's rotary embedding, re-applied by the cache when it renumbers positions.
 
-In rolling mode the model's own rotary embedding is made the identity (the attention hook hands it cos = 1,
-sin = 0), so the cache receives un-rotated queries and keys. The cache then rotates them by their rank among
-the tokens it holds (StreamingLLM's "positions within the cache"): however long generation runs, positions
-stay below budget + chunk, inside the trained context. Same convention as transformers' `rotate_half` (LLaMA,
-Mistral, Qwen2, GPT-NeoX with partial rotary dims).
+Keys are stored as the model rotated them. Renumbering a held token from the position its key was rotated at
+to a new one rotates the key by the difference (rotations compose: R(a) R(b) = R(a + b)), in fp32. Same
+convention as transformers' `rotate_half` (LLaMA, Mistral, Qwen2, GPT-NeoX with partial rotary dims).
 
 Only rotary embeddings the cache can reproduce exactly are accepted: one per model, with fixed inverse
-frequencies ("default", "linear", "llama3", "yarn" with its cos/sin scale; "dynamic" below its original
-length). Anything else (two embeddings as in Gemma-3, "longrope") is refused with the reason.
+frequencies ("default", "linear", "llama3", "yarn" -- its cos/sin scale multiplies both positions alike and
+cancels in a difference -- and "dynamic" below its original length, where renumbering keeps it). Anything else
+(two embeddings as in Gemma-3, "longrope") is refused with the reason.
 """
 
 from __future__ import annotations
@@ -29,13 +28,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rope:
-    """Rotations by integer positions, from the model's inverse frequencies."""
+    """Rotations by integer position differences, from the model's inverse frequencies."""
 
     def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
         self.inv_freq = inv_freq.detach().float()  # (dims/2,)
-        self.scale = float(scale)  # yarn multiplies cos and sin by an attention factor
+        self.scale = float(scale)  # yarn multiplies cos and sin by an attention factor (not re-applied here)
         self.dims = 2 * self.inv_freq.numel()  # rotated head dims (the rest pass through: partial rotary)
-        self._cos = self._sin = None  # table for small positions: rolling ranks stay below budget + chunk
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Rope | None:
@@ -65,32 +63,17 @@ class Rope:
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # (..., dims/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scale, emb.sin() * self.scale
+        return emb.cos(), emb.sin()
 
-    def prepare(self, upto: int, device: torch.device) -> None:
-        """Build the table for positions < upto ahead of time (a captured decode step must not grow it)."""
-        self._table(upto, device)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (..., N, D) rotated as the model rotates at integer positions (..., N), its scale included."""
+        cos, sin = self._angles(positions)
+        return self._apply(x, cos * self.scale, sin * self.scale)
 
-    def _table(self, upto: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.shape[0] < upto or self._cos.device != device:
-            size = max(upto, 2 * (self._cos.shape[0] if self._cos is not None else 512))
-            self._cos, self._sin = self._angles(torch.arange(size, device=device))
-        return self._cos, self._sin
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, small: int | None = None) -> torch.Tensor:
-        """x (..., N, D) rotated by integer positions (..., N). `small` (an upper bound on the positions)
-        lets rolling ranks use a precomputed table instead of trigonometry each step."""
-        if small is not None:
-            cos, sin = self._table(small, x.device)
-            cos, sin = cos[positions], sin[positions]  # (..., N, dims)
-        else:
-            cos, sin = self._angles(positions)
-        return self._apply(x, cos, sin)
-
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Undo the model's rotation of x at `positions`: the inverse of scale * R(p) is R(-p) / scale."""
-        cos, sin = self._angles(-positions)
-        return self._apply(x, cos / self.scale**2, sin / self.scale**2)
+    def rotate_by(self, x: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+        """x (..., N, D), already rotated, moved by `change` (..., N) positions; computed in fp32."""
+        cos, sin = self._angles(change)
+        return self._apply(x.float(), cos, sin).to(x.dtype)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

@@ -1,14 +1,20 @@
 """The cache's storage and its snapshots: `Slots` holds every layer's slots, allocated once; `CacheStats` is
 what the panel, batch records and benchmarks are given.
 
-Shapes: keys/values (L, B, H, S, D); pos (L, B, H, S) long, -1 = empty or padding; score (L, B, H, S) fp32;
-seen (B,) real tokens per row. S = capacity + 1: the last slot is the spare a decode step writes into.
+Shapes: keys/values (L, B, H, S, D); pos (L, B, H, S) long, the token's true position, -1 = empty; rot (L, B, H, S)
+long, the position its key was rotated at (equal to pos until positions are renumbered, see `cache.py`); score
+(L, B, H, S) fp32; seen (B,) real tokens per row (a row's evictions are seen - held);
+next_rot (B,) the position the next token is rotated at.
+S = capacity + 1: the last slot is the spare a decode step writes into (and where a chunk's losers go).
+
+Layout: a row's held tokens fill slots [0, held) in every layer and head (`evict` keeps it so), so whether a
+slot holds a token depends on the row only: `valid()` is one (B, S) mask for every layer and head.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,19 +32,16 @@ class Slots:
 
     keys: torch.Tensor  # (L, B, H, S, D)
     values: torch.Tensor  # (L, B, H, S, Dv)
-    pos: torch.Tensor  # (L, B, H, S) long, -1 = empty or padding
+    pos: torch.Tensor  # (L, B, H, S) long, -1 = empty
+    rot: torch.Tensor  # (L, B, H, S) long: the position each key was rotated at
     score: torch.Tensor  # (L, B, H, S) fp32
     seen: torch.Tensor  # (B,) real tokens per row
-    evicted: torch.Tensor  # () real tokens evicted, all layers, rows and heads
-    valid: torch.Tensor | None = None  # decode step: pos >= 0, (L, B, H, S)
-    rank: torch.Tensor | None = None  # decode step with rolling positions: rank among held tokens
+    next_rot: torch.Tensor  # (B,) the position the next token's key is rotated at
+    extra: list[torch.Tensor] = field(default_factory=list)  # side buffers moved with the slots (snap's)
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3] - 1
-
-    @property
-    def spare(self) -> int:
+        """Slots that hold tokens between forwards; also the index of the spare slot, which comes after them."""
         return self.keys.shape[3] - 1
 
     @property
@@ -53,10 +56,27 @@ class Slots:
             keys=key.new_zeros(L, B, H, S, D),
             values=value.new_zeros(L, B, H, S, value.shape[-1]),
             pos=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
+            rot=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
             score=torch.zeros(L, B, H, S, dtype=torch.float32, device=dev),
             seen=torch.zeros(B, dtype=torch.long, device=dev),
-            evicted=torch.zeros((), dtype=torch.long, device=dev),
+            next_rot=torch.zeros(B, dtype=torch.long, device=dev),
         )
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The per-slot tensors that move together when a token changes slot."""
+        return [self.keys, self.values, self.pos, self.rot, self.score, *self.extra]
+
+    def valid(self) -> torch.Tensor:
+        """(B, S) bool: slots holding a token, the same in every layer and head (see the module's layout)."""
+        return self.pos[0, :, 0] >= 0
+
+    def held(self) -> torch.Tensor:
+        """(B,) tokens held per row (per layer and head)."""
+        return self.valid()[:, : self.capacity].sum(-1)
+
+    def clear_spare(self) -> None:
+        self.pos[..., self.capacity] = -1
+        self.score[..., self.capacity] = 0
 
     def moved(self, keep: torch.Tensor, capacity: int) -> Slots:
         """New storage of `capacity` (+ spare) slots holding the slots `keep` (L, B, H, k) first, in order."""
@@ -68,18 +88,31 @@ class Slots:
             return out
 
         return Slots(
-            move(self.keys, 0), move(self.values, 0), move(self.pos, -1), move(self.score, 0), self.seen, self.evicted
-        )
+            move(self.keys, 0), move(self.values, 0), move(self.pos, -1), move(self.rot, -1), move(self.score, 0),
+            self.seen, self.next_rot,
+        )  # fmt: skip
 
     def mark_static(self) -> None:
-        """Fixed addresses for torch.compile: a compiled step writes into these in place."""
-        for t in (self.keys, self.values, self.pos, self.score, self.seen, self.evicted):
+        """Fixed addresses for a captured step, which writes into these in place."""
+        for t in (self.keys, self.values, self.pos, self.rot, self.score, self.seen, self.next_rot):
             torch._dynamo.mark_static_address(t)
 
     def rows(self, index: torch.Tensor) -> Slots:
         index = index.to(self.seen.device)
-        pick = [t.index_select(1, index) for t in (self.keys, self.values, self.pos, self.score)]
-        return Slots(*pick, self.seen.index_select(0, index), self.evicted)
+        pick = [t.index_select(1, index) for t in (self.keys, self.values, self.pos, self.rot, self.score)]
+        return Slots(*pick, self.seen.index_select(0, index), self.next_rot.index_select(0, index))
+
+    def copy(self, device: torch.device | str | None = None) -> Slots:
+        """An independent copy (on `device`, e.g. the host, or where it is)."""
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"]
+        return Slots(*[t.to(device, copy=True) if device else t.clone() for t in fields])
+
+    def load(self, other: Slots) -> None:
+        """Overwrite this storage in place (same shapes) with `other`'s contents: addresses stay, so a captured
+        decode step stays valid."""
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                getattr(self, f.name).copy_(getattr(other, f.name))
 
 
 @dataclass(frozen=True)
@@ -100,16 +133,12 @@ class CacheStats:
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute (trained 8192)"
 
-    @property
-    def kv_ratio(self) -> float:
-        return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
-
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
 
     @classmethod
     def combine(cls, parts: list[CacheStats]) -> CacheStats:
-        """Several caches side by side (the groups of a GroupedCache) as one."""
+        """Several snapshots side by side (the policy groups of one cache) as one."""
         first = parts[0]
         return cls(
             policy=" | ".join(dict.fromkeys(p.policy for p in parts)),

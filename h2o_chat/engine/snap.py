@@ -11,13 +11,15 @@ needs the whole prompt's keys at once; here it runs in two chunked passes:
    those observation queries: logits max-pooled over `kernel` neighbouring positions so a selected token keeps
    its neighbours, normalised by a running log-sum-exp over every key seen, so each query spreads one unit of
    mass as in SnapKV. Eviction during the prompt keeps the highest mass; the window and sinks are protected.
-   The observation logits live beside the slots: (B, H, slots, G*window) floats per layer.
+   The observation logits live beside the slots (an extra per-slot buffer, (L, B, H, S, G*window) floats) and
+   move with them. The attention mass is not tracked in this pass for rows being compressed: their H2O
+   scores start from the observation mass when the prompt ends.
 
-Rows of a batch are independent: a row is compressed only if its own tokens overflow the budget (left padding
-never counts), and padding queries of a short row take no part in the observation. After the prompt, each held
-token's H2O score in a compressed row starts at its observation mass, and generation goes on with plain H2O
-eviction. The probe's queries come from a compressed context, so they approximate the queries the full prompt
-would give; the cost is a second prefill of the prompt.
+Rows of a batch are independent: a row is compressed only if its own tokens overflow its budget (left padding
+never counts), and padding queries of a short row take no part in the observation. Scoring happens in the
+true-position frame: after positions were renumbered (past the trained context), keys and queries are rotated
+back to their true positions first. The probe's queries come from a compressed context, so they approximate the
+queries the full prompt would give; the cost is a second prefill of the prompt.
 """
 
 from __future__ import annotations
@@ -27,150 +29,163 @@ from collections.abc import Callable
 
 import torch
 
-from h2o_chat.engine.policies import Snap, observation_mass, pool_logits
+from h2o_chat.engine.policies import INF, Snap, pool_logits
+
+
+def _true_frame(cache, x: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Keys or queries (..., N, D) rotated at `rot`, moved to their true positions `pos` (..., N)."""
+    if not cache.renumbered:
+        return x
+    return cache.rope.rotate_by(x, torch.where(pos >= 0, pos - rot, 0))
 
 
 class Probe:
-    """Pass 1, per layer: the prompt's last `window` scaled queries in the true-position frame, (B, Hq, W, D),
-    and their absolute positions (B, W); -1 for padding."""
+    """Pass 1: per layer, the prompt's last `window` scaled queries in the true-position frame, (B, Hq, W, D),
+    and their positions (B, W); -1 for padding. Captures only in the chunks that can hold those columns."""
 
-    def __init__(self, window: int):
-        self.window = window
-        self.q: torch.Tensor | None = None
+    def __init__(self, cache, window: int, last_column: int):
+        self.cache, self.window, self.last_column = cache, window, last_column
+        self.q: list[torch.Tensor | None] = [None] * len(cache.layers)
         self.pos: torch.Tensor | None = None
 
-    def capture(self, layer, query: torch.Tensor, pos_new: torch.Tensor, scaling: float) -> None:
-        q = query * scaling  # (B, Hq, T, D)
-        if layer.rolling:  # raw queries: rotate to their true positions, like stored absolute keys
-            q = layer.cache.rope.rotate(q, pos_new.clamp(min=0)[:, None, :].expand(*q.shape[:3]))
-        q = q if self.q is None else torch.cat((self.q, q), dim=2)
-        pos = pos_new if self.pos is None else torch.cat((self.pos, pos_new), dim=1)
-        self.q, self.pos = q[:, :, -self.window :].clone(), pos[:, -self.window :].clone()
+    def capture(self, i: int, q: torch.Tensor, rot_new: torch.Tensor, pos_new: torch.Tensor) -> None:
+        if self.cache.columns <= self.last_column - self.window:  # this chunk ends before the window starts
+            return
+        q = _true_frame(self.cache, q, pos_new[:, None, :], rot_new[:, None, :])
+        if self.q[i] is not None:
+            q = torch.cat((self.q[i], q), dim=2)
+        self.q[i] = q[:, :, -self.window :].clone()
+        if i == 0:
+            pos = pos_new if self.pos is None else torch.cat((self.pos, pos_new), dim=1)
+            self.pos = pos[:, -self.window :].clone()
 
 
 class Observation:
-    """Pass 2, per layer: scores held and new tokens by the probe's queries; lives until the prompt ends."""
+    """Pass 2: scores held and new tokens by the probe's queries; lives until the prompt ends.
 
-    def __init__(self, probe: Probe, policy: Snap, rows: torch.Tensor):
-        self.probe, self.policy = probe, policy
-        self.rows = rows  # (B,) bool: the rows whose prompt overflows the budget (the others stay plain h2o)
-        self.obs: torch.Tensor | None = None  # (B, H, S, Q) pooled logits per slot
-        self.lse: torch.Tensor | None = None  # (B, H, Q) log-sum-exp over every prompt key seen
-        self._new: torch.Tensor | None = None
+    `rows` (B,) bool: the rows whose prompt overflows the budget (the others stay plain h2o); `windows` (B,):
+    each row's observation window (rows of an evaluation may differ)."""
 
-    def _logits(self, layer, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, D) keys at positions pos -> (B, H, Q, N) fp32 logits; empty or padding slots, and keys
-        after the observing query (causal, as its real attention), -inf. Rolling layers store raw keys: they
-        are rotated to their true positions, the frame of the probe's queries."""
-        if layer.rolling:
-            keys = layer.cache.rope.rotate(keys, pos.clamp(min=0))
-        logits = (self.q @ keys.transpose(-1, -2)).float()
+    def __init__(self, probe: Probe, cache, rows: torch.Tensor, windows: torch.Tensor, kernel: int, track_mass: bool):
+        self.cache, self.rows, self.kernel = cache, rows, kernel
+        self.all_rows = bool(rows.all())  # host-known once per prompt
+        self.track_mass = track_mass  # rows left to plain h2o still need their attention mass in this pass
+        self.probe, self.windows = probe, windows
+        self.q: list[torch.Tensor] = []
+        self.new_obs: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def _start(self) -> None:
+        """At the first chunk of pass 2 (storage exists from its first update): queries grouped as in attention,
+        and the tokens held from earlier turns scored too (their logits unpooled), with the log-sum-exp so far."""
+        s, probe = self.cache.slots, self.probe
+        L, B, H = s.keys.shape[:3]
+        W = probe.q[0].shape[2]  # the window, or the whole prompt when it is shorter
+        G = probe.q[0].shape[1] // H
+        self.q = [q.reshape(B, H, G * W, -1).to(s.keys.dtype) for q in probe.q]
+        self.q_pos = probe.pos.repeat(1, G)  # (B, G*W): query rows ordered (group head, window step)
+        in_window = torch.arange(W, device=self.rows.device) >= W - self.windows[:, None]  # (B, W): a row's own
+        self.q_ok = ((probe.pos >= 0) & in_window).repeat(1, G)  # padding queries of a short row observe nothing
+        self.protect_from = probe.pos.max(-1).values - self.windows + 1  # (B,): the window itself is kept
+        held = torch.stack([self._logits(i, s.keys[i], s.pos[i], s.rot[i]) for i in range(L)])  # (L, B, H, Q, S)
+        self.lse = held.logsumexp(-1)  # (L, B, H, Q)
+        s.extra = [held.transpose(-1, -2).contiguous()]  # (L, B, H, S, Q), moved with the slots
+
+    def _logits(self, i: int, keys: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, D) keys of layer i -> (B, H, Q, N) fp32 logits; empty slots, padding and keys after the
+        observing query (causal, as its real attention) are -inf."""
+        keys = _true_frame(self.cache, keys, pos, rot)
+        logits = (self.q[i] @ keys.transpose(-1, -2)).float()
         hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > self.q_pos[:, None, :, None])
         return logits.masked_fill(hidden, -torch.inf)
 
-    def _start(self, layer) -> None:
-        B, Hq, W, D = self.probe.q.shape
-        H = layer.num_heads
-        self.q = self.probe.q.reshape(B, H, (Hq // H) * W, D).to(layer.dtype)  # groups as in attention
-        self.q_pos = self.probe.pos.repeat(1, Hq // H)  # (B, G*W): rows ordered (group head, window step)
-        self.q_ok = self.q_pos >= 0  # padding queries of a row shorter than the window observe nothing
-        self.protect_from = self.probe.pos.max(-1).values - W + 1  # (B,): the window itself is kept
-        held = self._logits(layer, layer.keys, layer.pos)  # tokens held from earlier turns compete too
-        self.obs = held.transpose(-1, -2).contiguous()  # (B, H, S, Q)
-        self.lse = held.logsumexp(-1)
+    def score_chunk(self, i: int, key: torch.Tensor, fwd) -> None:
+        """Layer i's chunk keys (B, H, T, D): pooled observation logits into `new_obs`, the log-sum-exp updated."""
+        if self.lse is None:
+            self._start()
+        B, H, T, _ = key.shape
+        if i == 0:
+            self.new_obs = torch.empty(len(self.q), B, H, T, self.q[0].shape[2], device=key.device)
+        pos = fwd.pos_new[:, None, :].expand(B, H, T)
+        rot = fwd.rot_new[:, None, :].expand(B, H, T)
+        logits = self._logits(i, key, pos, rot)  # (B, H, Q, T)
+        self.lse[i] = torch.logaddexp(self.lse[i], logits.logsumexp(-1))
+        self.new_obs[i] = pool_logits(logits, self.kernel).transpose(-1, -2)
 
     def _mass(self, obs: torch.Tensor) -> torch.Tensor:
-        return observation_mass(obs, self.lse, self.q_ok)
+        """(L, B, H, N, Q) logits -> (L, B, H, N) softmax mass summed over each row's real window queries."""
+        mass = (obs - self.lse[:, :, :, None, :]).exp()
+        return mass.masked_fill(~self.q_ok[None, :, None, None, :], 0.0).sum(-1)
 
-    def score_new(self, layer, k_new: torch.Tensor, pos_new: torch.Tensor) -> torch.Tensor:
-        """Observation logits of a chunk, (B, H, T, Q), pooled over neighbours; updates the log-sum-exp."""
-        if self.obs is None:
-            self._start(layer)
-        logits = self._logits(layer, k_new, pos_new)  # (B, H, Q, T)
-        self.lse = torch.logaddexp(self.lse, logits.logsumexp(-1))
-        self._new = pool_logits(logits, self.policy.kernel).transpose(-1, -2)
-        return self._new
+    def priority(self, cache, new) -> torch.Tensor:
+        """Keep-priority of held slots then new tokens, (L, B, H, C + T): observation mass in observed rows (the
+        window and sinks kept), the rules' priority elsewhere."""
+        s = cache.slots
+        C, (L, B, H, T) = s.capacity, new.score.shape
+        pos = torch.cat((s.pos[..., :C], new.pos[None, :, None, :].expand(L, B, H, T)), dim=-1)
+        mass = self._mass(torch.cat((s.extra[0][..., :C, :], self.new_obs), dim=3))
+        keep = pos >= self.protect_from[:, None, None]
+        if cache.rules.any_protected_sinks:
+            keep |= (pos >= 0) & (pos < cache.rules.sinks[:, None, None])
+        observed = mass.masked_fill(keep, INF).masked_fill(pos < 0, -INF)
+        if self.all_rows:
+            return observed
+        newest = new.pos.max(-1).values.clamp(min=0).maximum(s.seen - 1)
+        plain = cache.rules.priority(torch.cat((s.score[..., :C], new.score), dim=-1), pos, newest, stored=C)
+        return torch.where(self.rows[:, None, None], observed, plain)
 
-    def priority(self, layer, pos_new: torch.Tensor) -> torch.Tensor:
-        """Keep-priority of held slots (spare excluded) then new tokens, (B, H, C+T): observation mass, window
-        and sinks kept."""
-        C = layer.capacity
-        mass = self._mass(torch.cat((self.obs[:, :, :C], self._new), dim=2))
-        pos = torch.cat((layer.pos[:, :, :C], pos_new), dim=-1)
-        keep = pos >= self.protect_from.view(-1, 1, 1)
-        if self.policy.sinks:
-            keep |= (pos >= 0) & (pos < self.policy.sinks)
-        return mass.masked_fill(keep, torch.inf).masked_fill(pos < 0, -torch.inf)
-
-    def finish(self, layer) -> None:
+    def finish(self) -> None:
         """Hand over to H2O: in compressed rows each held token's score starts at its observation mass."""
-        if self.obs is not None:
-            mass = self._mass(self.obs).masked_fill(layer.pos < 0, 0.0)
-            layer.score.copy_(torch.where(self.rows[:, None, None], mass, layer.score))
-        layer.observation = None
+        s = self.cache.slots
+        if self.lse is None:  # pass 2 never began (interrupted)
+            return
+        mass = self._mass(s.extra[0]).masked_fill(s.pos < 0, 0.0)
+        s.score.copy_(torch.where(self.rows[:, None, None], mass, s.score))
+        s.extra = []
 
 
-def h2o_layers(cache) -> list:
-    """Every H2OLayer of a cache, in a fixed order (a GroupedCache's layers come group by group)."""
-    groups = getattr(cache, "groups", [cache])
-    return [layer for g in groups for layer in g.layers]
-
-
-def compresses(cache) -> bool:
-    return any(g.policy.compresses_prompts for g in getattr(cache, "groups", [cache]))
-
-
-def _overflowing_rows(layer, real: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: rows whose held tokens plus their real prompt tokens exceed the budget."""
-    held = (layer.pos >= 0).sum(-1).max(-1).values if layer.is_initialized else torch.zeros_like(real)
-    return held.to(real.device) + real > layer.policy.budget
+def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows following a policy that compresses prompts whose held plus real prompt tokens exceed
+    their budget."""
+    B = real.shape[0]
+    held = cache.slots.held() if cache.slots is not None else torch.zeros_like(real)
+    compress, budgets = [], []
+    groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or B)]
+    for g in groups:
+        compress.append(g.policy.compresses_prompts)
+        budgets.append(g.policy.budget or 0)
+    compress = torch.tensor(compress, device=real.device)
+    budgets = torch.tensor(budgets, device=real.device)
+    return compress & (held.to(real.device) + real > budgets)
 
 
 @torch.inference_mode()
-def compress_prompt(
-    model,
-    cache,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    prefill: Callable[[object, int], torch.Tensor],
-) -> torch.Tensor:
-    """Prefill a prompt with question-aware selection in the layers whose policy compresses prompts, for the rows
-    whose own tokens overflow the budget; returns the last logits. `prefill(cache, passes)` is the plain chunked
-    prefill of this prompt into a cache (the probe's copy or the real one); `passes` says how many times the
-    prompt will be read in all (for progress)."""
-    layers = h2o_layers(cache)
-    groups = getattr(cache, "groups", [cache])
-    row_groups = getattr(cache, "rows", [input_ids.shape[0]])
-    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    real = mask.sum(-1)  # (B,) real tokens per row
-    per_layer = len(layers) // len(groups)
-
-    overflow: dict[int, torch.Tensor] = {}
-    start = 0
-    for g, (group, n) in enumerate(zip(groups, row_groups, strict=True)):
-        if group.policy.compresses_prompts:
-            rows = _overflowing_rows(group.layers[0], real[start : start + n])
-            if bool(rows.any()):  # one host sync per prompt
-                for i in range(per_layer):
-                    overflow[g * per_layer + i] = rows
-        start += n
-    if not overflow:  # it all fits: nothing to choose
+def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Prefill a prompt with question-aware selection for the rows whose policy compresses prompts and whose
+    own tokens overflow the budget; returns the last logits. `mask` (B, L) marks the prompt's real tokens;
+    `prefill(cache, passes)` is the plain chunked prefill of this prompt into a cache (the probe's copy or the
+    real one), `passes` how many times the prompt is read in all (for progress)."""
+    rows = _overflowing_rows(cache, mask.sum(-1))
+    if not bool(rows.any()):  # it all fits: nothing to choose (one host sync per prompt)
         return prefill(cache, 1)
+    groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or mask.shape[0])]
+    snaps = [g.policy for g in groups if isinstance(g.policy, Snap)]
+    kernels = {p.kernel for p in snaps}
+    if len(kernels) > 1:
+        raise ValueError("rows of one batch compress prompts with one pooling kernel")
+    windows = torch.tensor([g.policy.window if isinstance(g.policy, Snap) else 1 for g in groups], device=mask.device)
+    window = int(windows.max())
 
     probe_cache = copy.deepcopy(cache)
-    probe_layers = h2o_layers(probe_cache)
-    probes = {i: Probe(layers[i].policy.window) for i in overflow}
-    for i, probe in probes.items():
-        probe_layers[i].probe = probe
+    probe_cache.probe = Probe(probe_cache, window, cache.columns + mask.shape[1])
     prefill(probe_cache, 2)
-    del probe_cache, probe_layers
+    probe = probe_cache.probe
+    del probe_cache
 
-    for i, probe in probes.items():
-        layers[i].observation = Observation(probe, layers[i].policy, overflow[i])
+    plain = [not r and g.policy.by_score for g, r in zip(groups, rows.tolist(), strict=True)]
+    cache.observation = Observation(probe, cache, rows, windows, kernels.pop(), track_mass=any(plain))
     try:
-        logits = prefill(cache, 2)
+        return prefill(cache, 2)
     finally:
-        for i in overflow:
-            if layers[i].observation is not None:
-                layers[i].observation.finish(layers[i])
-    return logits
+        cache.observation.finish()
+        cache.observation = None

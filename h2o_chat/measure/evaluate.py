@@ -1,8 +1,9 @@
 """Quality evaluation: what a cache budget costs, measured through the same cache and decode steps as the chat.
 
 - perplexity: teacher-forced, token by token (the text's first token is the only prefill, then one
-  engine decode step per token), every (policy, budget) as a row of one `GroupedCache`: decoding cost is dominated
-  by reading the weights, so all configurations read the text together for little more than one.
+  engine decode step per token), every (policy, budget) as a row of one `H2OCache` (rows follow their own
+  policies): decoding cost is dominated by reading the weights, so all configurations read the text together
+  for little more than one.
 - needle: a 4-digit code hidden at several depths of a long text and asked for at the end (exact match).
 - agreement: ROUGE-L F1 (LCS over token ids) of each configuration's greedy continuation against the full
   cache's.
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
-from h2o_chat.engine.grouped import GroupedCache
 from h2o_chat.engine.policies import Policy, make_policy
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.files import read_user_text
@@ -116,11 +117,12 @@ def make_eval_cache(
     rows: Sequence[int] | None = None,
     positions: str | Sequence[str] = "absolute",
     context: int | None = None,
-) -> GroupedCache:
+) -> H2OCache:
     """The one place evaluation caches are built: policy g serves `rows[g]` consecutive batch rows (default 1),
     numbering tokens by `positions` (one mode for all, or one per policy)."""
     modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
-    return GroupedCache.for_model(model, list(policies), list(rows) if rows else None, modes, context)
+    rows = list(rows) if rows else [1] * len(policies)
+    return H2OCache.for_model(model, list(policies), modes, context, rows)
 
 
 # -- texts and prompts ---------------------------------------------------------------------------------------
@@ -193,11 +195,11 @@ def streaming_nll(
     policies: Sequence[Policy],
     positions: str | Sequence[str] = "absolute",
     progress: Progress = None,
-    on_step: Callable[[int, GroupedCache], None] | None = None,
+    on_step: Callable[[int, H2OCache], None] | None = None,
     prompt_tokens: int = 1,
     context: int | None = None,
     decode: str = "auto",
-) -> tuple[torch.Tensor, GroupedCache]:
+) -> tuple[torch.Tensor, H2OCache]:
     """Teacher-force ids (1, N) through one cache row per policy. The first `prompt_tokens` are one prefill (a
     prompt: chunked, and compressed by policies that compress prompts), then one decode step per token.
     Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache)` runs after

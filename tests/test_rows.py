@@ -1,11 +1,11 @@
-"""Several policies as rows of one batch give exactly what each gives alone."""
+"""Several policies as rows of one cache (evaluations compare them side by side) give exactly what each
+gives alone."""
 
 import torch
 
 from conftest import tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine
-from h2o_chat.engine.grouped import GroupedCache
 from h2o_chat.engine.policies import make_policy
 
 
@@ -18,12 +18,12 @@ def teacher_force(model, cache, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def test_grouped_rows_equal_separate_runs():
+def test_rows_with_their_own_policies_equal_separate_runs():
     model = tiny_model("llama", seed=7)
     policies = [make_policy("h2o", 12), make_policy("sink", 12), make_policy("recent", 8), make_policy("full")]
     ids = torch.randint(0, 256, (1, 50))
-    grouped = GroupedCache.for_model(model, policies)
-    together = teacher_force(model, grouped, ids.expand(len(policies), -1))
+    together_cache = H2OCache.for_model(model, policies, rows=[1] * len(policies))
+    together = teacher_force(model, together_cache, ids.expand(len(policies), -1))
     for row, policy in enumerate(policies):
         alone = teacher_force(model, H2OCache.for_model(model, policy), ids)
         # rows of one batch and a batch of one go through different matmul shapes: compare at the dtype's
@@ -31,7 +31,7 @@ def test_grouped_rows_equal_separate_runs():
         scale = alone.abs().max()
         tol = 64 * torch.finfo(alone.dtype).eps * float(scale)
         torch.testing.assert_close(together[row], alone[0], atol=tol, rtol=0)
-    stats = grouped.group_stats()
+    stats = together_cache.group_stats()
     assert [s.kept for s in stats] == [12, 12, 8, 50] and [s.policy for s in stats] == ["h2o", "sink", "recent", "full"]
-    whole = grouped.stats()  # the groups as one CacheStats: memory adds up
+    whole = together_cache.stats()  # the whole cache: memory adds up
     assert whole.kv_bytes == sum(s.kv_bytes for s in stats) and whole.seen == 50

@@ -1,0 +1,105 @@
+"""Eviction, in one place: which slots lose and how the survivors move, for every layer at once.
+
+- `step`: a decode step wrote its token into each layer's spare slot; per (layer, row, KV head) the slot with
+  the lowest keep-priority (an empty one first, so a filling cache appends) takes it. One argmin and one
+  scatter per buffer.
+- `chunk`: a prompt chunk of T tokens was attended with the stored slots; per (layer, row, head) the T
+  lowest of the C stored + T new candidates lose, and the surviving new tokens move into the freed slots, in
+  order. When everything fits (a cache still filling), the new tokens are appended without any selection.
+- `keep`: a change of budget keeps the best `capacity` slots (`Slots.moved`).
+
+Ties in priority go to the oldest position, never to where a token happens to sit, so a batch row evicts
+exactly as it would alone; among empty slots and padding, padding loses first and empty slots are taken in
+slot order. That keeps the layout every reader relies on: a row's held tokens fill slots [0, held) in every
+layer and head (`Slots.held`), so one (B, slots) validity mask serves all layers and heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_chat.engine.policies import Rules
+from h2o_chat.engine.slots import Slots, per_slot
+
+
+def order(priority: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """One int64 sort key per candidate: fp32 priority first, then `tie` (0 <= tie < 2**32). Lower loses."""
+    bits = priority.contiguous().view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # IEEE floats as integers that sort like the floats
+    return (bits.long() << 32) | tie
+
+
+def tie(pos: torch.Tensor, new_from: int | None = None) -> torch.Tensor:
+    """Held tokens tie-break by position (oldest loses first); empty slots by slot index, after padding (0)."""
+    slot = torch.arange(pos.shape[-1], device=pos.device)
+    empty = slot + 1 if new_from is None else torch.where(slot >= new_from, 0, slot + 1)
+    return torch.where(pos >= 0, pos, empty)
+
+
+def step(slots: Slots, rules: Rules) -> None:
+    """Finish a decode step: the spare slot's token replaces each (layer, row, head)'s lowest-priority slot.
+    The spare holds the newest token, which every policy protects, so it is never its own victim."""
+    prio = rules.priority(slots.score, slots.pos, slots.seen)  # newest = the spare's position
+    victim = order(prio, tie(slots.pos)).argmin(dim=-1, keepdim=True)  # (L, B, H, 1)
+    spare = slots.capacity  # the spare slot comes right after the capacity
+    for buf in slots.buffers():
+        buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
+    slots.clear_spare()
+
+
+@dataclass
+class NewTokens:
+    """A prompt chunk's tokens for every layer, waiting to be placed: T columns per row."""
+
+    keys: torch.Tensor  # (L, B, H, T, D)
+    values: torch.Tensor  # (L, B, H, T, Dv)
+    pos: torch.Tensor  # (B, T) true positions, -1 = padding
+    rot: torch.Tensor  # (B, T) positions the keys were rotated at
+    score: torch.Tensor  # (L, B, H, T) fp32 mass received within the chunk (zeros when not tracked)
+    extra: list[torch.Tensor] = field(default_factory=list)  # per-slot side buffers (snap's), (L, B, H, T, ...)
+
+    def buffers(self, shape: torch.Size) -> list[torch.Tensor]:
+        """In `Slots.buffers()` order, every one (L, B, H, T, ...)."""
+        L, B, H, T = shape
+
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            return t[None, :, None, :].expand(L, B, H, T)
+
+        return [self.keys, self.values, spread(self.pos), spread(self.rot), self.score, *self.extra]
+
+
+def chunk(slots: Slots, new: NewTokens, rules: Rules, fits: bool, priority: torch.Tensor | None = None) -> None:
+    """Place a chunk's tokens. `fits` (host-known): every row has room for all of them, so they are appended.
+    Otherwise the T lowest of stored + new lose (`priority`, (L, B, H, C + T), overrides the rules': snap)."""
+    C, (L, B, H, T) = slots.capacity, new.score.shape
+    real = new.pos >= 0  # (B, T)
+    if fits:
+        rank = real.cumsum(-1) - 1
+        target = torch.where(real, slots.held()[:, None] + rank, C)  # padding -> the spare slot, cleared below
+        target = target[None, :, None, :].expand(L, B, H, T)
+    else:
+        target = _pair_freed_with_survivors(slots, new, rules, priority)
+    for buf, values in zip(slots.buffers(), new.buffers(torch.Size((L, B, H, T))), strict=True):
+        buf.scatter_(3, per_slot(target, buf), values.to(buf.dtype))
+    slots.clear_spare()
+
+
+def _pair_freed_with_survivors(slots: Slots, new: NewTokens, rules: Rules, priority) -> torch.Tensor:
+    """Per (layer, row, head): the T losers among C + T; the j-th surviving new token goes to the j-th freed
+    slot (counts are equal: exactly T lose). Losing new tokens go to the spare slot. -> (L, B, H, T)"""
+    C, (L, B, H, T) = slots.capacity, new.score.shape
+    pos = torch.cat((slots.pos[..., :C], new.pos[None, :, None, :].expand(L, B, H, T)), dim=-1)  # (L, B, H, C+T)
+    if priority is None:
+        newest = new.pos.max(-1).values.clamp(min=0).maximum(slots.seen - 1)  # (B,)
+        priority = rules.priority(torch.cat((slots.score[..., :C], new.score), dim=-1), pos, newest, stored=C)
+    losers = order(priority, tie(pos, new_from=C)).topk(T, dim=-1, largest=False, sorted=False).indices
+    lost = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, losers, True)
+    freed, survives = lost[..., :C], ~lost[..., C:]
+    # freed slot indices in slot order, written at their ordinal (non-freed ones at a dump column T)
+    ordinal = torch.where(freed, freed.cumsum(-1) - 1, T)
+    slot = torch.arange(C, device=pos.device).expand_as(freed)
+    freed_in_order = torch.full((L, B, H, T + 1), C, device=pos.device, dtype=torch.long).scatter_(-1, ordinal, slot)
+    rank = (survives.cumsum(-1) - 1).clamp(min=0)
+    return torch.where(survives, freed_in_order.gather(-1, rank), C)
