@@ -27,13 +27,33 @@ HOT = Sampler(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2)
 
 
 class HostReads(TorchDispatchMode):
-    """Records every operator that makes the host wait for a tensor's value."""
+    """Records every operator that makes the host wait for a tensor's value, and every Python-level read of one
+    (`.tolist()`, `.cpu()`, `bool()`, ...: on a CPU tensor these copy nothing, so no operator shows them)."""
 
     SYNCING = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose")
+    READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
     def __init__(self):
         super().__init__()
         self.seen: list[str] = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.READS:
+            real = getattr(torch.Tensor, name)
+            self._saved[name] = real
+
+            def spy(t, *args, _real=real, _name=name, **kwargs):
+                self.seen.append(_name)
+                return _real(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, spy)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(torch.Tensor, name, real)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
@@ -85,9 +105,9 @@ def same_held(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_decode_step_never_reads_the_device(policy):
     """No .item(), no bool(tensor), no nonzero: the step can be queued (and captured) without the host waiting,
-    with sampling, a repetition penalty, padding and rolling positions."""
-    model = tiny_model("llama", seed=1)
-    for positions in ("absolute", "rolling"):
+    with sampling, a repetition penalty, padding and renumbered positions (a 48-token trained context)."""
+    model = tiny_model("llama", seed=1, max_positions=48)
+    for positions in ("absolute", "rolling", "auto"):
         ids, mask = prompts(3)
         cache = H2OCache.for_model(model, POLICIES[policy](), positions)
         engine = Engine(model, cache, "eager")
@@ -98,6 +118,7 @@ def test_a_decode_step_never_reads_the_device(policy):
             for _ in range(2 * BUDGET):  # through filling and evicting
                 engine.decode()
         assert reads.seen == [], f"{policy}, {positions}: {sorted(set(reads.seen))}"
+        assert cache.renumbered == (positions != "absolute")
     assert cache.stats().kept == BUDGET
 
 
@@ -296,3 +317,42 @@ def test_cuda_graph_replays_never_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.captures == 1 and cache.stats().kept == 32
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap", "full"])
+def test_a_row_refilled_mid_stream_decodes_as_its_prompt_alone(policy):
+    """Continuous batching: row 1 takes a new prompt while rows 0 and 2 keep decoding; the new prompt's greedy
+    tokens equal the same prompt alone, the other rows' equal a run without the refill, and the storage (what
+    a captured step reads) keeps its addresses."""
+    model = tiny_model("llama", seed=11)
+    ids, mask = prompts(3)
+    fresh = torch.randint(1, 256, (1, 37), generator=torch.Generator().manual_seed(9))
+
+    def make():
+        cache = H2OCache.for_model(model, make_policy(policy, BUDGET) if policy != "full" else make_policy("full"))
+        cache.reserve(80)
+        return cache, Engine(model, cache, "eager")
+
+    def run(refill_at: int | None):
+        cache, engine = make()
+        tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size=8))
+        rows, pointer = [[] for _ in range(3)], cache.slots.keys.data_ptr()
+        for i in range(30):
+            if i == refill_at:
+                tokens[1] = engine.refill(1, fresh, chunk_size=8).argmax()
+                rows[1] = []
+            for r in range(3):
+                rows[r].append(int(tokens[r]))
+            tokens = engine.decode(tokens)[1].clone()
+        assert cache.slots.keys.data_ptr() == pointer
+        return rows
+
+    plain, refilled = run(None), run(12)
+    assert refilled[0] == plain[0] and refilled[2] == plain[2]
+    _, alone = make()
+    tokens = alone.first_tokens(alone.prefill(fresh, chunk_size=8))
+    expected = []
+    for _ in range(18):
+        expected.append(int(tokens[0]))
+        tokens = alone.decode(tokens)[1].clone()
+    assert refilled[1] == expected

@@ -99,8 +99,10 @@ def attention_with_mass(
     for s in range(0, T, block):
         b = min(block, T - s)
         qb = q if b == T else q[:, :, :, s : s + b]
-        logits = (qb.reshape(B, H, G * b, D) @ kt).view(B, H, G, b, N) + mask[:, :, None, s : s + b]
+        logits = (qb.reshape(B, H, G * b, D) @ kt).view(B, H, G, b, N)
+        logits += mask[:, :, None, s : s + b]  # in place: one (queries x keys) block less to allocate
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (B, H, G, b, N)
+        del logits
         total += probs.sum(dim=(2, 3))
         if not fused:
             outs.append((probs.to(values.dtype).view(B, H, G * b, N) @ values).view(B, H, G, b, -1))

@@ -25,6 +25,7 @@ of the held keys, happens once every (window - budget) tokens.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from dataclasses import dataclass, field
 
@@ -115,6 +116,7 @@ class Forward:
     observation: object | None = None  # snap pass 2 (`snap.Observation`)
     stored_valid: torch.Tensor | None = None  # chunk: (B, attend_from) stored slots holding a token
     layers: int = 0
+    skipped: torch.Tensor | None = None  # chunk: (B,) tokens counted as read before it (see H2OCache.skip)
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -202,10 +204,13 @@ class H2OCache(Cache):
         self.probe = None  # snap's pass 1 (`snap.Probe`), while it runs
         self.observation = None  # snap's pass 2 (`snap.Observation`), while it runs
         self.renumbered = False  # some row's keys are rotated at other than their true positions
+        self._skipped: torch.Tensor | None = None  # (B,) tokens to count as read before the next chunk
         self._rows: list[_Group] = []  # each row's group, set when storage is allocated
+        self._row_columns: list[int] = []  # per row: columns fed (rows refilled with new prompts differ)
         self._bound: list[int] = []  # per row: an upper bound on the next position a key is rotated at
         self._switched: list[bool] = []  # per row: passed the trained context and renumbers from now on
         self._reserved = 0  # a full cache makes room for this many tokens when it allocates
+        self._view = False  # a row's view of another cache's storage (see row()): never re-allocates
         self._warned: set[str] = set()
 
     @classmethod
@@ -294,6 +299,7 @@ class H2OCache(Cache):
     def reset(self) -> None:
         self.slots, self.rules, self.columns, self.forward = None, None, 0, None
         self._rows, self._bound, self._switched, self.renumbered = [], [], [], False
+        self._row_columns = []
         self.version += 1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -313,6 +319,7 @@ class H2OCache(Cache):
             raise CacheUsageError(f"the cache's policies cover {sum(counts)} rows, the batch has {B}")
         self._rows = [g for g, n in zip(self.groups, counts, strict=True) for _ in range(n)]
         self._bound = [self.columns] * B  # before_forward has counted this forward's columns
+        self._row_columns = [self.columns] * B
         self._switched = [g.positions == "rolling" and self.rope is not None for g in self._rows]
         self._install(Slots.allocate(len(self.layers), key, value, self._capacity(self.columns)))
 
@@ -336,6 +343,8 @@ class H2OCache(Cache):
 
     @_inference
     def _resize(self, capacity: int) -> None:
+        if self._view:
+            raise CacheUsageError("a full cache's rows must be reserved before a prompt is read into one of them")
         s = self.slots
         keep = torch.arange(s.capacity, device=s.pos.device).expand(*s.pos.shape[:3], s.capacity)
         self._install(s.moved(keep, capacity))
@@ -350,13 +359,64 @@ class H2OCache(Cache):
         self._rows = [self._rows[i] for i in picks]
         self._bound = [self._bound[i] for i in picks]
         self._switched = [self._switched[i] for i in picks]
+        self._row_columns = [self._row_columns[i] for i in picks]
+        self.columns = max(self._row_columns, default=0)
         self._install(self.slots.rows(index))
+
+    # -- copies and rows ----------------------------------------------------------------------------
+    def _twin(self, slots: Slots | None) -> H2OCache:
+        twin = copy.copy(self)
+        twin.layers = [H2OLayer(twin, i) for i in range(len(self.layers))]
+        twin.slots, twin.forward, twin.probe, twin.observation, twin._skipped = slots, None, None, None, None
+        twin.groups = [copy.copy(g) for g in self.groups]
+        twin._rows, twin._bound, twin._switched = list(self._rows), list(self._bound), list(self._switched)
+        twin._warned = set(self._warned)
+        twin._view = False
+        return twin
+
+    @_inference
+    def fork(self) -> H2OCache:
+        """An independent copy (snap's probe reads a prompt into one and throws it away)."""
+        twin = self._twin(None if self.slots is None else self.slots.copy())
+        twin.notices = []
+        return twin
+
+    def row(self, r: int) -> H2OCache:
+        """Row r as a cache of its own that shares this cache's storage: a prompt read into it lands in row r
+        while the other rows keep theirs (continuous batching). Notes go to this cache. `absorb` takes its host
+        bookkeeping back."""
+        view = self._twin(self.slots.row(r))
+        view.rules = self.rules.rows(torch.tensor([r], device=self.slots.seen.device))
+        view._rows, view._bound, view._switched = [self._rows[r]], [self._bound[r]], [self._switched[r]]
+        view.columns = self._row_columns[r]
+        view._row_columns = [view.columns]
+        view.groups = [_Group(self._rows[r].policy, None, self._rows[r].positions)]
+        view.host_managed = True
+        view._view = True
+        return view
+
+    def absorb(self, view: H2OCache, r: int) -> None:
+        """Row r's host bookkeeping back from its view, after a prompt was read into it."""
+        if view.slots is None or view.slots.keys.data_ptr() != self.slots.row(r).keys.data_ptr():
+            raise CacheUsageError("a row's storage was re-allocated while a prompt was read into it")
+        self._bound[r], self._switched[r] = view._bound[0], view._switched[0]
+        self._row_columns[r] = view.columns
+        self.columns = max(self._row_columns)
+        self.renumbered |= view.renumbered
+        self._warned |= view._warned
+
+    @_inference
+    def clear_row(self, r: int) -> None:
+        """Empty row r for a new prompt; the other rows are untouched."""
+        self.slots.clear_row(r)
+        self._bound[r], self._row_columns[r] = 0, 0
+        self._switched[r] = self._rows[r].positions == "rolling" and self.rope is not None
 
     @_inference
     def snapshot(self) -> dict:
         """What the cache holds now, copied to the host: `restore` brings it back (e.g. when the user stops the
         reading of a long message, the conversation continues from before it)."""
-        host = {k: list(getattr(self, k)) for k in ("_rows", "_bound", "_switched")}
+        host = {k: list(getattr(self, k)) for k in ("_rows", "_bound", "_switched", "_row_columns")}
         state = {"columns": self.columns, "renumbered": self.renumbered, "host": host}
         state["slots"] = None if self.slots is None else self.slots.copy("cpu")
         return state
@@ -390,6 +450,7 @@ class H2OCache(Cache):
                 self._resize(max(2 * self.slots.capacity, need))
         self.columns += new_tokens
         self._bound = [b + new_tokens for b in self._bound]
+        self._row_columns = [c + new_tokens for c in self._row_columns]
 
     def begin(self, kind: str, mask: torch.Tensor | None = None, columns: int = 1, batch: int | None = None):
         """Begin a forward of `columns` new columns: kind "step" (one token per row, every row real) or
@@ -429,6 +490,9 @@ class H2OCache(Cache):
         B = real.shape[0]
         zeros = torch.zeros(B, dtype=torch.long, device=real.device)
         seen, next_rot = (s.seen, s.next_rot) if s is not None else (zeros, zeros)
+        skipped, self._skipped = self._skipped, None
+        if skipped is not None:  # tokens counted as read (and evicted) without being fed: see skip()
+            seen, next_rot = seen + skipped, next_rot + skipped
         steps = real.cumsum(-1) - 1
         before = self.columns - T
         capacity = s.capacity if s is not None else self._capacity(self.columns)
@@ -447,6 +511,7 @@ class H2OCache(Cache):
             probe=self.probe,
             observation=self.observation,
             layers=len(self.layers),
+            skipped=skipped,
         )
         if fwd.attend_from:
             fwd.stored_valid = s.valid()[:, : fwd.attend_from]
@@ -473,9 +538,17 @@ class H2OCache(Cache):
         if fwd.observation is not None and not fwd.fits:
             priority = fwd.observation.priority(self, new)
         evict.chunk(s, new, self.rules, fwd.fits, priority)
-        added = fwd.real.sum(-1)
+        added = fwd.real.sum(-1) if fwd.skipped is None else fwd.real.sum(-1) + fwd.skipped
         s.seen += added
         s.next_rot += added
+
+    @_inference
+    def skip(self, real: torch.Tensor, columns: int) -> None:
+        """Count `columns` columns (`real` (B,) real tokens per row) as read and evicted without feeding them:
+        the next chunk's tokens get the positions they would have after them (snap's probe reads only the end of
+        a long prompt)."""
+        self.before_forward(columns)
+        self._skipped = real if self._skipped is None else self._skipped + real
 
     def abort(self) -> None:
         """Forget a forward that did not finish (nothing of its chunk was placed; a step's spare is cleared)."""

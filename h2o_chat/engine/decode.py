@@ -177,15 +177,37 @@ class Engine:
         mask = torch.ones_like(ids) if mask is None else mask.to(self.device)
         if self.sampler is not None:
             self.sampler.observe(ids, mask)
+        return self._read(self.cache, ids, mask, chunk_size, progress)
+
+    @torch.inference_mode()
+    def refill(
+        self, row: int, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, progress: Progress = None
+    ) -> torch.Tensor:
+        """Start a new prompt (1, L) in batch row `row` while the other rows keep theirs (continuous batching):
+        the row is emptied and the prompt read into it alone, in place, so a captured step stays valid. Returns
+        the row's logits (V,); the caller feeds the row's first token with the next step. A full cache must
+        have room for the prompt (`cache.reserve`)."""
+        ids = ids.to(self.device).reshape(1, -1)
+        self.cache.clear_row(row)
+        view = self.cache.row(row)
+        logits = self._read(view, ids, torch.ones_like(ids), chunk_size, progress)
+        self.cache.absorb(view, row)
+        if self.sampler is not None:
+            self.sampler.observe_row(row, ids)
+        return logits[0]
+
+    def _read(self, cache, ids, mask, chunk_size, progress) -> torch.Tensor:
         done = [0]  # prompt columns read so far, over every pass
         with deferred_interrupt() as interrupted:
 
-            def feed(cache, passes: int = 1) -> torch.Tensor:
-                return self._chunks(cache, ids, mask, chunk_size, progress, done, passes, interrupted)
+            def feed(target, start: int = 0, total: int | None = None) -> torch.Tensor:
+                """Read columns [start:] of the prompt into `target`; `total`: columns read over every pass."""
+                total = ids.shape[1] if total is None else total
+                return self._chunks(target, ids[:, start:], mask[:, start:], chunk_size, progress, done, total, interrupted)
 
-            return compress_prompt(self.cache, mask, feed)
+            return compress_prompt(cache, mask, feed, probe_tokens=chunk_size)
 
-    def _chunks(self, cache, ids, mask, chunk_size, progress, done, passes, interrupted) -> torch.Tensor:
+    def _chunks(self, cache, ids, mask, chunk_size, progress, done, total, interrupted) -> torch.Tensor:
         B, L = ids.shape
         logits = None
         cache.host_managed = True
@@ -203,9 +225,9 @@ class Engine:
             cache.end()
             done[0] += e - s
             if progress is not None:
-                progress(done[0], passes * L)
+                progress(done[0], total)
             if interrupted():
-                raise PrefillInterrupted(done[0], passes * L)
+                raise PrefillInterrupted(done[0], total)
         return logits
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:

@@ -102,6 +102,19 @@ class Slots:
         pick = [t.index_select(1, index) for t in (self.keys, self.values, self.pos, self.rot, self.score)]
         return Slots(*pick, self.seen.index_select(0, index), self.next_rot.index_select(0, index))
 
+    def row(self, r: int) -> Slots:
+        """Row r as storage of its own that shares this storage's memory (writes land in row r)."""
+        pick = [t[:, r : r + 1] for t in (self.keys, self.values, self.pos, self.rot, self.score)]
+        return Slots(*pick, self.seen[r : r + 1], self.next_rot[r : r + 1])
+
+    def clear_row(self, r: int) -> None:
+        """Empty row r (a new prompt takes it)."""
+        self.pos[:, r] = -1
+        self.rot[:, r] = -1
+        self.score[:, r] = 0
+        self.seen[r] = 0
+        self.next_rot[r] = 0
+
     def copy(self, device: torch.device | str | None = None) -> Slots:
         """An independent copy (on `device`, e.g. the host, or where it is)."""
         fields = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"]

@@ -24,7 +24,6 @@ queries the full prompt would give; the cost is a second prefill of the prompt.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -159,15 +158,24 @@ def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
     return compress & (held.to(real.device) + real > budgets)
 
 
+# What the probe reads to find the prompt's last queries: "whole" (the prompt, evicting as h2o does, so the
+# final queries see heavy hitters and the recent half of the budget) or "tail" (only its last `probe_tokens`,
+# after skipping the rest: the final queries see that much recent text exactly; the probe costs one chunk).
+PROBE = "tail"
+
+
 @torch.inference_mode()
-def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tensor]) -> torch.Tensor:
+def compress_prompt(
+    cache, mask: torch.Tensor, prefill: Callable[..., torch.Tensor], probe_tokens: int = 512
+) -> torch.Tensor:
     """Prefill a prompt with question-aware selection for the rows whose policy compresses prompts and whose
     own tokens overflow the budget; returns the last logits. `mask` (B, L) marks the prompt's real tokens;
-    `prefill(cache, passes)` is the plain chunked prefill of this prompt into a cache (the probe's copy or the
-    real one), `passes` how many times the prompt is read in all (for progress)."""
+    `prefill(cache, start, total)` is the plain chunked prefill of the prompt's columns [start:] into a cache
+    (the probe's copy or the real one), `total` the columns read over every pass (for progress)."""
+    L = mask.shape[1]
     rows = _overflowing_rows(cache, mask.sum(-1))
     if not bool(rows.any()):  # it all fits: nothing to choose (one host sync per prompt)
-        return prefill(cache, 1)
+        return prefill(cache, 0, L)
     groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or mask.shape[0])]
     snaps = [g.policy for g in groups if isinstance(g.policy, Snap)]
     kernels = {p.kernel for p in snaps}
@@ -175,17 +183,20 @@ def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tens
         raise ValueError("rows of one batch compress prompts with one pooling kernel")
     windows = torch.tensor([g.policy.window if isinstance(g.policy, Snap) else 1 for g in groups], device=mask.device)
     window = int(windows.max())
+    start = max(0, L - max(probe_tokens, *(p.budget for p in snaps))) if PROBE == "tail" else 0
 
-    probe_cache = copy.deepcopy(cache)
-    probe_cache.probe = Probe(probe_cache, window, cache.columns + mask.shape[1])
-    prefill(probe_cache, 2)
+    probe_cache = cache.fork()
+    probe_cache.probe = Probe(probe_cache, window, cache.columns + L)
+    if start:
+        probe_cache.skip(mask[:, :start].sum(-1), start)
+    prefill(probe_cache, start, 2 * L - start)
     probe = probe_cache.probe
     del probe_cache
 
     plain = [not r and g.policy.by_score for g, r in zip(groups, rows.tolist(), strict=True)]
     cache.observation = Observation(probe, cache, rows, windows, kernels.pop(), track_mass=any(plain))
     try:
-        return prefill(cache, 2)
+        return prefill(cache, 0, 2 * L - start)
     finally:
         cache.observation.finish()
         cache.observation = None

@@ -121,3 +121,109 @@ def check_fits_in_memory(name: str, config, dtype: torch.dtype, kv_tokens: int, 
 def free_gpu_bytes() -> int:
     """Free memory over all visible GPUs (accelerate's device_map spreads layers across them)."""
     return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+
+
+# -- what reading a prompt and decoding need beyond the weights ----------------------------------------------
+MASS_BLOCK = 1 << 24  # the attention-mass block, in elements (kept equal to h2o_chat.engine.attention's)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide a forward's transient memory."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        text = config.get_text_config()
+        kv = _kv_shape(config)
+        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None) or 4 * text.hidden_size
+        return cls(
+            kv["layers"], text.num_attention_heads, kv["kv_heads"], kv["head_dim"], text.hidden_size,
+            intermediate, text.vocab_size,
+        )  # fmt: skip
+
+    def kv_slot_bytes(self, elem: int) -> int:
+        """Keys and values of one token in every layer and KV head, plus its position, rotation and score."""
+        return self.layers * self.kv_heads * (2 * self.head_dim * elem + 8 + 8 + 4)
+
+
+def storage_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
+    """The cache's storage: `capacity` slots and a spare, every layer, row and KV head."""
+    return rows * (capacity + 1) * shape.kv_slot_bytes(elem)
+
+
+def prefill_bytes(
+    shape: ModelShape, elem: int, rows: int, capacity: int, chunk: int, snap: bool = False, window: int = 16
+) -> int:
+    """Peak bytes beyond the weights while a prompt is read in chunks of `chunk` columns: the storage, every
+    layer's keys and values of the chunk (placed together when the forward ends), one layer's attention
+    (keys of slots and chunk together, the mask, one block of the mass's logits and fp32 probabilities) and
+    activations, and the last logits. Snap's probe reads into a second storage, and its observation logits
+    (per slot and window query) live beside the slots."""
+    B, T, N = rows, chunk, capacity + chunk
+    L, H, Hq, D = shape.layers, shape.kv_heads, shape.heads, shape.head_dim
+    stash = L * B * H * T * (2 * D * elem + 4)
+    layer_keys = B * H * N * 2 * D * elem
+    mask = B * T * N * elem
+    block = min(B * Hq * T * N, MASS_BLOCK) * (2 * elem + 4 + 4)  # logits, logits + mask, probabilities, sum
+    activations = B * T * (4 * shape.hidden + 3 * shape.intermediate + 2 * (Hq + 2 * H) * D) * elem
+    logits = B * shape.vocab * 4 * 2
+    total = storage_bytes(shape, elem, B, capacity) + stash + layer_keys + mask + block + activations + logits
+    if snap:
+        G = Hq // H
+        total += storage_bytes(shape, elem, B, capacity)  # the probe's copy (pass 1)
+        total += L * B * H * (capacity + 1 + T) * G * window * 4 * 2  # observation logits (pass 2)
+    return int(total)
+
+
+def decode_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
+    """Peak bytes beyond the weights for a decode step: the storage, the step's attention over every slot in
+    fp32, one layer's activations, the logits and the sampler's copies of them."""
+    B = rows
+    attention = B * shape.heads * (capacity + 1) * 4 * 3
+    activations = B * (4 * shape.hidden + 3 * shape.intermediate) * elem
+    logits = B * shape.vocab * 4 * 4
+    return storage_bytes(shape, elem, B, capacity) + attention + activations + logits
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can use now: the GPU's free memory, or this machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def fitting_chunk(
+    shape: ModelShape,
+    elem: int,
+    rows: int,
+    capacity: int,
+    chunk: int,
+    available: int,
+    held: int = 0,
+    snap: bool = False,
+    window: int = 16,
+    smallest: int = 16,
+) -> int:
+    """The largest chunk, `chunk` or a smaller power of two, whose prefill fits in `available` bytes (plus the
+    `held` bytes the cache's storage already occupies, which the estimate counts); DeviceError when even
+    `smallest` does not fit."""
+    size = chunk
+    while size >= smallest or size == chunk:
+        if OVERHEAD * prefill_bytes(shape, elem, rows, capacity, size, snap, window) <= available + held:
+            return size
+        size //= 2
+    need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, min(chunk, smallest), snap, window)
+    raise DeviceError(
+        f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {min(chunk, smallest)} tokens, "
+        f"but {gb(available + held)} is available; lower --budget (or /budget) or the number of rows"
+    )
