@@ -223,11 +223,12 @@ class Snap(H2O):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 1 <= self.window < self.budget:
-            hint = "; snap needs a budget of at least 2" if self.budget < 2 else ""
+        if self.budget < 2:  # said first: the window is not what the user got wrong
             raise ConfigError(
-                f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}{hint}"
+                f"snap needs a budget of at least 2 (a slot for its query window and one more), got {self.budget}"
             )
+        if not 1 <= self.window < self.budget:
+            raise ConfigError(f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ConfigError(f"the snap pooling kernel must be a positive odd number, got {self.kernel}")
 
