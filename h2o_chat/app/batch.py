@@ -1,7 +1,7 @@
 """Scripted batch generation: JSONL in, JSONL out, written as each row finishes.
 
-Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature",
-"repetition_penalty", "budget".
+Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature", "top_k",
+"min_p", "repetition_penalty", "budget".
 Rows with the same budget run together, sorted by length to limit padding, in batches of `batch_size`; a row
 that finishes is written at once and dropped from the batch (and from the cache). Output is appended, so a
 killed run loses nothing it finished, and a rerun skips the ids already in the output file.
@@ -17,16 +17,18 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.app.conversation import is_messages
+from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.engine.policies import Policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.slots import mean_count
-from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.files import read_user_text
+from h2o_chat.errors import ConfigError, H2OChatError, InputError
+from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
+
+MAX_INPUT_BYTES = 2**30  # a batch file: one read, every line tokenized before generation starts
 
 
 @dataclass
@@ -38,6 +40,8 @@ class Item:
     temperature: float
     budget: int | None
     repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Defaults:
     temperature: float = 0.0
     budget: int | None = 512
     repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     system: str | None = None
     raw: bool = False
 
@@ -59,9 +65,24 @@ class Summary:
     seconds: float = 0.0
 
 
+KEYS = {"id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "min_p", "repetition_penalty", "budget"}
+
+
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f'"{name}" must be a positive integer')
+    return value
+
+
+def _setting(obj: dict, name: str, default, check) -> float:
+    """A line's own sampling setting (or the default), checked as the Sampler checks the command line's."""
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f'"{name}" must be a number, got {json.dumps(value)}')
+    try:
+        check(value, f'"{name}"')
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     return value
 
 
@@ -77,15 +98,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         raise ValueError('needs an "id" (string or integer)')
     if ("prompt" in obj) == ("messages" in obj):
         raise ValueError('needs exactly one of "prompt" or "messages"')
-    unknown = set(obj) - {
-        "id",
-        "prompt",
-        "messages",
-        "max_new_tokens",
-        "temperature",
-        "repetition_penalty",
-        "budget",
-    }
+    unknown = set(obj) - KEYS
     if unknown:
         raise ValueError(f"unknown keys: {', '.join(sorted(unknown))}")
     if "prompt" in obj:
@@ -94,15 +107,14 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         messages = [{"role": "user", "content": obj["prompt"]}]
     else:
         messages = obj["messages"]
-        if not (messages and is_messages(messages)):
-            raise ValueError('"messages" must be a list of {"role", "content"} objects')
+        problem = messages_problem(messages)
+        if problem:
+            raise ValueError(f'"messages": {problem}')
     max_new = _positive_int(obj.get("max_new_tokens", defaults.max_new_tokens), "max_new_tokens")
-    temperature = obj.get("temperature", defaults.temperature)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError('"temperature" must be a number >= 0')
-    penalty = obj.get("repetition_penalty", defaults.repetition_penalty)
-    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or penalty <= 0:
-        raise ValueError('"repetition_penalty" must be a number > 0 (1 = off)')
+    temperature = _setting(obj, "temperature", defaults.temperature, check_temperature)
+    penalty = _setting(obj, "repetition_penalty", defaults.repetition_penalty, check_repetition_penalty)
+    top_k = _setting(obj, "top_k", defaults.top_k, check_top_k)
+    min_p = _setting(obj, "min_p", defaults.min_p, check_min_p)
     budget = obj.get("budget", defaults.budget)
     if budget is not None:
         budget = _positive_int(budget, "budget")
@@ -111,27 +123,39 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
     else:
         if defaults.system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": defaults.system}, *messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else list(ids["input_ids"])
-    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty))
+        ids = chat_ids(tokenizer, messages)
+    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p))
 
 
 def read_items(
     path: Path, tokenizer, defaults: Defaults, summary: Summary, make_policy: Callable[[int | None], Policy]
 ) -> tuple[list[Item], dict[int | None, Policy]]:
-    """The well-formed lines, and a policy for every budget they ask for; bad lines go to summary.malformed."""
-    lines = read_user_text(path, "input file").splitlines()
-    items, seen, policies = [], set(), {}
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
+    """The well-formed lines, and a policy for every budget they ask for; bad lines go to summary.malformed:
+    a line that is not UTF-8 or not valid, a duplicate id, a budget that is impossible or does not fit in
+    memory (`make_policy` raises for those). Only these lines are skipped, never the file."""
+    use_chat_template(tokenizer)  # a base model's tokenizer gets the plain template, as in the chat
+    lines = read_user_bytes(path, "input file", limit=MAX_INPUT_BYTES).splitlines()
+    items, seen, policies, impossible = [], set(), {}, {}
+    for number, raw in enumerate(lines, start=1):
         try:
+            text = raw.decode("utf-8").removeprefix("\ufeff")
+            if not text.strip():
+                continue
             item = parse_line(text, number, tokenizer, defaults)
             if item.id in seen:
                 raise ValueError(f'duplicate id "{item.id}"')
+            if item.budget in impossible:
+                raise impossible[item.budget]
             if item.budget not in policies:
-                policies[item.budget] = make_policy(item.budget)  # an impossible budget skips its line
-        except (ValueError, ConfigError) as e:
+                try:
+                    policies[item.budget] = make_policy(item.budget)
+                except H2OChatError as e:
+                    impossible[item.budget] = e  # every line asking for it is skipped, with the same reason
+                    raise
+        except UnicodeDecodeError as e:
+            summary.malformed.append(f"{path.name} line {number}: not UTF-8 text (byte {e.start + 1} of the line)")
+            continue
+        except (ValueError, H2OChatError) as e:
             summary.malformed.append(f"{path.name} line {number}: {e}")
             continue
         seen.add(item.id)
@@ -183,6 +207,8 @@ def generate_batch(
         len(items),
         temperature=[it.temperature for it in items],
         repetition_penalty=[it.repetition_penalty for it in items],
+        top_k=[it.top_k for it in items],
+        min_p=[it.min_p for it in items],
     )
     t0 = time.perf_counter()
     logits = engine.prefill(ids, mask, chunk_size)
@@ -256,6 +282,8 @@ def run_batch(
             on_skip(problem)
     if summary.malformed and not items:
         raise InputError(f"no line of {input_path.name} can be run: all {len(summary.malformed)} were skipped")
+    if not items:
+        raise InputError(f"{input_path.name} has no lines to run: give one JSON object per line")
     done = finished_ids(output_path)
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)
