@@ -505,7 +505,8 @@ def test_installed_command_in_a_pty(tmp_path):
         return False
 
     try:
-        assert read_until(b"/help for commands", 120), screen[-2000:]
+        assert read_until(b"\x1b[?2004h", 120), screen[-2000:]  # the prompt is up, under the banner
+        assert b"/help" in screen  # the banner wraps at words to the terminal's width
         os.write(fd, b"What is the capital of France?\r")
         assert read_until(b"KV cache", 120), screen[-2000:]
         assert read_until(b"Paris", 60), screen[-2000:]
