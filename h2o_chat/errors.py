@@ -38,3 +38,11 @@ class CacheUsageError(H2OChatError):
 
 class ContextLimitError(H2OChatError):
     """The model cannot read past its trained context (learned absolute positions, e.g. OPT)."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the device running out of memory: torch's OutOfMemoryError (CUDA), or the CPU
+    allocator's "can't allocate" RuntimeError (named here without importing torch)."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate" in str(error)

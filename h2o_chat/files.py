@@ -8,6 +8,7 @@ private temporary folder, with one note.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -72,13 +73,51 @@ def writable_cache_dir(note: Callable[[str], None] | None = None) -> Path:
     return folder
 
 
-def read_user_text(path: Path, what: str = "file", error: type[H2OChatError] = InputError) -> str:
-    """A user's UTF-8 file, or one clear error saying what is wrong with it."""
+MAX_FILE_BYTES = 64 * 2**20  # a conversation or a models.toml; batch input files may be larger (see batch.py)
+_READ_CHUNK = 2**20  # read in pieces: Ctrl-C is honoured between them
+
+
+def read_user_bytes(
+    path: Path, what: str = "file", error: type[H2OChatError] = InputError, limit: int = MAX_FILE_BYTES
+) -> bytes:
+    """A user's regular file of at most `limit` bytes, or one clear error saying what is wrong with it. Devices
+    (/dev/zero), pipes and folders are refused before they are opened: reading one could block, or never end."""
+    path = Path(path).expanduser()
     try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
+        st = path.stat()
     except FileNotFoundError:
         raise error(f"{what} not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise error(f"cannot read {what} {path}: not UTF-8 text (byte offset {e.start})") from None
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{what} {path} is a folder, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} {path} is not a regular file (a device, a pipe or a socket)")
+    if st.st_size > limit:
+        raise error(f"{what} {path} is {_size(st.st_size)}; h2o-chat reads at most {_size(limit)}")
+    pieces, total = [], 0
+    try:
+        with path.open("rb") as f:
+            while piece := f.read(_READ_CHUNK):
+                total += len(piece)
+                if total > limit:  # it grew while being read
+                    raise error(f"{what} {path} is over {_size(limit)}; h2o-chat reads at most that")
+                pieces.append(piece)
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    return b"".join(pieces)
+
+
+def read_user_text(
+    path: Path, what: str = "file", error: type[H2OChatError] = InputError, limit: int = MAX_FILE_BYTES
+) -> str:
+    """A user's UTF-8 file (see read_user_bytes), or one clear error saying what is wrong with it."""
+    data = read_user_bytes(path, what, error, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"cannot read {what} {path}: not UTF-8 text (byte offset {e.start})") from None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n:,} bytes"

@@ -107,7 +107,7 @@ def fast_load(monkeypatch, embedded):
         calls.append(model)
         spec = load_registry(models_file).resolve(model)
         if model is not None:  # anything else goes through the real loading and its errors
-            return load(spec, device=device, dtype=dtype, quantize=quantize, kv_tokens=kv_tokens, kv_rows=kv_rows)
+            return load(spec, device, dtype, quantize, download=download, kv_tokens=kv_tokens, kv_rows=kv_rows)
         resolve_settings(spec, device, dtype, quantize)
         return embedded
 

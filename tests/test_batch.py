@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,17 +87,28 @@ def test_input_file_errors(fast_load, tmp_path):
 
 
 def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path):
-    prompts = ["Name three animals.", "What is 2+2? Answer briefly please.", "Write one sentence about rain."]
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    """Continuous batching: five prompts through two rows, so three are read into rows that others left; every
+    row's greedy text equals its prompt alone."""
+    prompts = [
+        "Name three animals.",
+        "What is 2+2? Answer briefly please.",
+        "Write one sentence about rain.",
+        "List two colours.",
+        "Say hello in French, then explain why people greet each other at all.",
+    ]
+    lines = [{"id": i, "prompt": p, "max_new_tokens": 8 + 6 * i} for i, p in enumerate(prompts)]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
     summary = Summary()
     items, _ = read_items(
         inp, embedded.tokenizer, Defaults(max_new_tokens=24, budget=40), summary, lambda b: make_policy("h2o", b)
     )
-    together = {r["id"]: r["text"] for r in generate_batch(embedded, items, make_policy("h2o", 40))}
-    assert {r["batch_rows"] for r in generate_batch(embedded, items[:1], make_policy("h2o", 40))} == {1}
+    records = list(generate_batch(embedded, items, make_policy("h2o", 40), rows=2))
+    together = {r["id"]: r["text"] for r in records}
+    assert len(records) == 5 and {r["batch_rows"] for r in records} == {2}
     for item in items:
         alone = next(generate_batch(embedded, [item], make_policy("h2o", 40)))
         assert alone["text"] == together[item.id], item.id
+        assert alone["batch_rows"] == 1
 
 
 def test_torn_last_line_is_cut_and_redone(tmp_path):
@@ -116,7 +128,7 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "h2o_chat"]
     cmd += ["batch", str(inp), "-o", str(out), "--max-new-tokens", "16", "-b", "32"]
     proc = subprocess.Popen(
-        [*cmd, "--batch-size", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        [*cmd, "--batch-size", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 180
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
@@ -144,3 +156,80 @@ def test_a_line_sets_its_own_repetition_penalty(embedded):
         text = json.dumps({"id": 3, "prompt": "hi", "repetition_penalty": bad})
         with pytest.raises(ValueError, match="repetition_penalty"):
             parse_line(text, 3, embedded.tokenizer, defaults)
+
+
+def test_a_line_whose_budget_cannot_fit_in_memory_is_skipped_before_generation(fast_load, tmp_path):
+    """Issue 22.6: such a line is checked against memory like --budget and skipped like a malformed one, so the
+    batch completes (it used to kill the run after the other rows, on every rerun)."""
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "ok", "prompt": "Say hi.", "max_new_tokens": 4},
+            {"id": "huge", "prompt": "Say hi.", "budget": 99999999999},
+            {"id": "huge2", "prompt": "Say hello.", "budget": 99999999999},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out), "-b", "32", "--batch-size", "2"])
+    assert result.exit_code == 0, result.stderr
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("h2o-chat: skipped")]
+    assert [line.split(" line ")[1].split(":")[0] for line in skipped] == ["2", "3"]
+    assert '"budget" 99999999999: a 99999999999-token KV cache for each of 2 rows needs' in skipped[0]
+    assert re.search(r'"budget" \d+ fits', skipped[0])
+    assert [r["id"] for r in records(out)] == ["ok"]
+    assert "1 done, 0 already in out.jsonl, 2 lines skipped" in result.stderr.splitlines()[-1]
+
+
+def test_an_empty_input_runs_nothing_and_says_so(fast_load, tmp_path):
+    """Issue 22.16: README: exit 2 when no line could be run."""
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    result = runner.invoke(cli.app, ["batch", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and "empty.jsonl has no lines to run" in result.stderr
+
+
+def test_one_bad_byte_skips_its_line_only(fast_load, tmp_path):
+    """Issue 22.16: a non-UTF-8 byte in one line no longer rejects the whole file."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"id": 1, "prompt": "Say hi.", "max_new_tokens": 2}\n{"id": 2, "prompt": "caf\xe9"}\n')
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    assert "h2o-chat: skipped in.jsonl line 2: not UTF-8 text (byte 25 of the line)" in result.stderr
+    assert [r["id"] for r in records(out)] == ["1"]
+
+
+def test_a_folder_and_a_hard_link_are_named_for_what_they_are(fast_load, tmp_path):
+    """Issue 22.16: `batch /tmp` is a folder, not "not found"; -o a hard link of the input is the input."""
+    result = runner.invoke(cli.app, ["batch", str(tmp_path), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and f"input file {tmp_path} is a folder" in result.stderr
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    os.link(inp, tmp_path / "hard.jsonl")
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(tmp_path / "hard.jsonl")])
+    assert result.exit_code == 2 and "is the input file" in result.stderr
+    assert inp.read_text() == '{"id": 1, "prompt": "hi"}\n'
+
+
+def test_a_line_sets_its_own_top_k_and_min_p(embedded):
+    """Issue 22.20: top-k and min-p per line, like temperature, checked as the Sampler checks them."""
+    from h2o_chat.app.batch import parse_line
+
+    defaults = Defaults(top_k=40, min_p=0.05, max_new_tokens=6)
+    line = parse_line(json.dumps({"id": 1, "prompt": "hi", "top_k": 5, "min_p": 0.1}), 1, embedded.tokenizer, defaults)
+    assert (line.top_k, line.min_p) == (5, 0.1)
+    assert parse_line('{"id": 2, "prompt": "hi"}', 2, embedded.tokenizer, defaults).top_k == 40
+    for key, bad, message in (
+        ("top_k", -1, '"top_k" must be a whole number >= 0'),
+        ("top_k", 2.5, '"top_k" must be a whole number'),
+        ("min_p", 1.0, '"min_p" must be at least 0'),
+        ("temperature", 1e9, '"temperature" must be between 0'),
+        ("min_p", "x", '"min_p" must be a number, got "x"'),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_line(json.dumps({"id": 3, "prompt": "hi", key: bad}), 3, embedded.tokenizer, defaults)
+    items = [
+        line,
+        parse_line('{"id": 4, "prompt": "hi", "temperature": 1.0, "top_k": 1}', 4, embedded.tokenizer, defaults),
+    ]
+    greedy = [parse_line('{"id": 5, "prompt": "hi", "temperature": 0}', 5, embedded.tokenizer, defaults)]
+    one = next(r for r in generate_batch(embedded, items, make_policy("h2o", 64)) if r["id"] == "4")
+    assert one["text"] == next(generate_batch(embedded, greedy, make_policy("h2o", 64)))["text"]  # top-k 1: greedy

@@ -26,11 +26,13 @@ from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy
 
 
-def session(embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, terminal=False, policy=None):
-    console = Console(file=io.StringIO(), force_terminal=terminal, width=100, no_color=True)
+def session(
+    embedded, tmp_path, budget=64, max_new_tokens=16, panel=False, terminal=False, policy=None, width=100, **settings
+):
+    console = Console(file=io.StringIO(), force_terminal=terminal, width=width, no_color=True)
     options = RunOptions(
         policy=policy or make_policy("h2o", budget),
-        settings=ChatSettings(max_new_tokens=max_new_tokens, sampler=Sampler(temperature=0)),
+        settings=ChatSettings(max_new_tokens=max_new_tokens, sampler=Sampler(temperature=0), **settings),
         panel=panel,
     )
     return ChatSession(embedded, options, console)
@@ -124,7 +126,7 @@ def test_cache_carries_over_between_turns(embedded, tmp_path):
 def test_second_turn_feeds_only_the_template_tail(embedded):
     conv = Conversation(embedded, make_policy("h2o", 512), ChatSettings(max_new_tokens=8, sampler=Sampler(0)))
     list(conv.send("Hi"))
-    ids = conv._new_turn_ids({"role": "user", "content": "Again"})
+    ids, _ = conv._new_turn({"role": "user", "content": "Again"})
     text = embedded.tokenizer.decode(ids)
     assert text.endswith("<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n")
     assert "Hi" not in text and "system" not in text
@@ -189,7 +191,8 @@ def test_a_long_message_shows_reading_progress_and_a_budget_note(embedded, tmp_p
     chat.conv.send = lambda text, **kw: send(text, progress=lambda d, t: (calls.append((d, t)), kw["progress"](d, t)))
     out = plain(drive(chat, tmp_path, f"{long}\r/exit\r"))
     n = chat.conv.pending
-    assert calls[0] == (0, n) and calls[-1] == (2 * n, 2 * n)  # up front, then snap's two passes as one bar
+    # issue 22.19: the total counts snap's two passes from the first call (it no longer jumps from n to 2n)
+    assert calls[0] == (0, 2 * n) and calls[-1] == (2 * n, 2 * n) and {t for _, t in calls} == {2 * n}
     assert "reading your message (twice: snap)" in out and f"/{2 * n} tokens" in out and "ETA" in out
     note = next(line for line in out.splitlines() if "budget of 16" in line)
     assert f"the prompt is {n:,} tokens" in note
@@ -222,6 +225,175 @@ def test_panel_separates_allocated_from_in_use_kv(embedded, tmp_path):
     )
     assert expected in text
     assert ui.human_bytes(stats.kv_used_bytes) == ui.human_bytes(stats.full_kv_bytes)  # nothing evicted yet
+
+
+def test_an_impossible_budget_is_refused_and_the_session_goes_on(embedded, tmp_path):
+    """Issue 22.1: /budget gets the memory check --budget gets; a rejected setting never ends the session."""
+    chat = session(embedded, tmp_path, budget=64)
+    out = drive(chat, tmp_path, "/budget 99999999999\rSay hi.\r/exit\r")
+    line = next(line for line in out.splitlines() if "error:" in line)
+    assert "/budget 99999999999: a 99999999999-token KV cache needs" in line
+    fits = int(re.search(r"/budget (\d+) fits", line).group(1))
+    assert 64 <= fits < 99999999999
+    assert chat.conv.policy == make_policy("h2o", 64)  # the old budget stays
+    assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"] and chat.conv.messages[1]["content"]
+
+
+def test_out_of_memory_in_a_turn_keeps_the_session_and_the_conversation(embedded, tmp_path, monkeypatch):
+    """Issue 22.1: an out-of-memory during a turn is told, the turn is taken back, the rest stays."""
+    from h2o_chat.engine.decode import Engine
+
+    real, calls = Engine.prefill, []
+
+    def prefill(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "prefill", prefill)
+    chat = session(embedded, tmp_path)
+    saved = tmp_path / "after.json"
+    out = drive(chat, tmp_path, f"What is two plus two?\rAnd three plus three?\rSay hi.\r/save {saved}\r/exit\r")
+    assert "error: out of memory (" in out and "this message was taken back" in out
+    roles = [m["role"] for m in chat.conv.messages]
+    assert roles == ["user", "assistant", "user", "assistant"]  # the failed turn is gone, the rest is kept
+    assert chat.conv.messages[2]["content"] == "Say hi." and chat.conv.fed == chat.conv.cache.stats().seen
+    assert len(json.loads(saved.read_text())["messages"]) == 4
+
+
+def test_load_refuses_devices_and_huge_files_and_ctrl_c_stops_only_the_command(embedded, tmp_path, monkeypatch):
+    """Issue 22.2: /load reads only regular files, up to a limit; Ctrl-C stops the command, not the session."""
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as f:
+        f.truncate(65 * 2**20)  # sparse: no disk used
+    chat = session(embedded, tmp_path)
+    out = drive(chat, tmp_path, f"/load /dev/null\r/load {huge}\r/load {tmp_path}\r/exit\r")
+    assert "error: conversation file /dev/null is not a regular file (a device, a pipe or a socket)" in out
+    assert f"conversation file {huge} is 65 MB; h2o-chat reads at most 64 MB" in out
+    assert f"conversation file {tmp_path} is a folder" in out
+
+    def interrupted(self, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Conversation, "load", interrupted)
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    try:
+        out = drive(chat, tmp_path, "/load big.json\rSay hi.\r/exit\r")
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C during /load ended the session")
+    assert "(stopped)" in out and [m["role"] for m in chat.conv.messages] == ["user", "assistant"]
+
+
+def test_load_warns_before_replacing_an_unsaved_conversation(embedded, tmp_path):
+    """Issue 22.8: the first /load over unsaved messages says so; the same /load again replaces them."""
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"messages": [{"role": "user", "content": "Old question"}]}))
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    out = drive(chat, tmp_path, f"Say hi.\r/load {other}\r/exit\r")
+    assert "2 unsaved messages" in out and f"/load {other} again replaces them" in out
+    assert chat.conv.messages[0]["content"] == "Say hi."  # nothing replaced yet
+    out = drive(chat, tmp_path, f"/load {other}\r/exit\r")
+    assert "loaded 1 message from" in out and chat.conv.messages == [{"role": "user", "content": "Old question"}]
+    saved = tmp_path / "saved.json"
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    out = drive(chat, tmp_path, f"Say hi.\r/save {saved}\r/load {other}\r/exit\r")  # saved: no question asked
+    assert "unsaved" not in out and chat.conv.messages == [{"role": "user", "content": "Old question"}]
+
+
+def test_save_and_load_keep_the_system_prompt(embedded, tmp_path):
+    """Issue 22.7: a save/load round trip keeps the persona (set by --system or /system)."""
+    saved = tmp_path / "persona.json"
+    chat = session(embedded, tmp_path, max_new_tokens=4, system="You are a pirate.")
+    drive(chat, tmp_path, f"Say hi.\r/system You are a cat.\rSay hi.\r/save {saved}\r/exit\r")
+    assert json.loads(saved.read_text())["messages"][0] == {"role": "system", "content": "You are a cat."}
+    fresh = session(embedded, tmp_path, max_new_tokens=4)
+    drive(fresh, tmp_path, f"/load {saved}\r/exit\r")
+    assert fresh.conv.messages[0] == {"role": "system", "content": "You are a cat."}
+    assert fresh.conv.messages == chat.conv.messages
+
+
+def test_load_takes_a_bare_list_and_names_what_is_wrong(embedded, tmp_path):
+    """Issue 22.14: a list of messages loads as a saved conversation does; a bad one says what is wrong."""
+    bare, robot = tmp_path / "bare.json", tmp_path / "robot.json"
+    bare.write_text('[{"role":"user","content":"hi"}]')
+    robot.write_text('{"messages": [{"role":"user","content":"hi"}, {"role":"robot","content":"beep"}]}')
+    chat = session(embedded, tmp_path)
+    out = drive(chat, tmp_path, f"/load {robot}\r/load {bare}\r/exit\r")
+    assert "message 2 has role 'robot': expected one of system, user, assistant" in out
+    assert chat.conv.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_set_changes_sampling_for_the_next_replies(embedded, tmp_path):
+    """Issue 22.20: /set NAME VALUE, checked as the command line checks it."""
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    out = drive(
+        chat,
+        tmp_path,
+        "/set temperature 0.3\r/set top-k 5\r/set min_p 0.05\r/set max_new_tokens 3\r/set temperature inf\r"
+        "/set top_k lots\r/set colour 3\rSay hi.\r/set\r/exit\r",
+    )
+    sampler = chat.conv.settings.sampler
+    assert (sampler.temperature, sampler.top_k, sampler.min_p) == (0.3, 5, 0.05)
+    assert (
+        chat.conv.settings.max_new_tokens == 3
+        and len(embedded.tokenizer(chat.conv.messages[1]["content"])["input_ids"]) <= 3
+    )
+    assert "temperature set to 0.3 from the next reply on" in out
+    assert "error: --temperature must be between 0 (greedy) and 10, got inf" in out
+    assert "error: /set top_k takes a whole number, got 'lots'" in out and "/set takes one of temperature" in out
+    assert "temperature 0.3, top_p 1.0, top_k 5, min_p 0.05" in out
+
+
+def test_regen_answers_the_last_message_again(embedded, tmp_path):
+    """Issue 22.20: /regen drops the last reply and generates it again (the conversation is re-read)."""
+    chat = session(embedded, tmp_path, max_new_tokens=6)
+    out = drive(chat, tmp_path, "/regen\rWhat is two plus two?\r/regen\r/exit\r")
+    assert "error: there is no reply to generate again yet" in out
+    assert "temperature is 0 (greedy): the same reply comes again" in out
+    messages = chat.conv.messages
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "What is two plus two?"
+    assert chat.conv.fed == chat.conv.cache.stats().seen  # the cache restarted and re-read the conversation
+    first = out.split("> /regen")[2]
+    assert messages[1]["content"].strip()[:10] in first  # the new reply was shown
+
+
+def test_a_new_engine_is_wired_to_the_view_at_once(embedded, tmp_path):
+    """Issue 18: /reset and /load make a new engine; it is told where to say a capture starts without waiting
+    for the next turn to re-wire it."""
+    chat = session(embedded, tmp_path)
+    chat.commands.run("/reset")
+    assert chat.conv.engine.on_setup == chat.view.setup
+
+
+def test_a_setup_notice_never_glues_to_the_reply(embedded, tmp_path, monkeypatch):
+    """Issue 22.11: a capture (or compilation) announced mid-reply starts a line of its own."""
+    from h2o_chat.engine.decode import Engine
+
+    real = Engine.decode
+
+    def decode(self, tokens=None):
+        if self.on_setup is not None and not self.captures:
+            self.captures = 1
+            self.on_setup("capturing the decode step as a CUDA graph (once)")
+        return real(self, tokens)
+
+    monkeypatch.setattr(Engine, "decode", decode)
+    chat = session(embedded, tmp_path, max_new_tokens=8)
+    out = drive(chat, tmp_path, "What is the capital of France?\r/exit\r")
+    line = next(line for line in out.splitlines() if "capturing" in line)
+    assert line == "capturing the decode step as a CUDA graph (once) ..."
+
+
+def test_long_lines_wrap_at_words_on_a_narrow_terminal(embedded, tmp_path):
+    """Issue 22.12: the banner and notes wrap to a 40-column terminal at word boundaries."""
+    chat = session(embedded, tmp_path, terminal=True, width=40)
+    chat.view.banner(chat.conv.policy.describe())
+    chat.view.note("the prompt is 4,360 tokens, 68x the budget of 64: the cache keeps about 1% of it")
+    lines = plain(chat.console.file.getvalue()).splitlines()
+    assert len(lines) > 2 and all(len(line) <= 40 for line in lines), lines
+    words = " ".join(lines).split()
+    assert "/help" in words and "commands," in words and "68x" in words and "keeps" in words  # none cut
 
 
 def _installed_command() -> list[str]:
@@ -333,7 +505,8 @@ def test_installed_command_in_a_pty(tmp_path):
         return False
 
     try:
-        assert read_until(b"/help for commands", 120), screen[-2000:]
+        assert read_until(b"\x1b[?2004h", 120), screen[-2000:]  # the prompt is up, under the banner
+        assert b"/help" in screen  # the banner wraps at words to the terminal's width
         os.write(fd, b"What is the capital of France?\r")
         assert read_until(b"KV cache", 120), screen[-2000:]
         assert read_until(b"Paris", 60), screen[-2000:]

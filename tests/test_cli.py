@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -108,6 +109,19 @@ def test_models_lists_aliases_and_presence():
     assert "no" in next(line for line in result.stdout.splitlines() if line.startswith("llama-2-7b"))
 
 
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_models_shows_every_source_whole_on_one_line(columns):
+    """Issue 21.1: what an 80-column terminal or a pipe gets, line by line (not flattened): no repo id is cut."""
+    from h2o_chat.models.registry import load_registry
+
+    result = runner.invoke(cli.app, ["models"], env={"COLUMNS": columns})
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines[:-2]) <= int(columns)
+    for spec in load_registry().models.values():
+        assert any(spec.source in line for line in lines), spec.source
+
+
 def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
     from h2o_chat.models.registry import load_registry
 
@@ -137,7 +151,24 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         (["--quantize", "4bit", "--device", "cpu"], "hi", ["--quantize 4bit needs a CUDA GPU"]),
         (["--max-new-tokens", "0"], "hi", ["--max-new-tokens"]),
         (["--top-p", "0"], "hi", ["--top-p must be above 0 and at most 1, got 0"]),
-        (["--temperature", "-0.5"], "hi", ["--temperature must be >= 0 (0 = greedy), got -0.5"]),
+        (["--temperature", "-0.5"], "hi", ["--temperature must be between 0 (greedy) and 10, got -0.5"]),
+        # issue 22.17: non-finite and absurd values are refused like NaN
+        (["--temperature", "inf"], "hi", ["--temperature must be between 0 (greedy) and 10, got inf"]),
+        (["--temperature", "1e9"], "hi", ["--temperature must be between 0 (greedy) and 10, got 1e+09"]),
+        (["--repetition-penalty", "inf"], "hi", ["--repetition-penalty must be above 0 and at most 10"]),
+        (["--top-k", "-1"], "hi", ["--top-k must be a whole number >= 0"]),
+        (["--min-p", "1.5"], "hi", ["--min-p must be at least 0 (off) and below 1, got 1.5"]),
+        (["--threads", "0"], "hi", ["--threads must be a positive integer"]),
+        (["--stop", ""], "hi", ["--stop needs some text"]),
+        (["--decode", "fast"], "hi", ["--decode must be one of auto, eager, graph, got 'fast'"]),
+        (["--decode", "graph", "--device", "cpu"], "hi", ["--decode graph captures CUDA graphs"]),
+        # issue 22.13: what is wrong with --budget 1 for snap is the budget, not the window
+        (["-b", "1"], "hi", ["error: snap needs a budget of at least 2", "got 1"]),
+        # issue 22.15: a file, a missing .gguf and an empty name each get their own reason
+        (["-m", "/etc/passwd"], "hi", ["/etc/passwd is a file, not a model"]),
+        (["-m", "/tmp/h2o-chat-missing.gguf"], "hi", ["GGUF file not found: /tmp/h2o-chat-missing.gguf"]),
+        (["-m", "./no-such-model-folder"], "hi", ["model folder not found"]),
+        (["-m", ""], "hi", ["--model is empty"]),
         ([], b"", ["stdin is empty"]),
         ([], b"   \n\t", ["stdin is empty"]),
         ([], b"caf\xe9 latin-1", ["not UTF-8", "0xe9"]),
@@ -261,3 +292,224 @@ def test_option_groups_are_declared_once_and_shared():
     batch = {p.name: p.default for p in commands["batch"].params}
     assert (main["temperature"], batch["temperature"]) == (SamplingOptions().temperature, 0.0)
     assert (main["max_new_tokens"], batch["max_new_tokens"]) == (512, 256)
+
+
+def test_version():
+    result = invoke(["--version"])
+    from h2o_chat import __version__
+
+    assert result.exit_code == 0 and result.stdout == f"h2o-chat {__version__}\n"
+
+
+def test_help_states_the_defaults_truly():
+    """Issue 22.18: llama.cpp's repeat penalty is 1.0 (off), ollama's 1.1; issue 18: rolling positions number
+    tokens by their rank among the held tokens, not by cache slot."""
+    text = " ".join(invoke(["--help"]).stdout.replace("│", " ").split())
+    assert "1 = off, llama.cpp's default; ollama's is 1.1" in text
+    assert "by cache slot" not in text and "rank among the held tokens" in text
+
+
+def test_download_without_network_is_one_line(fast_load):
+    """Issue 22.3: the Hub's connection error (HF_HUB_OFFLINE here, as without network) is one line."""
+    result = invoke(["-m", "h2o-chat-tests/not-a-real-model", "--download"], "hi")
+    assert_one_line_error(result, "could not download h2o-chat-tests/not-a-real-model from the Hugging Face Hub")
+
+
+def test_a_file_that_is_not_gguf_is_refused_before_converting(fast_load, tmp_path):
+    """Issue 22.4: `head -c 1000 /bin/ls > fake.gguf`, and an empty .gguf: one line, no "converting" first."""
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(Path(sys.executable).resolve().read_bytes()[:1000])
+    assert_one_line_error(invoke(["-m", str(fake)], "hi"), "is not a GGUF model")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert_one_line_error(invoke(["-m", str(empty)], "hi"), "is empty, not a GGUF model")
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(60))
+    assert_one_line_error(invoke(["-m", str(damaged)], "hi"), "cannot convert")
+
+
+@pytest.mark.parametrize(
+    "entry, fragments",
+    [
+        ("source = 3", ["models.mine.source must be a string, got 3"]),
+        ('source = "a/b"\ncontext = -5', ["models.mine.context must be a positive number of tokens, got -5"]),
+        ('source = "a/b"\ncontext = true', ["models.mine.context"]),
+        ('source = "a/b"\nnote = 1', ["models.mine.note must be a string"]),
+        ('source = "a/b"\ndtype = "float8"', ["models.mine.dtype must be one of"]),
+        ('family = "llama"', ["models.mine has no source"]),
+    ],
+)
+def test_a_wrong_value_in_models_toml_names_alias_and_field(fast_load, tmp_path, entry, fragments):
+    """Issue 22.5."""
+    user = tmp_path / "models.toml"
+    user.write_text(f"[models.mine]\n{entry}\n")
+    assert_one_line_error(invoke(["--models", str(user), "-m", "mine"], "hi"), str(user), *fragments)
+
+
+def test_piped_text_follows_a_prompt_argument(fast_load, embedded):
+    """Issue 22.9: `cat notes.txt | h2o-chat "Summarise:"` reads both, the argument first."""
+    args = ["--raw", "--json", "--max-new-tokens", "1", "--temperature", "0"]
+    both = json.loads(invoke([*args, "Summarise in one word:"], "The cat sat on the mat.").stdout)
+    expected = embedded.tokenizer("Summarise in one word:\n\nThe cat sat on the mat.")["input_ids"]
+    assert both["prompt_tokens"] == len(expected)
+    alone = json.loads(invoke([*args, "Summarise in one word:"], "").stdout)  # nothing piped: the argument
+    assert alone["prompt_tokens"] == len(embedded.tokenizer("Summarise in one word:")["input_ids"])
+    assert_one_line_error(invoke([*args, "Summarise:"], b"caf\xe9"), "stdin is not UTF-8")
+
+
+def test_ctrl_c_during_json_writes_a_partial_record(fast_load, monkeypatch):
+    """Issue 22.10: Ctrl-C in --json mode still writes the record, with finish_reason "interrupted"."""
+    from h2o_chat.engine import generate
+
+    real, seen = generate.StreamingDetokenizer.add, []
+
+    def add(self, token):
+        seen.append(token)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+        return real(self, token)
+
+    monkeypatch.setattr(generate.StreamingDetokenizer, "add", add)
+    result = invoke(["--json", "--temperature", "0", "--max-new-tokens", "30"], "Count from one to ten.")
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    record = json.loads(result.stdout)
+    assert record["finish_reason"] == "interrupted" and record["text"] and record["generated_tokens"] == 3
+
+
+def test_stop_strings_end_the_reply(fast_load):
+    """Issue 22.20: --stop (repeatable) ends the reply before the first one."""
+    args = ["--json", "--temperature", "0", "--max-new-tokens", "16", "What is the capital of France?"]
+    full = json.loads(invoke(args).stdout)["text"]
+    assert "Paris" in full
+    cut = json.loads(invoke([*args, "--stop", "zzz", "--stop", "Paris"]).stdout)
+    assert cut["finish_reason"] == "stop" and cut["text"] == full[: full.index("Paris")]
+
+
+def test_top_k_and_min_p_on_the_command_line(fast_load):
+    """Issue 22.20: --top-k 1 (or a min-p that keeps only the most likely token) samples the greedy reply."""
+    args = ["--json", "--max-new-tokens", "12", "What is the capital of France?"]
+    greedy = json.loads(invoke([*args, "--temperature", "0"]).stdout)["text"]
+    assert json.loads(invoke([*args, "--temperature", "1.5", "--top-k", "1"]).stdout)["text"] == greedy
+    assert json.loads(invoke([*args, "--temperature", "1.5", "--min-p", "0.999"]).stdout)["text"] == greedy
+
+
+def test_threads_sets_torch_cpu_threads(fast_load):
+    """Issue 22.20: --threads N for torch on the CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = invoke(["--threads", "1", "--max-new-tokens", "2", "--temperature", "0"], "Hi")
+        assert result.exit_code == 0, result.stderr
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_plurals_and_the_budget_note_names_the_option(fast_load):
+    """Issue 22.19: "1 token", not "1 tokens"; a piped note suggests --budget, which exists there (not /budget)."""
+    result = invoke(["--temperature", "0", "--max-new-tokens", "1", "-b", "16"], "Tell me about boxes. " * 40)
+    assert result.exit_code == 0, result.stderr
+    summary = result.stderr.splitlines()[-1]
+    assert summary.startswith("h2o-chat: 1 token, ") and not re.search(r"\b1 tokens", result.stderr)
+    note = result.stderr.splitlines()[0]
+    assert "(--budget)" in note and "/budget" not in note
+
+
+def test_a_slow_prompt_is_forecast_before_it_is_read(fast_load, monkeypatch):
+    """Issue 21.3: a prompt that will take over a minute to read gets one note up front: tokens, time, advice."""
+    from h2o_chat.app import piped
+
+    monkeypatch.setattr(piped, "SLOW_READING", 0.0)  # any reading is "slow" here
+    result = invoke(["--temperature", "0", "--max-new-tokens", "1", "--chunk-size", "32", "-b", "64"], "Box. " * 60)
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "will take about" in line]
+    assert len(notes) == 1 and "a larger --chunk-size, or a GPU, reads faster" in notes[0]
+    assert re.search(r"reading [\d,]+ tokens \(twice: snap reads [\d,]+\) will take about \d+ s at", notes[0])
+
+
+def test_sigpipe_ends_quietly():
+    """Issue 22.19: `h2o-chat ... | head -c 20` ends as other tools do (SIGPIPE), without a word on stderr."""
+    from test_chat import _installed_command
+
+    proc = subprocess.Popen(
+        [*_installed_command(), "--temperature", "0", "--max-new-tokens", "64", "Count from one to fifty."],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    head = proc.stdout.read(20)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) in (0, -13, 141) and len(head) == 20
+    assert "Traceback" not in err and "error" not in err
+
+
+def test_soak_help_names_the_text_option_a_file():
+    """Issue 22.19: soak --text took a path but showed <str>."""
+    text = invoke(["soak", "--help"]).stdout
+    line = next(line for line in text.splitlines() if "--text" in line)
+    assert "FILE" in line and "<str>" not in line and "TEXT" not in line.split("--text")[1][:8]
+
+
+def test_bench_prints_no_line_its_table_lacks(fast_load):
+    """Issue 22.19: the h2o twin parked at the first length serves a ratio, not a row: no line of its own."""
+    result = invoke(["bench", "--lengths", "40,80", "--budget", "32", "--steps", "2", "--configs", "h2o"])
+    assert result.exit_code == 0, result.stderr
+    assert "h2o@first" not in result.output and "h2o 32 / " not in result.stderr
+    assert "seen" in result.stdout
+
+
+def test_a_setup_notice_starts_its_own_line_on_the_terminal(embedded, monkeypatch):
+    """Issue 22.11: on a terminal shared by stdout and stderr, a capture announced after the first tokens is
+    not glued to the reply; its seconds are reported apart, not folded into tok/s."""
+    import io
+    import time
+
+    from h2o_chat.app.conversation import ChatSettings
+    from h2o_chat.app.piped import RunOptions, run_piped
+    from h2o_chat.engine.decode import Engine
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.sampling import Sampler
+
+    class Screen(io.StringIO):
+        def isatty(self):
+            return True
+
+    real = Engine.decode
+
+    def decode(self, tokens=None):
+        if not self.captures:
+            self.captures = 1
+            self.on_setup("capturing the decode step as a CUDA graph (once)")
+            time.sleep(2.0)
+            self.setup_seconds += 2.0
+        return real(self, tokens)
+
+    monkeypatch.setattr(Engine, "decode", decode)
+    screen = Screen()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    settings = ChatSettings(max_new_tokens=8, sampler=Sampler(0))
+    record = run_piped(embedded, RunOptions(make_policy("h2o", 64), settings, json=False), "Count to five.")
+    lines = screen.getvalue().splitlines()
+    assert "h2o-chat: capturing the decode step as a CUDA graph (once) ..." in lines  # a whole line
+    assert record["setup_seconds"] >= 2.0
+    assert record["decode_tps"] > (record["generated_tokens"] - 1) / 2.0  # the 2 s are not in the speed
+    assert "one-time setup 2." in " ".join(screen.getvalue().split())  # the summary, wrapped to the terminal
+
+
+def test_reading_forecast():
+    """Issue 21.3: one note when the first chunk's speed projects over a minute; none for a quick prompt."""
+    from h2o_chat.app.piped import ReadingForecast
+
+    now = [0.0]
+    forecast = ReadingForecast(clock=lambda: now[0])
+    assert forecast(0, 20_000, 20_000) is None
+    now[0] = 40.0  # 512 tokens in 40 s: 12.8 tok/s
+    note = forecast(512, 20_000, 20_000)
+    assert note.startswith("reading 20,000 tokens will take about 26 min at 13 tok/s")
+    assert forecast(1024, 20_000, 20_000) is None  # said once
+    quick = ReadingForecast(clock=lambda: now[0])
+    quick(0, 2048, 2048)
+    now[0] += 1.0
+    assert quick(512, 2048, 2048) is None

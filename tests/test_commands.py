@@ -18,10 +18,13 @@ class RecordingView:
     """Stands in for ChatView: keeps what the commands asked to show."""
 
     def __init__(self):
-        self.said, self.errors, self.shown = [], [], []
+        self.said, self.errors, self.shown, self.notes = [], [], [], []
 
     def say(self, text):
         self.said.append(text)
+
+    def note(self, text):
+        self.notes.append(text)
 
     def error(self, error):
         self.errors.append(str(error))
@@ -36,7 +39,7 @@ class RecordingView:
 def commands(embedded, policy=None):
     conv = Conversation(embedded, policy or make_policy("snap", 64), ChatSettings(sampler=Sampler(0)))
     view = RecordingView()
-    return SlashCommands(conv, view), conv, view
+    return SlashCommands(conv, view, lambda text: list(conv.send(text))), conv, view
 
 
 def test_commands_change_settings_and_report_through_the_view(embedded, tmp_path):

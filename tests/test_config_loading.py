@@ -55,7 +55,7 @@ def test_user_file_adds_and_overrides(tmp_path):
     [
         ("[models.x\n", "not valid TOML"),
         ('[models.x]\nsource = "a/b"\nflavour = "x"\n', "unknown keys"),
-        ('[models.x]\nsource = "a/b"\nfamily = "gpt5"\n', "unknown family"),
+        ('[models.x]\nsource = "a/b"\nfamily = "gpt5"\n', "models.x.family must be one of llama"),
     ],
 )
 def test_bad_user_file_is_a_config_error(tmp_path, text, message):
@@ -106,3 +106,33 @@ def test_cuda_request_without_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(DeviceError, match="no CUDA GPU"):
         loading.resolve_device("cuda")
+
+
+def test_a_gpu_model_is_warmed_up_while_loading(monkeypatch, tiny_folder):
+    """Issue 21.2: one short forward without a cache on CUDA while loading (the first one of a process is
+    slow); nothing on the CPU. No GPU here: the CUDA path runs the forward on the CPU model, synchronize mocked."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(loading, "warm_up", lambda model, device: calls.append(device.type))
+    loaded = load(load_registry().resolve(str(tiny_folder)), device="cpu")
+    assert calls == ["cpu"]  # load always offers the model; warm_up decides
+    monkeypatch.undo()
+
+    forwards, synced = [], []
+    loaded.model.register_forward_hook(lambda module, args, out: forwards.append(out.logits.shape))
+    loading.warm_up(loaded.model, torch.device("cpu"))
+    assert forwards == []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
+    loading.warm_up(loaded.model, torch.device("cuda"))
+    assert len(forwards) == 1 and forwards[0][:2] == (1, 8) and synced == [1]
+
+
+def test_registry_refuses_an_empty_name_and_names_missing_paths():
+    """Issue 22.15."""
+    reg = load_registry()
+    with pytest.raises(UnknownModelError, match="--model is empty"):
+        reg.resolve("  ")
+    with pytest.raises(ModelNotFoundError, match="GGUF file not found"):
+        reg.resolve("weights/missing.gguf")
+    assert reg.resolve(None).name == reg.default

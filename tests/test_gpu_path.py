@@ -151,8 +151,8 @@ def test_cuda_eager_decode_steps_never_sync_with_the_host():
 @needs_cuda
 def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'h2o-chat[cuda]')")
-    from h2o_chat.app.ui import process_memory
     from h2o_chat.models.loading import load
+    from h2o_chat.models.memory import process_memory
 
     loaded = load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda", quantize="4bit")
     assert loaded.quantize == "4bit" and loaded.dtype in (torch.bfloat16, torch.float16)

@@ -1,4 +1,4 @@
-"""Sampling on the device: temperature, top-p and the repetition penalty, reproducible from a seed."""
+"""Sampling on the device: temperature, top-k, top-p, min-p and the repetition penalty, reproducible from a seed."""
 
 from __future__ import annotations
 
@@ -60,14 +60,54 @@ def test_repetition_penalty_steers_away_from_recent_tokens():
     assert plain(logits).item() == 0  # penalty 1: nothing changes
 
 
+def test_top_k_keeps_the_k_most_likely_tokens():
+    logits = torch.tensor([[3.0, 2.9, 2.8, 2.7, 0.0]])
+    assert set(draws(Sampler(temperature=1.0, top_k=2, seed=1), logits, 300)[:, 0].tolist()) == {0, 1}
+    assert draws(Sampler(temperature=5.0, top_k=1, seed=1), logits, 50).unique().tolist() == [0]
+    assert set(draws(Sampler(temperature=1.0, seed=1), logits, 300)[:, 0].tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_min_p_drops_tokens_far_below_the_most_likely():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])  # relative to 0.5: 0.6, 0.3, 0.1
+    got = set(draws(Sampler(temperature=1.0, min_p=0.2, seed=2), probs.log(), 400)[:, 0].tolist())
+    assert got == {0, 1, 2}
+    got = set(draws(Sampler(temperature=1.0, min_p=0.5, seed=2), probs.log(), 400)[:, 0].tolist())
+    assert got == {0, 1}
+
+
+def test_filters_are_per_row_and_combine_with_top_p():
+    logits = torch.zeros(2, 8)  # uniform: every filter decides alone
+    rows = Sampler(temperature=1.0, top_p=0.99, seed=4).rows(2, torch.device("cpu"), 8, top_k=[3, 0])
+    got = torch.stack([rows(logits) for _ in range(300)])
+    assert len(set(got[:, 0].tolist())) == 3  # ties: any three, always the same three
+    assert len(set(got[:, 1].tolist())) == 8  # the other row keeps every token
+    assert rows.filtered and rows.top_k.tolist() == [3, 8]
+
+
+def test_a_top_k_above_the_nucleus_cap_ranks_that_many():
+    from h2o_chat.engine.sampling import NUCLEUS_CAP
+
+    rows = Sampler(temperature=1.0, top_k=NUCLEUS_CAP + 100, seed=1).rows(1, torch.device("cpu"), 2000)
+    assert rows.cut == NUCLEUS_CAP + 100
+    assert rows(torch.zeros(1, 2000)).shape == (1,)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-1), r"--temperature must be >= 0 \(0 = greedy\), got -1$"),
-        (dict(temperature=float("nan")), r"--temperature must be >= 0 \(0 = greedy\), got nan$"),
+        (dict(temperature=-1), r"--temperature must be between 0 \(greedy\) and 10, got -1$"),
+        (dict(temperature=float("nan")), r"--temperature must be between 0 \(greedy\) and 10, got nan$"),
+        (dict(temperature=float("inf")), r"--temperature must be between 0 \(greedy\) and 10, got inf$"),
+        (dict(temperature=1e9), r"--temperature must be between 0 \(greedy\) and 10, got 1e\+09$"),
         (dict(top_p=0.0), "--top-p must be above 0 and at most 1, got 0$"),
         (dict(top_p=1.5), "--top-p must be above 0 and at most 1, got 1.5$"),
-        (dict(repetition_penalty=0), r"--repetition-penalty must be above 0 \(1 = off\), got 0$"),
+        (dict(top_p=float("nan")), "--top-p must be above 0 and at most 1, got nan$"),
+        (dict(repetition_penalty=0), r"--repetition-penalty must be above 0 and at most 10 \(1 = off\), got 0$"),
+        (dict(repetition_penalty=float("inf")), r"--repetition-penalty .* got inf$"),
+        (dict(top_k=-1), r"--top-k must be a whole number >= 0 \(0 = off\), got -1$"),
+        (dict(top_k=2.5), r"--top-k must be a whole number >= 0 \(0 = off\), got 2.5$"),
+        (dict(min_p=1.0), r"--min-p must be at least 0 \(off\) and below 1, got 1$"),
+        (dict(min_p=float("nan")), r"--min-p must be at least 0 \(off\) and below 1, got nan$"),
     ],
 )
 def test_bad_settings_say_which_value_is_wrong(kwargs, message):

@@ -73,3 +73,33 @@ def test_toolbar_fits_the_terminal(embedded, tmp_path):
         bar = chat.toolbar(width)
         assert len(bar) < width and bar.endswith("| /help"), (width, bar)
     assert "in use" in chat.toolbar(200) and chat.toolbar(40).startswith(" h2o 64 | 0 seen")
+
+
+def test_the_progress_bar_fits_a_narrow_terminal_without_cutting_words():
+    """Issue 22.12: at 40 columns the bar gives way and the description wraps at word boundaries."""
+    description = "reading the conversation (12 messages) (twice: snap)"
+    for width in (40, 60, 100):
+        console = Console(file=io.StringIO(), width=width, no_color=True, force_terminal=True)
+        progress = ui._progress(console)
+        progress.update(progress.add_task(description, total=8720), completed=4360)
+        lines = draw(progress.get_renderable(), width=width).splitlines()
+        assert all(len(line) <= width for line in lines), (width, lines)
+        assert set(description.split()) <= set(" ".join(lines).split()), (width, lines)  # every word whole
+        assert "4360/8720" in lines[0]
+
+
+def test_the_panel_shows_the_memory_it_is_handed():
+    """Issue 18: the one process-memory reader lives in models/memory.py; the panel draws what it is given."""
+    view = ui.PanelView("tiny", "cpu, float32", memory=lambda: {"rss": 123 * 2**20})
+    assert "RSS 123.0 MB" in draw(view.render(stats()), width=120)
+
+
+def test_summary_leaves_a_one_time_setup_out_of_tok_s():
+    """Issue 22.11: a capture or compilation is said apart, not folded into the decode speed."""
+    from types import SimpleNamespace
+
+    record = SimpleNamespace(generation_tokens=11, prompt_tokens=1, prompt_tps=5.0, generation_tps=0.1)
+    line = ui.summary_line(record, stats(), "CUDA graph (1 captured, 1.2 s)", (50.0, 20.0, 1.2))
+    assert line.startswith(
+        "11 tokens, 20.0 tok/s, CUDA graph (1 captured, 1.2 s) (prompt 1 token, 50 tok/s; one-time setup 1.2 s"
+    )

@@ -1,10 +1,10 @@
 """Scripted batch generation: JSONL in, JSONL out, written as each row finishes.
 
-Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature",
-"repetition_penalty", "budget".
-Rows with the same budget run together, sorted by length to limit padding, in batches of `batch_size`; a row
-that finishes is written at once and dropped from the batch (and from the cache). Output is appended, so a
-killed run loses nothing it finished, and a rerun skips the ids already in the output file.
+Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature", "top_k",
+"min_p", "repetition_penalty", "budget".
+Rows with the same budget run together, shortest first, `batch_size` at a time with continuous batching: a row
+that finishes is written at once and the next waiting prompt takes its place in the running batch. Output is
+appended, so a killed run loses nothing it finished, and a rerun skips the ids already in the output file.
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.app.conversation import is_messages
+from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.engine.policies import Policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.slots import mean_count
-from h2o_chat.errors import ConfigError, InputError
-from h2o_chat.files import read_user_text
+from h2o_chat.errors import ConfigError, H2OChatError, InputError
+from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
+
+MAX_INPUT_BYTES = 2**30  # a batch file: one read, every line tokenized before generation starts
 
 
 @dataclass
@@ -38,6 +40,8 @@ class Item:
     temperature: float
     budget: int | None
     repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Defaults:
     temperature: float = 0.0
     budget: int | None = 512
     repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     system: str | None = None
     raw: bool = False
 
@@ -59,9 +65,24 @@ class Summary:
     seconds: float = 0.0
 
 
+KEYS = {"id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "min_p", "repetition_penalty", "budget"}
+
+
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f'"{name}" must be a positive integer')
+    return value
+
+
+def _setting(obj: dict, name: str, default, check) -> float:
+    """A line's own sampling setting (or the default), checked as the Sampler checks the command line's."""
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f'"{name}" must be a number, got {json.dumps(value)}')
+    try:
+        check(value, f'"{name}"')
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     return value
 
 
@@ -77,15 +98,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         raise ValueError('needs an "id" (string or integer)')
     if ("prompt" in obj) == ("messages" in obj):
         raise ValueError('needs exactly one of "prompt" or "messages"')
-    unknown = set(obj) - {
-        "id",
-        "prompt",
-        "messages",
-        "max_new_tokens",
-        "temperature",
-        "repetition_penalty",
-        "budget",
-    }
+    unknown = set(obj) - KEYS
     if unknown:
         raise ValueError(f"unknown keys: {', '.join(sorted(unknown))}")
     if "prompt" in obj:
@@ -94,15 +107,14 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         messages = [{"role": "user", "content": obj["prompt"]}]
     else:
         messages = obj["messages"]
-        if not (messages and is_messages(messages)):
-            raise ValueError('"messages" must be a list of {"role", "content"} objects')
+        problem = messages_problem(messages)
+        if problem:
+            raise ValueError(f'"messages": {problem}')
     max_new = _positive_int(obj.get("max_new_tokens", defaults.max_new_tokens), "max_new_tokens")
-    temperature = obj.get("temperature", defaults.temperature)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError('"temperature" must be a number >= 0')
-    penalty = obj.get("repetition_penalty", defaults.repetition_penalty)
-    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or penalty <= 0:
-        raise ValueError('"repetition_penalty" must be a number > 0 (1 = off)')
+    temperature = _setting(obj, "temperature", defaults.temperature, check_temperature)
+    penalty = _setting(obj, "repetition_penalty", defaults.repetition_penalty, check_repetition_penalty)
+    top_k = _setting(obj, "top_k", defaults.top_k, check_top_k)
+    min_p = _setting(obj, "min_p", defaults.min_p, check_min_p)
     budget = obj.get("budget", defaults.budget)
     if budget is not None:
         budget = _positive_int(budget, "budget")
@@ -111,27 +123,39 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
     else:
         if defaults.system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": defaults.system}, *messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else list(ids["input_ids"])
-    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty))
+        ids = chat_ids(tokenizer, messages)
+    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p))
 
 
 def read_items(
     path: Path, tokenizer, defaults: Defaults, summary: Summary, make_policy: Callable[[int | None], Policy]
 ) -> tuple[list[Item], dict[int | None, Policy]]:
-    """The well-formed lines, and a policy for every budget they ask for; bad lines go to summary.malformed."""
-    lines = read_user_text(path, "input file").splitlines()
-    items, seen, policies = [], set(), {}
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
+    """The well-formed lines, and a policy for every budget they ask for; bad lines go to summary.malformed:
+    a line that is not UTF-8 or not valid, a duplicate id, a budget that is impossible or does not fit in
+    memory (`make_policy` raises for those). Only these lines are skipped, never the file."""
+    use_chat_template(tokenizer)  # a base model's tokenizer gets the plain template, as in the chat
+    lines = read_user_bytes(path, "input file", limit=MAX_INPUT_BYTES).splitlines()
+    items, seen, policies, impossible = [], set(), {}, {}
+    for number, raw in enumerate(lines, start=1):
         try:
+            text = raw.decode("utf-8").removeprefix("\ufeff")
+            if not text.strip():
+                continue
             item = parse_line(text, number, tokenizer, defaults)
             if item.id in seen:
                 raise ValueError(f'duplicate id "{item.id}"')
+            if item.budget in impossible:
+                raise impossible[item.budget]
             if item.budget not in policies:
-                policies[item.budget] = make_policy(item.budget)  # an impossible budget skips its line
-        except (ValueError, ConfigError) as e:
+                try:
+                    policies[item.budget] = make_policy(item.budget)
+                except H2OChatError as e:
+                    impossible[item.budget] = e  # every line asking for it is skipped, with the same reason
+                    raise
+        except UnicodeDecodeError as e:
+            summary.malformed.append(f"{path.name} line {number}: not UTF-8 text (byte {e.start + 1} of the line)")
+            continue
+        except (ValueError, H2OChatError) as e:
             summary.malformed.append(f"{path.name} line {number}: {e}")
             continue
         seen.add(item.id)
@@ -167,69 +191,94 @@ def generate_batch(
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "auto",
     decode: str = "auto",
+    rows: int = 8,
 ) -> Iterator[dict]:
-    """Generate for the rows together; yield each row's result record as soon as the row is done. Finished rows
-    keep decoding (their tokens are ignored) until half the batch has finished, then leave it together, so
-    the decode step is captured again only a few times per batch."""
+    """Continuous batching: keep `rows` batch rows busy until every item is done, yielding each item's record as
+    soon as it finishes. The first `rows` prompts are read together; then a row that finishes takes the next
+    waiting prompt at once (read into that row alone while the others wait one step), so the decode step --
+    captured once on CUDA -- is reused for the whole run. A row decodes exactly as its prompt would alone
+    (greedy). When no prompt is left and half the rows are idle, the idle rows leave the batch."""
     model, tok = loaded.model, loaded.tokenizer
     stops = stop_token_ids(tok, model)
-    ids, mask = left_pad([it.ids for it in items], tok.pad_token_id or 0)
+    R = min(rows, len(items))
     cache = H2OCache.for_model(model, policy, positions, loaded.context)
-    cache.reserve(ids.shape[1] + max(it.max_new_tokens for it in items))  # a full cache, once
+    cache.reserve(max(len(it.ids) for it in items) + max(it.max_new_tokens for it in items))  # a full cache, once
     engine = Engine(model, cache, decode)
-    sampler = Sampler(top_p=top_p, seed=seed)
-    engine.set_sampler(
-        sampler,
-        len(items),
-        temperature=[it.temperature for it in items],
-        repetition_penalty=[it.repetition_penalty for it in items],
-    )
+    # the sampler's shape (which operations a step runs) must serve every item, not only the first rows
+    engine.set_sampler(Sampler(top_p=top_p, seed=seed), len(items), **_sampling(items, lists=True))
+    engine.sampler.select_rows(torch.arange(R))
     t0 = time.perf_counter()
-    logits = engine.prefill(ids, mask, chunk_size)
-    prompt_seconds: float | None = None
-    rows = list(range(len(items)))  # item index of each cache row
-    done = [False] * len(items)
-    out: list[list[int]] = [[] for _ in items]
-    for step_tokens in engine.tokens(logits, max(it.max_new_tokens for it in items)):
-        if prompt_seconds is None:
-            prompt_seconds = time.perf_counter() - t0
-        for row, token in enumerate(step_tokens):
-            i = rows[row]
-            if done[i]:
-                continue
-            item = items[i]
-            reason = "stop" if token in stops else None
-            if reason is None:
-                out[i].append(token)
-                if len(out[i]) >= item.max_new_tokens:
-                    reason = "length"
-            if reason is None:
-                continue
-            done[i] = True
-            row_stats = cache.row_stats(row)
-            yield {
-                "id": item.id,
-                "text": tok.decode(out[i], skip_special_tokens=True),
-                "finish_reason": reason,
-                "prompt_tokens": len(item.ids),
-                "generated_tokens": len(out[i]) + (reason == "stop"),
-                "seconds": round(time.perf_counter() - t0, 3),
-                "prompt_seconds": round(prompt_seconds, 3),
-                "cache": {
-                    "policy": policy.name,
-                    "budget": policy.budget,
-                    "seen": row_stats["seen"],
-                    "kept": mean_count(row_stats["kept"]),
-                    "evicted": mean_count(row_stats["evicted"]),
-                },
-                "batch_rows": len(items),
-            }
-        active = [r for r, i in enumerate(rows) if not done[i]]
+    ids, mask = left_pad([it.ids for it in items[:R]], tok.pad_token_id or 0)
+    tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size))
+    queue = list(range(R, len(items)))
+    slot: list[int | None] = list(range(R))  # the item each batch row is generating, None when idle
+    out: dict[int, list[int]] = {i: [] for i in range(R)}
+    started = dict.fromkeys(range(R), t0)
+    prompt_seconds = dict.fromkeys(range(R), time.perf_counter() - t0)
+
+    def finished(i: int, token: int) -> str | None:
+        """Take item i's next token; the reason it is done, or None."""
+        if token in stops:
+            return "stop"
+        out[i].append(token)
+        return "length" if len(out[i]) >= items[i].max_new_tokens else None
+
+    while True:
+        step = tokens.tolist()  # the host reads this step's tokens (one wait per step)
+        for r, token in enumerate(step):
+            i = slot[r]
+            reason = None if i is None else finished(i, token)
+            while reason is not None:  # the row's item is done: write it, and a waiting prompt takes the row
+                generated = out.pop(i)
+                stats = {**cache.row_stats(r), "generated": len(generated) + (reason == "stop")}
+                text = tok.decode(generated, skip_special_tokens=True)
+                yield _record(items[i], text, reason, stats, policy, started[i], prompt_seconds[i], R)
+                slot[r], reason = None, None
+                if queue:
+                    i = slot[r] = queue.pop(0)
+                    started[i], out[i] = time.perf_counter(), []
+                    first = engine.refill(r, torch.tensor([items[i].ids]), chunk_size, **_sampling([items[i]]))
+                    prompt_seconds[i] = time.perf_counter() - started[i]
+                    tokens[r] = first
+                    reason = finished(i, int(first))  # fed with the next step unless it already ends the item
+        active = [r for r, i in enumerate(slot) if i is not None]
         if not active:
             return
-        if len(active) <= len(rows) // 2:  # half the rows are done: they leave the batch together
-            engine.keep_rows(torch.tensor(active))
-            rows = [rows[r] for r in active]
+        if not queue and len(active) <= len(slot) // 2:  # idle rows leave together: one new capture
+            index = torch.tensor(active)
+            engine.select_rows(index)
+            tokens, slot = tokens[index.to(tokens.device)], [slot[r] for r in active]
+        tokens = engine.decode(tokens)[1].clone()  # a captured step's output is overwritten by the next step
+
+
+def _sampling(items: list[Item], lists: bool = False) -> dict:
+    """Per-row sampling settings of `items`: lists for a new sampler, or one row's values for a refill."""
+    if lists:
+        names = ("temperature", "repetition_penalty", "top_k", "min_p")
+        return {k: [getattr(it, k) for it in items] for k in names}
+    it = items[0]
+    return {"temperature": it.temperature, "penalty": it.repetition_penalty, "top_k": it.top_k, "min_p": it.min_p}
+
+
+def _record(item: Item, text: str, reason: str, stats: dict, policy: Policy, started, prompt_seconds, rows) -> dict:
+    """One output line: the item's text, token counts, timings and what its cache row kept."""
+    return {
+        "id": item.id,
+        "text": text,
+        "finish_reason": reason,
+        "prompt_tokens": len(item.ids),
+        "generated_tokens": stats["generated"],
+        "seconds": round(time.perf_counter() - started, 3),
+        "prompt_seconds": round(prompt_seconds, 3),
+        "cache": {
+            "policy": policy.name,
+            "budget": policy.budget,
+            "seen": stats["seen"],
+            "kept": mean_count(stats["kept"]),
+            "evicted": mean_count(stats["evicted"]),
+        },
+        "batch_rows": rows,
+    }
 
 
 def run_batch(
@@ -256,6 +305,8 @@ def run_batch(
             on_skip(problem)
     if summary.malformed and not items:
         raise InputError(f"no line of {input_path.name} can be run: all {len(summary.malformed)} were skipped")
+    if not items:
+        raise InputError(f"{input_path.name} has no lines to run: give one JSON object per line")
     done = finished_ids(output_path)
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)
@@ -268,14 +319,13 @@ def run_batch(
     with out:
         for budget, policy in sorted(policies.items(), key=lambda kv: kv[0] or 0):
             group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
-            for start in range(0, len(group), batch_size):
-                rows = group[start : start + batch_size]
-                for record in generate_batch(loaded, rows, policy, top_p, seed, chunk_size, positions, decode):
-                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    out.flush()  # a killed run keeps every finished row
-                    summary.done += 1
-                    summary.tokens += record["generated_tokens"]
-                    if on_record:
-                        on_record(record)
+            records = generate_batch(loaded, group, policy, top_p, seed, chunk_size, positions, decode, rows=batch_size)
+            for record in records:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()  # a killed run keeps every finished row
+                summary.done += 1
+                summary.tokens += record["generated_tokens"]
+                if on_record:
+                    on_record(record)
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -18,11 +18,12 @@ from rich.console import Console
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.commands import SlashCommands
 from h2o_chat.app.conversation import Conversation
-from h2o_chat.app.piped import RunOptions
-from h2o_chat.app.ui import PanelView, describe_device, make_console
-from h2o_chat.errors import H2OChatError
+from h2o_chat.app.piped import ReadingForecast, RunOptions
+from h2o_chat.app.ui import PanelView, describe_device, make_console, plural
+from h2o_chat.errors import H2OChatError, out_of_memory
 from h2o_chat.files import user_data_dir
 from h2o_chat.models.loading import Loaded
+from h2o_chat.models.memory import process_memory
 
 
 @contextlib.contextmanager
@@ -46,12 +47,13 @@ class ChatSession:
     def __init__(self, loaded: Loaded, options: RunOptions, console: Console, prompt_session=None):
         self.loaded, self.console, self.prompt = loaded, console, prompt_session
         self.conv = Conversation(loaded, options.policy, options.settings)
+        self.conv.budget_hint = "/budget"
         plain = bool(os.environ.get("NO_COLOR"))  # the README promises plain text: no boxed panel
         device = describe_device(loaded)
-        panel = PanelView(loaded.spec.name, device, plain=plain) if options.panel else None
-        self.view = ChatView(console, panel, loaded.spec.name, device)
-        self.commands = SlashCommands(self.conv, self.view)
-        self.conv.engine.on_setup = self.view.setup
+        panel = PanelView(loaded.spec.name, device, plain=plain, memory=process_memory) if options.panel else None
+        self.view = ChatView(console, panel, loaded.spec.name, device, memory=process_memory)
+        self.commands = SlashCommands(self.conv, self.view, self.reply)
+        self.conv.on_setup = self.view.setup  # every engine the conversation makes (/reset, /load restart it)
 
     @property
     def panel(self) -> PanelView | None:
@@ -71,17 +73,23 @@ class ChatSession:
             self.view.echo(text)
             if not text.startswith("/"):
                 self.reply(text)
-            elif self.commands.run(text) == "exit":
-                break
+                continue
+            try:
+                if self.commands.run(text) == "exit":
+                    break
+            except KeyboardInterrupt:  # Ctrl-C stops a command (a long /load), never the session
+                self.view.say("(stopped)")
 
     def reply(self, text: str) -> None:
-        """One turn: the message is read (with progress), the reply streams until it ends or Ctrl-C."""
+        """One turn: the message is read (with progress), the reply streams until it ends or Ctrl-C. Nothing
+        that goes wrong in a turn ends the session: out of memory takes the turn back, keeping the rest."""
         conv, view = self.conv, self.view
-        conv.engine.on_setup = view.setup  # a new conversation (/reset, /load) has a new engine
+        forecast = ReadingForecast()
 
         def progress(done: int, total: int) -> None:
-            for notice in conv.cache.pop_notices():
-                view.note(notice)
+            for notice in [*conv.cache.pop_notices(), forecast(done, total, conv.pending)]:
+                if notice:
+                    view.note(notice)
             view.reading(done, total, conv.pending, conv.pending_messages, conv.cache.stats)
 
         last = None
@@ -92,11 +100,21 @@ class ChatSession:
                 contextlib.closing(conv.send(text, progress=progress)) as stream,
             ):
                 for last in stream:
-                    view.token(last, conv.engine.describe())
+                    view.token(last, conv.engine.describe(), conv.speeds(last))
                     if stop.is_set():
                         break
         except H2OChatError as e:  # e.g. a model that cannot read past its context: the session stays
             view.error(e)
+            return
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            conv.drop_last_turn()  # the cache may be half-updated: it restarts, the conversation stays
+            view.error(
+                f"out of memory ({str(e).splitlines()[0]}); this message was taken back (Up sends it again) and "
+                f"the conversation before it is kept ({plural(len(conv.messages), 'message')}); a smaller /budget "
+                "needs less"
+            )
             return
         finally:
             for notice in conv.cache.pop_notices():

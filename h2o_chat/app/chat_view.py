@@ -4,7 +4,7 @@ notes, errors, the toolbar. Rendering only: the session and the slash commands h
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,22 +18,35 @@ from h2o_chat.app.ui import (
     describe_policy,
     eviction_table,
     human_bytes,
+    plural,
     reading_label,
+    wrap,
 )
 
 
 class ChatView:
     """The chat's rendering on a rich console, with the live panel (or None for plain text)."""
 
-    def __init__(self, console: Console, panel: PanelView | None, model: str, device: str):
+    def __init__(
+        self,
+        console: Console,
+        panel: PanelView | None,
+        model: str,
+        device: str,
+        memory: Callable[[], dict[str, int]] | None = None,
+    ):
         self.console, self.panel, self.model, self.device = console, panel, model, device
+        self.memory = memory or (panel.memory if panel is not None else lambda: {"rss": 0})
         self.stream: StreamView | None = None
 
     # -- lines --------------------------------------------------------------------------------------
+    # our own lines wrap at word boundaries to the terminal's width; a line said while a reply streams
+    # starts on a line of its own, never glued to the reply's text
     def banner(self, policy: str) -> None:
-        self.console.print(
+        wrap(
+            self.console,
             f"[bold]h2o-chat[/] {escape(self.model)} on {escape(self.device)} | {escape(policy)} | "
-            "/help for commands, Ctrl-D to leave"
+            "/help for commands, Ctrl-D to leave",
         )
 
     def echo(self, text: str) -> None:
@@ -42,18 +55,23 @@ class ChatView:
         (once scrolled off as the input grew, once as the final state), without its first paragraphs."""
         self.console.print(Text.assemble(("> ", "bold"), text), soft_wrap=True)
 
+    def _line(self, renderable, **kwargs) -> None:
+        if self.stream is not None:
+            self.stream.break_line()
+        wrap(self.console, renderable, **kwargs)
+
     def say(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
+        self._line(text, markup=False, highlight=False)
 
     def note(self, text: str) -> None:
-        self.console.print(f"[dim]note: {escape(text)}[/]", soft_wrap=True)
+        self._line(f"[dim]note: {escape(text)}[/]")
 
-    def error(self, error: Exception) -> None:
-        self.console.print(f"[red]error:[/] {escape(str(error))}")
+    def error(self, error: Exception | str) -> None:
+        self._line(f"[red]error:[/] {escape(str(error))}")
 
     def setup(self, message: str) -> None:
         """A one-time capture or compilation of the decode step: say what the pause is."""
-        self.console.print(f"[dim]{escape(message)} ...[/]")
+        self._line(f"[dim]{escape(message)} ...[/]")
 
     # -- panels and tables --------------------------------------------------------------------------
     def toolbar(self, stats, width: int) -> str:
@@ -72,7 +90,7 @@ class ChatView:
         return " " + " | ".join([*parts, "/help"])
 
     def stats(self, stats) -> None:
-        panel = self.panel or PanelView(self.model, self.device)
+        panel = self.panel or PanelView(self.model, self.device, memory=self.memory)
         self.console.print(panel.render(stats))
 
     def evictions(self, reports) -> None:
@@ -97,9 +115,11 @@ class ChatView:
         label = reading_label(total, pending).replace("reading the prompt", what)
         self.stream.prefill(done, total, label, stats_fn)
 
-    def token(self, record, decode: str) -> None:
+    def token(self, record, decode: str, speeds: tuple[float, float, float] | None = None) -> None:
+        """A piece of the reply; `speeds` (prompt tok/s, decode tok/s, setup seconds) leave a one-time setup out."""
         if self.panel is not None:
-            self.panel.turn.prompt_tps, self.panel.turn.generation_tps = record.prompt_tps, record.generation_tps
+            prompt_tps, decode_tps, _ = speeds or (record.prompt_tps, record.generation_tps, 0.0)
+            self.panel.turn.prompt_tps, self.panel.turn.generation_tps = prompt_tps, decode_tps
             self.panel.turn.decode = decode
         self.stream.update(record.text, record.cache.stats)
 
@@ -108,7 +128,7 @@ class ChatView:
         if stopped:
             self.console.print("[dim](reply stopped)[/]")
         elif last is not None and last.finish_reason == "length":
-            self.console.print(f"[dim](reply cut at {last.generation_tokens} tokens: --max-new-tokens)[/]")
+            wrap(self.console, f"[dim](reply cut at {plural(last.generation_tokens, 'token')}: --max-new-tokens)[/]")
         if len(fresh) > 1:  # e.g. a long loaded conversation read into a small budget: one line, not one each
             self.note(f"{len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which")
         elif fresh:

@@ -57,11 +57,26 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from h2o_chat import __version__
+
+        typer.echo(f"h2o-chat {__version__}")
+        raise typer.Exit()
+
+
 @app.callback(invoke_without_command=True)
 @grouped
 def main_command(
     ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
     system: Annotated[str | None, typer.Option(help="System prompt (batch: for lines without one).")] = None,
+    stop: Annotated[
+        list[str] | None,
+        typer.Option("--stop", help="End the reply before this text (repeat for several).", show_default=False),
+    ] = None,
     raw: Annotated[
         bool, typer.Option("--raw", help="Piped: continue stdin as plain text, without the chat template.")
     ] = False,
@@ -82,17 +97,23 @@ def main_command(
     with reported():
         for group in (models, cache, sampling):
             group.check()
+        if stop is not None and not all(stop):
+            from h2o_chat.errors import InputError
+
+            raise InputError("--stop needs some text to stop at")
         policy = cache.build(knobs)
         interactive = argument is None and sys.stdin.isatty()
-        prompt = argument  # a prompt argument: one reply, stdin is not read
+        prompt = argument
         if argument is not None and not argument.strip():
             from h2o_chat.errors import InputError
 
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
-        if argument is None and not interactive:
-            from h2o_chat.app.piped import read_stdin_prompt
+        if not sys.stdin.isatty():
+            from h2o_chat.app.piped import combine_prompt, read_stdin_prompt
 
-            prompt = read_stdin_prompt(sys.stdin.buffer.read())  # fail fast, before loading weights
+            # fail fast, before loading weights; with a prompt argument, piped text follows it (as in ollama)
+            piped = read_stdin_prompt(sys.stdin.buffer.read(), required=argument is None)
+            prompt = combine_prompt(argument, piped)
         from h2o_chat.app.conversation import ChatSettings
         from h2o_chat.app.piped import RunOptions
 
@@ -105,6 +126,7 @@ def main_command(
                 positions=cache.positions,
                 sampler=sampling.sampler(),
                 decode=models.decode,
+                stop=tuple(stop or ()),
             ),
             panel=not no_panel,
             json=json_out,
@@ -125,32 +147,32 @@ def main_command(
 def models_command(models_file: ModelsFile = None) -> None:
     """List the model aliases and whether their weights are on this machine."""
     with reported():
-        from rich.table import Table
-        from rich.text import Text
-
-        from h2o_chat.app.ui import make_console
+        from h2o_chat.app.ui import make_console, models_tables
         from h2o_chat.files import user_cache_dir
         from h2o_chat.models.loading import is_present
 
         registry = load_registry(models_file)
-        table = Table(box=None, pad_edge=False)
-        for col in ("alias", "present", "family", "dtype/quant", "context", "source / note"):
-            table.add_column(col, no_wrap=col != "source / note")
-        for name, spec in registry.models.items():
-            table.add_row(
+        console = make_console()
+        rows = [
+            (
                 name + (" *" if name == registry.default else ""),
                 "yes" if is_present(spec) else "no",
                 spec.family,
                 f"{spec.dtype}/{spec.quantize}",
                 str(spec.context or "?"),
-                # a repo id has no spaces to wrap at: fold it whole onto more lines rather than cut it with "..."
-                Text(f"{spec.source}\n{spec.note}", overflow="fold"),
+                spec.source,
+                spec.note,
             )
-        table.caption = (
+            for name, spec in registry.models.items()
+        ]
+        caption = (
             "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)\n"
             f"Converted weights are kept in {user_cache_dir()} (H2O_CHAT_CACHE sets another folder)."
         )
-        make_console().print(table)
+        for i, table in enumerate(models_tables(rows, caption, console.width)):
+            if i:
+                console.print()
+            console.print(table)
 
 
 @app.command("batch", cls=Command)
@@ -161,7 +183,7 @@ def batch_command(
         typer.Argument(
             metavar="INPUT.jsonl",
             help='Lines of {"id", "prompt"} or {"id", "messages"}, optional max_new_tokens, temperature, '
-            "repetition_penalty, budget.",
+            "top_k, min_p, repetition_penalty, budget.",
         ),
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Results, appended as each row finishes.")],
@@ -176,25 +198,32 @@ def batch_command(
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
         from h2o_chat.app.batch import Defaults, run_batch
+        from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
 
         check_positive("--batch-size", batch_size)
         for group in (models, cache, sampling):
             group.check()
-        if not input_path.is_file():
+        if input_path.is_dir():
+            raise InputError(f"input file {input_path} is a folder: give a .jsonl file")
+        if not input_path.exists():
             raise InputError(f"input file not found: {input_path}")
         if output.is_dir():
             raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
         if not output.parent.exists():
             raise InputError(f"output folder does not exist: {output.parent}")
-        if output.resolve() == input_path.resolve():
+        if output.exists() and output.samefile(input_path):  # a symlink or a hard link of it too
             raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
         cache.build(knobs)  # fail before loading weights
+        loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size)
 
         def policy_for(line_budget: int | None):
-            return cache.build(knobs, line_budget)
+            """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
+            policy = cache.build(knobs, line_budget)
+            if policy.budget is not None and policy.budget != cache.budget:  # the default one was checked above
+                loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"')
+            return policy
 
-        loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size)
         defaults = Defaults(
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
@@ -202,6 +231,8 @@ def batch_command(
             system=system,
             raw=raw,
             repetition_penalty=sampling.repetition_penalty,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
         )
         summary = run_batch(
             loaded,
@@ -213,17 +244,19 @@ def batch_command(
             top_p=sampling.top_p,
             seed=sampling.seed,
             chunk_size=cache.chunk_size,
-            on_record=lambda r: status(f"{r['id']}: {r['generated_tokens']} tokens"),
+            on_record=lambda r: status(f"{r['id']}: {plural(r['generated_tokens'], 'token')}"),
             positions=cache.positions,
             decode=models.decode,
             on_skip=lambda problem: status(f"skipped {problem}"),
         )
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
-        skipped = f"{len(summary.malformed)} lines skipped (listed above)" if summary.malformed else "0 skipped"
+        skipped = (
+            f"{plural(len(summary.malformed), 'line')} skipped (listed above)" if summary.malformed else "0 skipped"
+        )
         # every valid row finished: exit 0, whatever was skipped (it was reported before generation started)
         status(
             f"batch: {summary.done} done, {summary.skipped} already in {output.name}, {skipped} | "
-            f"{summary.tokens} tokens in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
+            f"{plural(summary.tokens, 'token')} in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
         )
 
 
@@ -236,6 +269,10 @@ app.add_typer(eval_app, name="eval")
 
 
 def main() -> None:
+    import signal
+
+    if hasattr(signal, "SIGPIPE"):  # `h2o-chat ... | head`: when the reader goes, end quietly as other tools do
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     app()
 
 

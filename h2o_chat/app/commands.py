@@ -1,23 +1,30 @@
 """The chat's slash commands: each a small method over the conversation, printing through the view.
 
-`SlashCommands(conv, view)` holds the settings a session remembers between commands (the budget while the
-full cache is active, the heavy ratio); `run(line)` dispatches and returns "exit" to end the session.
+`SlashCommands(conv, view, reply)` holds the settings a session remembers between commands (the budget while
+the full cache is active, the heavy ratio, a /load waiting to be confirmed); `run(line)` dispatches and returns
+"exit" to end the session. `reply(text)` runs a turn (for /regen).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.conversation import Conversation
+from h2o_chat.app.ui import plural
 from h2o_chat.engine.policies import DEFAULT_POLICY
-from h2o_chat.errors import H2OChatError, InputError
+from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
 HELP = """\
 /help              this list
 /budget N          set the cache budget (tokens per layer); a smaller one evicts now
 /policy NAME       h2o | snap | sink | recent | full
+/set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
+/regen             answer the last message again (the conversation is re-read)
 /system TEXT       set the system prompt (the conversation is re-read on the next turn)
 /reset             start over, keeping the system prompt
-/save FILE         save the conversation as JSON
+/save FILE         save the conversation as JSON (system prompt included)
 /load FILE         load a saved conversation (read on the next turn)
 /stats             show the cache and memory panel
 /evicted           which messages are no longer fully in the cache
@@ -25,17 +32,25 @@ HELP = """\
 Enter sends; Alt-Enter (or Esc then Enter) adds a line; pasted text keeps its lines."""
 
 
-class SlashCommands:
-    """/help, /budget, /policy, /system, /reset, /save, /load, /stats, /evicted, /exit: `cmd_<name>(arg)`."""
+# /set NAME: the sampler's settings, and the turn's length (ChatSettings)
+SAMPLER_SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+SAMPLER_SETTINGS |= {"repetition_penalty": float, "seed": int}
 
-    def __init__(self, conv: Conversation, view: ChatView):
-        self.conv, self.view = conv, view
+
+class SlashCommands:
+    """/help, /budget, /policy, /set, /regen, /system, /reset, /save, /load, /stats, /evicted, /exit:
+    `cmd_<name>(arg)`."""
+
+    def __init__(self, conv: Conversation, view: ChatView, reply: Callable[[str], None]):
+        self.conv, self.view, self.reply = conv, view, reply
         self.heavy_ratio = getattr(conv.policy, "heavy_ratio", 0.5)
         # policy and budget are independent settings: the budget is remembered while `full` (none) is active
         self.budget = conv.policy.budget or 512
+        self.replacing: str | None = None  # a /load that would lose unsaved messages, said once
 
     def run(self, line: str) -> str | None:
-        """Run one command line; "exit" when the session should end. Errors are shown, never raised."""
+        """Run one command line; "exit" when the session should end. Errors are shown, never raised; a rejected
+        setting leaves the session as it was."""
         name, _, arg = line.partition(" ")
         handler = getattr(self, "cmd_" + name[1:].lower(), None)
         if handler is None:
@@ -45,7 +60,11 @@ class SlashCommands:
             return handler(arg.strip())
         except H2OChatError as e:
             self.view.error(e)
-            return None
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            self.view.error(DeviceError(f"out of memory ({str(e).splitlines()[0]}); the conversation is kept"))
+        return None
 
     def cmd_help(self, arg: str) -> None:
         self.view.say(HELP)
@@ -63,6 +82,8 @@ class SlashCommands:
             policy = with_budget(old, budget)
         else:
             policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio)
+        if policy.budget is not None and policy.budget != old.budget:  # as --budget is checked before loading
+            self.conv.loaded.check_budget(policy.budget, flag="/budget")
         before = self.conv.cache.stats().evicted
         self.conv.set_policy(policy)
         if policy.budget is not None:
@@ -88,6 +109,44 @@ class SlashCommands:
             return
         self._set_policy(arg, self.budget)
 
+    def cmd_set(self, arg: str) -> None:
+        """/set NAME VALUE, checked as the command line checks --NAME; /set alone shows the settings."""
+        settings = self.conv.settings
+        sampler = settings.sampler
+        if not arg:
+            shown = [f"{name} {getattr(sampler, name)}" for name in SAMPLER_SETTINGS]
+            self.view.say(", ".join([*shown, f"max_new_tokens {settings.max_new_tokens}"]))
+            return
+        name, _, value = arg.partition(" ")
+        name, value = name.lower().replace("-", "_"), value.strip()
+        kind = int if name == "max_new_tokens" else SAMPLER_SETTINGS.get(name)
+        if kind is None:
+            names = ", ".join([*SAMPLER_SETTINGS, "max_new_tokens"])
+            raise InputError(f"/set takes one of {names}, got {name!r}")
+        try:
+            number = kind(value)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise InputError(f"/set {name} takes {what}, got {value!r}") from None
+        if name == "max_new_tokens":
+            if number <= 0:
+                raise InputError(f"--max-new-tokens must be a positive integer, got {number}")
+            self.conv.set_sampling(max_new_tokens=number)
+        else:
+            self.conv.set_sampling(sampler=dataclasses.replace(sampler, **{name: number}))  # the Sampler checks
+        self.view.say(f"{name} set to {number} from the next reply on")
+
+    def cmd_regen(self, arg: str) -> None:
+        """Answer the last message again: the reply is dropped, the conversation re-read, a new one sampled."""
+        if not any(m["role"] == "assistant" for m in self.conv.messages):
+            raise InputError("there is no reply to generate again yet")
+        sampler = self.conv.settings.sampler
+        if sampler.temperature == 0:
+            self.view.note("temperature is 0 (greedy): the same reply comes again; /set temperature 0.7 varies it")
+        text = self.conv.drop_last_turn()
+        self.conv.set_sampling(sampler=sampler.reseeded())  # another draw than the reply it replaces
+        self.reply(text)
+
     def cmd_system(self, arg: str) -> None:
         if not arg:
             current = next((m["content"] for m in self.conv.messages if m["role"] == "system"), None)
@@ -104,13 +163,22 @@ class SlashCommands:
         if not arg:
             raise InputError("/save needs a file name")
         path = self.conv.save(arg)
-        self.view.say(f"saved {len(self.conv.messages)} messages to {path}")
+        self.view.say(f"saved {plural(len(self.conv.messages), 'message')} to {path}")
 
     def cmd_load(self, arg: str) -> None:
         if not arg:
             raise InputError("/load needs a file name")
+        unsaved = self.conv.unsaved
+        if unsaved and self.replacing != arg:  # said once; the same /load again goes ahead
+            self.replacing = arg
+            self.view.say(
+                f"/load replaces this conversation and its {plural(unsaved, 'unsaved message')}: /save FILE keeps "
+                f"them; /load {arg} again replaces them"
+            )
+            return
+        self.replacing = None
         count = self.conv.load(arg)
-        self.view.say(f"loaded {count} messages from {arg}; they are read into the cache on the next turn")
+        self.view.say(f"loaded {plural(count, 'message')} from {arg}; they are read into the cache on the next turn")
 
     def cmd_stats(self, arg: str) -> None:
         self.view.stats(self.conv.cache.stats())

@@ -9,52 +9,33 @@ cache has not seen. This works for any template without decoding tokens back to 
 from __future__ import annotations
 
 import bisect
-import json
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from h2o_chat.app.messages import PLAIN_STOP, encode, read_conversation, render, use_chat_template, write_conversation
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
-from h2o_chat.errors import InputError
-from h2o_chat.files import read_user_text
+from h2o_chat.engine.snap import columns_read
+from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
 
 SENTINEL = "\x00h2o-chat-reply\x00"
 
-# for base models without a chat template (OPT, Pythia)
-PLAIN_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
-    "{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-PLAIN_STOP = "\nUser:"
-
-
 FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
 
 
-def budget_note(prompt_tokens: int, budget: int | None) -> str | None:
-    """A note for a prompt far beyond what the budget can use well, or None."""
+def budget_note(prompt_tokens: int, budget: int | None, how: str = "--budget") -> str | None:
+    """A note for a prompt far beyond what the budget can use well, or None; `how` is the way to change the
+    budget where the note is read (--budget on the command line, /budget in the chat)."""
     if budget is None or prompt_tokens <= FAR_BEYOND * budget:
         return None
     return (
         f"the prompt is {prompt_tokens:,} tokens, {prompt_tokens // budget}x the budget of {budget}: the cache "
-        f"keeps about {100 * budget / prompt_tokens:.0f}% of it; a larger budget (--budget, /budget) keeps more"
-    )
-
-
-ROLES = ("system", "user", "assistant")
-
-
-def is_messages(value) -> bool:
-    """Whether `value` is a list of {"role", "content"} messages (a saved conversation's, a batch line's)."""
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value
+        f"keeps about {100 * budget / prompt_tokens:.0f}% of it; a larger budget ({how}) keeps more"
     )
 
 
@@ -65,7 +46,8 @@ class ChatSettings:
     chunk_size: int = DEFAULT_CHUNK
     system: str | None = None
     positions: str = "auto"
-    decode: str = "auto"  # how decode steps run: auto | eager | graph | compile (see h2o_chat.engine)
+    decode: str = "auto"  # how decode steps run: auto | eager | graph (see h2o_chat.engine)
+    stop: tuple[str, ...] = ()  # stop strings (--stop): the reply ends before the first one
 
 
 @dataclass
@@ -94,39 +76,67 @@ class Conversation:
         self.loaded = loaded
         self.settings = settings or ChatSettings()
         self.tokenizer = loaded.tokenizer
-        self.plain = not getattr(self.tokenizer, "chat_template", None)
-        if self.plain:
-            self.tokenizer.chat_template = PLAIN_TEMPLATE
+        self.plain = use_chat_template(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
+        self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
+        self._on_setup: Callable[[str], None] | None = None
         self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
             self.messages.append({"role": "system", "content": self.settings.system})
+        self._saved = list(self.messages)  # as last saved or loaded: what /load may replace without asking
         self._restart()
 
     def _new_cache(self, policy: Policy) -> H2OCache:
         cache = H2OCache.for_model(self.loaded.model, policy, self.settings.positions, self.loaded.context)
         self.engine = Engine(self.loaded.model, cache, self.settings.decode)
+        self.engine.on_setup = self._on_setup
         return cache
 
-    def _restart(self) -> None:
+    def _restart(self, policy: Policy | None = None) -> None:
         """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
-        self.cache = self._new_cache(self.cache.policy)
+        self.cache = self._new_cache(policy or self.cache.policy)
         self.fed = 0  # tokens the cache has seen
         self.pending = self.pending_messages = 0  # tokens (and messages) the current turn reads before its reply
         self.spans: list[Span] = []
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self.warned: set[int] = set()
+        self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
 
     # -- settings ---------------------------------------------------------------------------------
     @property
     def policy(self) -> Policy:
         return self.cache.policy
 
+    @property
+    def on_setup(self) -> Callable[[str], None] | None:
+        """Told before a one-time capture or compilation of the decode step, whichever engine runs the turn."""
+        return self._on_setup
+
+    @on_setup.setter
+    def on_setup(self, callback: Callable[[str], None] | None) -> None:
+        self._on_setup = self.engine.on_setup = callback
+
     def set_policy(self, policy: Policy) -> None:
-        """New budget or policy, keeping what the cache holds (a smaller budget evicts now)."""
-        self.cache.set_policy(policy)
+        """New budget or policy, keeping what the cache holds (a smaller budget evicts now). Out of memory
+        while the cache moves: the old policy stays, and the next turn re-reads the conversation."""
+        old = self.cache.policy
+        try:
+            self.cache.set_policy(policy)
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            self._restart(old)
+            raise DeviceError(
+                f"out of memory while the cache moved to {policy.describe()}; it keeps {old.describe()}"
+            ) from None
+
+    def set_sampling(self, **changes) -> None:
+        """Change settings for the next turns (sampler, max_new_tokens, ...): /set in the chat."""
+        self.settings = dataclasses.replace(self.settings, **changes)
+        if "sampler" in changes:
+            self.engine.set_sampler(None, 1)  # the engine reuses a sampler's device state: start a fresh one
 
     def set_system(self, text: str | None) -> None:
         self.messages = [m for m in self.messages if m["role"] != "system"]
@@ -138,16 +148,18 @@ class Conversation:
         self.messages = [m for m in self.messages if m["role"] == "system"]
         self._restart()
 
+    def drop_last_turn(self) -> str:
+        """Take back the last user message and whatever replied to it (a reply to generate again, or a turn
+        that failed); the cache restarts and the next turn re-reads the conversation. Returns the message."""
+        last = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
+        if last is None:
+            raise InputError("there is no message to answer again yet")
+        text = self.messages[last]["content"]
+        del self.messages[last:]
+        self._restart()
+        return text
+
     # -- rendering --------------------------------------------------------------------------------
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _new_turn_ids(self, user: dict) -> list[int]:
-        return self._new_turn(user)[0]
-
     def _new_turn(self, user: dict) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids the cache has not seen yet for a new user message, and where each message ends in them:
         [(message index, end offset)], the new message being index len(self.messages)."""
@@ -156,8 +168,8 @@ class Conversation:
         last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
         marked = [dict(m) for m in self.messages]
         marked[last]["content"] = SENTINEL
-        text = self._render([*marked, user], True)
-        ids = self._encode(text.split(SENTINEL, 1)[1])
+        text = render(self.tokenizer, [*marked, user])
+        ids = encode(self.tokenizer, text.split(SENTINEL, 1)[1])
         if self._fed_stop is not None and ids and ids[0] == self._fed_stop:
             ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
         ids = ([self._unfed] if self._unfed is not None else []) + ids
@@ -168,16 +180,20 @@ class Conversation:
         rendering ends. A message whose prefix does not render as a prefix of the whole (a template that
         folds the system prompt into the first user turn, or refuses a partial conversation) shares the span
         of the message after it."""
-        text = self._render(messages, True)
+        text = render(self.tokenizer, messages)
         ids, starts = self._encode_with_starts(text)
         ends = []
         for k in range(1, len(messages)):
             try:
-                prefix = self._render(messages[:k], False)
+                prefix = render(self.tokenizer, messages[:k], False)
             except Exception:  # jinja raises whatever the template's author chose
                 continue
             if prefix and text.startswith(prefix):
-                end = bisect.bisect_left(starts, len(prefix)) if starts is not None else len(self._encode(prefix))
+                end = (
+                    bisect.bisect_left(starts, len(prefix))
+                    if starts is not None
+                    else len(encode(self.tokenizer, prefix))
+                )
                 if 0 < end < len(ids) and (not ends or end > ends[-1][1]):
                     ends.append((k - 1, end))
         ends.append((len(messages) - 1, len(ids)))
@@ -188,23 +204,35 @@ class Conversation:
         try:
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         except (NotImplementedError, ValueError):  # slow tokenizers have no offsets
-            return self._encode(text), None
+            return encode(self.tokenizer, text), None
         return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
 
+    def reads(self, tokens: int) -> int:
+        """Columns a turn of `tokens` new tokens is read for: snap reads an overflowing prompt's last chunk
+        first (its probe chooses what the full read keeps)."""
+        return columns_read(self.cache, tokens, self.settings.chunk_size)
+
     # -- a turn -----------------------------------------------------------------------------------
-    def send(self, text: str, max_new_tokens: int | None = None, *, progress: Progress = None) -> Iterator[Response]:
+    def send(
+        self, text: str, max_new_tokens: int | None = None, *, progress: Progress = None, raw: bool = False
+    ) -> Iterator[Response]:
         """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
-        reply in the conversation. `progress(done, total)` is called once with (0, new tokens) before they are
-        read (after a note, if the budget is far too small for them, has gone to cache.notices), then after
-        each prefill chunk."""
+        reply in the conversation. `progress(done, total)` is called once with (0, total) before the new tokens
+        are read (after a note, if the budget is far too small for them, has gone to cache.notices), then after
+        each prefill chunk; total counts every pass over them (snap reads twice). `raw`: the text is continued
+        as it is, without the chat template (a one-shot prompt)."""
         user = {"role": "user", "content": text}
-        ids, ends = self._new_turn(user)
+        if raw:
+            ids = self.tokenizer(text)["input_ids"]
+            ends = [(len(self.messages), len(ids))]
+        else:
+            ids, ends = self._new_turn(user)
         self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
-        note = budget_note(len(ids), self.policy.budget)
+        note = budget_note(len(ids), self.policy.budget, self.budget_hint)
         if note:
             self.cache.notices.append(note)
         if progress is not None:
-            progress(0, len(ids))
+            progress(0, self.reads(len(ids)))
         self.messages.append(user)
         start = begin = self.fed
         for index, end in ends:  # one span per message (a whole loaded conversation has many)
@@ -215,6 +243,8 @@ class Conversation:
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
         reply, last, count = [], None, 0
         reply_index = len(self.messages)
+        self._setup = [self.engine.setup_seconds] * 3
+        stops = (*((PLAIN_STOP,) if self.plain and not raw else ()), *self.settings.stop)
         try:
             for r in stream_generate(
                 self.loaded.model,
@@ -225,11 +255,14 @@ class Conversation:
                 chunk_size=self.settings.chunk_size,
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
                 stop_ids=self.stop_ids,
-                stop_strings=(PLAIN_STOP,) if self.plain else (),
+                stop_strings=stops,
                 progress=progress,
                 engine=self.engine,
             ):
                 last, count = r, count + 1
+                if count == 1:
+                    self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
+                self._setup[2] = self.engine.setup_seconds
                 reply.append(r.text)
                 yield r
         finally:
@@ -245,6 +278,18 @@ class Conversation:
             self.fed += fed_reply
             self.messages.append({"role": "assistant", "content": "".join(reply)})
             self.spans.append(Span("assistant", reply_index, start + len(ids), self.fed))
+
+    def speeds(self, record: Response) -> tuple[float, float, float]:
+        """This turn's (prompt tok/s, decode tok/s, one-time setup seconds): a capture or compilation of the
+        decode step is paid once and reported on its own, not folded into the speeds."""
+        at_start, at_first, now = self._setup
+        prompt = record.prompt_seconds - (at_first - at_start)
+        decode = record.generation_seconds - (now - at_first)
+        return (
+            record.prompt_tokens / prompt if prompt > 0 else 0.0,
+            (record.generation_tokens - 1) / decode if decode > 0 else 0.0,
+            now - at_start,
+        )
 
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:
@@ -274,25 +319,23 @@ class Conversation:
         return fresh
 
     # -- save / load ------------------------------------------------------------------------------
+    @property
+    def unsaved(self) -> int:
+        """How many messages (the system prompt aside) a /load would lose: 0 right after a save or a load."""
+        if self.messages == self._saved:
+            return 0
+        return sum(m["role"] != "system" for m in self.messages)
+
     def save(self, path: str | Path) -> Path:
-        path = Path(path).expanduser()
-        data = {"format": "h2o-chat/1", "model": self.loaded.spec.name, "messages": self.messages}
-        try:
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        except OSError as e:
-            raise InputError(f"cannot write {path}: {e.strerror}") from None
+        """Write the conversation, system prompt included, as /load reads it."""
+        path = write_conversation(path, self.loaded.spec.name, self.messages)
+        self._saved = list(self.messages)
         return path
 
     def load(self, path: str | Path) -> int:
-        """Replace the conversation by a saved one; it is prefilled on the next turn. Returns message count."""
-        text = read_user_text(path, "conversation file")
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise InputError(f"{path} is not a saved conversation (invalid JSON: {e})") from None
-        messages = data.get("messages") if isinstance(data, dict) else None
-        if not is_messages(messages):
-            raise InputError(f"{path} is not a saved conversation (expected a list of role/content messages)")
-        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        """Replace the conversation by a saved one (or a bare list of messages); it is prefilled on the next
+        turn. Returns the message count."""
+        self.messages = read_conversation(path)
+        self._saved = list(self.messages)
         self._restart()
         return len(self.messages)

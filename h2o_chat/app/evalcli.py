@@ -28,7 +28,7 @@ from h2o_chat.app.options import (
     reported,
     status,
 )
-from h2o_chat.app.ui import progress_bar
+from h2o_chat.app.ui import plural, progress_bar
 from h2o_chat.errors import ConfigError, InputError
 
 eval_app = typer.Typer(
@@ -198,7 +198,9 @@ def needle_command(
         trials = tasks.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
         longest = max(len(t.ids) for t in trials)
         configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
-        status(f"needle: {len(trials)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
+        status(
+            f"needle: {plural(len(trials), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}"
+        )
         with progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
             records = tasks.needle(
                 loaded.model,
@@ -242,7 +244,7 @@ def agree_command(
         items = tasks.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
-        status(f"agree: {len(items)} prompts of <= {longest} tokens x {', '.join(c.label for c in configs)}")
+        status(f"agree: {plural(len(items), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}")
         with progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
             records = tasks.agreement(
                 *(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, compared.positions, bar),

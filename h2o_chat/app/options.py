@@ -23,7 +23,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from h2o_chat.engine.policies import DEFAULT_POLICY
-from h2o_chat.errors import H2OChatError
+from h2o_chat.errors import H2OChatError, out_of_memory
 from h2o_chat.models.registry import load_registry
 
 
@@ -90,7 +90,7 @@ Positions = Annotated[
     str,
     typer.Option(
         help="auto: absolute within the trained context, rolling past it | absolute: keys keep their "
-        "true positions (the paper) | rolling: positions by cache slot (StreamingLLM)."
+        "true positions (the paper) | rolling: tokens numbered by their rank among the held tokens (StreamingLLM)."
     ),
 ]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
@@ -98,13 +98,13 @@ Decode = Annotated[
     str,
     typer.Option(
         help="How decode steps run: auto (graph on CUDA, eager on CPU) | eager | graph (one CUDA graph per "
-        "step, captured in seconds) | compile (torch.compile; the first step compiles, which takes a while)."
+        "step, captured in seconds)."
     ),
 ]
 RepetitionPenalty = Annotated[
     float,
     typer.Option(
-        help="Make tokens of the last 64 less likely (1 = off; 1.1 is llama.cpp's and ollama's default).",
+        help="Make tokens of the last 64 less likely (1 = off, llama.cpp's default; ollama's is 1.1).",
     ),
 ]
 Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
@@ -118,8 +118,20 @@ ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.
 Download = Annotated[bool, typer.Option("--download", help="Allow fetching weights from the Hugging Face Hub.")]
 MaxNewTokens = Annotated[int, typer.Option(help="Most tokens per reply (batch: for lines without max_new_tokens).")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy (batch: for lines without temperature).")]
-TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold.")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold (1 = off).")]
+TopK = Annotated[
+    int, typer.Option(help="Sample among the K most likely tokens (0 = off; batch: for lines without top_k).")
+]
+MinP = Annotated[
+    float,
+    typer.Option(
+        help="Drop tokens less likely than this share of the most likely one (0 = off; batch: for lines without min_p)."
+    ),
+]
 Seed = Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")]
+Threads = Annotated[
+    int | None, typer.Option(help="CPU threads for torch (default: torch's choice, usually the physical cores).")
+]
 
 
 # -- option groups ---------------------------------------------------------------------------------------
@@ -136,11 +148,24 @@ class ModelOptions:
     decode: Decode = "auto"
     models_file: ModelsFile = None
     download: Download = False
+    threads: Threads = None
 
     def check(self) -> None:
-        check_decode(self.decode)
+        from h2o_chat.engine.decode import resolve_decode
+        from h2o_chat.models.loading import resolve_device
+
+        check_positive("--threads", self.threads)
+        resolve_decode(self.decode, resolve_device(self.device))  # the one check of --decode, on this device
+
+    def use_threads(self) -> None:
+        """--threads: torch's CPU threads for this process (before the model loads)."""
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def load(self, kv_tokens: int | None = None, kv_rows: int = 1):
+        self.use_threads()
         return load_model(
             self.model, self.models_file, self.device, self.dtype, self.quantize, self.download, kv_tokens, kv_rows
         )
@@ -191,6 +216,8 @@ class SamplingOptions:
     max_new_tokens: MaxNewTokens = 512
     temperature: Temperature = 0.7
     top_p: TopP = 0.9
+    top_k: TopK = 0
+    min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.1
     seed: Seed = None
 
@@ -201,7 +228,9 @@ class SamplingOptions:
     def sampler(self):
         from h2o_chat.engine.sampling import Sampler
 
-        return Sampler(self.temperature, self.top_p, self.seed, self.repetition_penalty)
+        return Sampler(
+            self.temperature, self.top_p, self.seed, self.repetition_penalty, top_k=self.top_k, min_p=self.min_p
+        )
 
 
 def _in_panel(annotation, panel: str):
@@ -259,10 +288,9 @@ def reported() -> Iterator[None]:
         typer.echo("h2o-chat: interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
-        # torch's OutOfMemoryError (without importing torch here), or the CPU allocator's "can't allocate"
-        cpu_oom = isinstance(e, RuntimeError) and "can't allocate" in str(e)
-        if type(e).__name__ == "OutOfMemoryError" or cpu_oom:
-            hint = "lower --budget or --chunk-size" + ("" if cpu_oom else ", or use --quantize 4bit")
+        if out_of_memory(e):
+            cpu = type(e).__name__ != "OutOfMemoryError"  # the CPU allocator's "can't allocate"
+            hint = "lower --budget or --chunk-size" + ("" if cpu else ", or use --quantize 4bit")
             typer.echo(f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); {hint}", err=True)
             raise typer.Exit(3) from None
         raise
@@ -300,14 +328,6 @@ def build_policy(policy: str, budget: int, knobs: dict):
     from h2o_chat.engine.policies import make_policy
 
     return make_policy(policy, budget, **knobs)
-
-
-def check_decode(value: str) -> str:
-    from h2o_chat.engine.decode import DECODE_MODES
-
-    if value not in DECODE_MODES:
-        raise H2OChatError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {value!r}")
-    return value
 
 
 def check_positions(value: str) -> str:

@@ -1,14 +1,17 @@
-"""Piped and one-shot mode: the whole of stdin (or the prompt argument) is one prompt; only generated text goes
-to stdout, streamed; a progress bar (on a terminal), notes and a one-line summary go to stderr."""
+"""Piped and one-shot mode: the whole of stdin (or the prompt argument, followed by any piped text) is one
+prompt; only generated text goes to stdout, streamed; a progress bar (on a terminal), notes and a one-line
+summary go to stderr. Ctrl-C ends the run with what was generated so far (--json: a record saying so)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from h2o_chat.app.conversation import ChatSettings, Conversation, budget_note
-from h2o_chat.app.ui import ProgressBar, make_console, reading_label, summary_line
+from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.ui import ProgressBar, make_console, reading_label, summary_line, wrap
 from h2o_chat.engine.policies import Policy
 from h2o_chat.errors import InputError
 from h2o_chat.models.loading import Loaded
@@ -23,8 +26,9 @@ class RunOptions:
     raw: bool = False  # piped: feed stdin as plain text, no chat template
 
 
-def read_stdin_prompt(data: bytes) -> str:
-    """Decode piped input strictly: one clear error for empty or non-UTF-8 input."""
+def read_stdin_prompt(data: bytes, required: bool = True) -> str | None:
+    """Decode piped input strictly: one clear error for non-UTF-8 input, and for empty input when it is the
+    whole prompt (`required`); None for empty input beside a prompt argument."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -34,77 +38,149 @@ def read_stdin_prompt(data: bytes) -> str:
         ) from None
     text = text.removeprefix("\ufeff")
     if not text.strip():
+        if not required:
+            return None
         raise InputError("stdin is empty: pipe a prompt, e.g. echo 'Tell me a story' | h2o-chat")
     return text
+
+
+def combine_prompt(argument: str | None, piped: str | None) -> str:
+    """`cat notes.txt | h2o-chat "Summarise:"`: the argument first, then the piped text (as ollama does)."""
+    if argument is None or piped is None:
+        return argument if piped is None else piped
+    return f"{argument}\n\n{piped}"
+
+
+SLOW_READING = 60.0  # seconds: a prompt that will take longer to read gets a note when its reading starts
+
+
+class ReadingForecast:
+    """Times the first prefill chunk of a prompt; when reading the rest at that speed will take over
+    `threshold` seconds, gives one note (tokens, projected time, what reads faster) before most of it is read."""
+
+    def __init__(self, threshold: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.threshold = SLOW_READING if threshold is None else threshold
+        self.clock = clock
+        self.started: float | None = None
+        self.done = False
+
+    def __call__(self, done: int, total: int, tokens: int) -> str | None:
+        """`done` and `total` count every pass over the prompt (snap reads it twice), `tokens` the prompt's."""
+        if done == 0:
+            self.started, self.done = self.clock(), False
+            return None
+        if self.done or self.started is None or done >= total:
+            return None
+        self.done = True
+        rate = done / max(1e-9, self.clock() - self.started)
+        if total / rate < self.threshold:
+            return None
+        twice = f" (twice: snap reads {tokens:,})" if total > tokens else ""
+        return (
+            f"reading {total:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
+            "a larger --chunk-size, or a GPU, reads faster"
+        )
+
+
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:.0f} min"
+
+
+class Stdout:
+    """The reply's text on stdout, remembering whether its last line is open: a note said meanwhile on the
+    same terminal starts on a line of its own instead of being glued to the reply."""
+
+    def __init__(self, out):
+        self.out, self.open = out, False
+
+    def write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.open = not text.endswith("\n")
+
+    def break_line(self) -> str:
+        """What a line for stderr starts with: a line break when the reply's open line is on the terminal (the
+        reply then goes on below that line)."""
+        if self.open and _isatty(self.out):
+            self.open = False
+            return "\n"
+        return ""
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     """Generate for the whole of stdin; text streams to stdout, a summary goes to stderr (or JSON to stdout)."""
     conv = Conversation(loaded, options.policy, options.settings)
+    out = Stdout(sys.stdout)
+    err = make_console(stderr=True)
     # stderr: a progress bar while a long prompt is read (only on a terminal), and notes before the reading
-    bar = ProgressBar(make_console(stderr=True), lambda done, total: reading_label(total, conv.pending), 256)
+    bar = ProgressBar(err, lambda done, total: reading_label(total, conv.pending), 256)
+    forecast = ReadingForecast()
+
+    def say(line: str) -> None:  # printed above the bar while one is drawn
+        wrap(err, out.break_line() + f"h2o-chat: {line}", markup=False, highlight=False)
 
     def progress(done: int, total: int) -> None:
-        for notice in conv.cache.pop_notices():
-            bar.console.print(f"h2o-chat: note: {notice}", markup=False, highlight=False)
+        for notice in [*conv.cache.pop_notices(), forecast(done, total, conv.pending)]:
+            if notice:
+                say(f"note: {notice}")
         bar(done, total)
 
-    conv.engine.on_setup = lambda message: print(f"h2o-chat: {message} ...", file=sys.stderr)
-
-    if options.raw:
-        from h2o_chat.engine.generate import stream_generate
-
-        ids = loaded.tokenizer(prompt)["input_ids"]
-        conv.pending = len(ids)
-        note = budget_note(len(ids), options.policy.budget)
-        if note:
-            conv.cache.notices.append(note)
-        progress(0, len(ids))
-        stream = stream_generate(
-            loaded.model,
-            loaded.tokenizer,
-            conv.cache,
-            ids,
-            sampler=options.settings.sampler,
-            max_new_tokens=options.settings.max_new_tokens,
-            chunk_size=options.settings.chunk_size,
-            progress=progress,
-            engine=conv.engine,
-        )
-    else:
-        stream = conv.send(prompt, progress=progress)
-    out = sys.stdout
+    conv.on_setup = lambda message: say(f"{message} ...")
     pieces, last = [], None
-    for r in stream:
-        if last is None:
-            bar.close()  # the prompt is read: stderr's bar gives way to the text on stdout
-        last = r
-        pieces.append(r.text)
-        if not options.json and r.text:
-            out.write(r.text)
-            out.flush()
-        for notice in conv.cache.pop_notices():
-            print(f"h2o-chat: note: {notice}", file=sys.stderr)
-    stats = conv.cache.stats()
-    record = {
-        "model": loaded.spec.name,
-        "text": "".join(pieces),
-        "finish_reason": last.finish_reason,
-        "prompt_tokens": last.prompt_tokens,
-        "generated_tokens": last.generation_tokens,
-        "prompt_tps": round(last.prompt_tps, 2),
-        "decode_tps": round(last.generation_tps, 2),
-        "decode": conv.engine.describe(),
-        "cache": stats.as_dict(),
-    }
+    try:
+        for r in conv.send(prompt, progress=progress, raw=options.raw):
+            if last is None:
+                bar.close()  # the prompt is read: stderr's bar gives way to the text on stdout
+            last = r
+            pieces.append(r.text)
+            if not options.json:
+                out.write(r.text)
+            for notice in conv.cache.pop_notices():
+                say(f"note: {notice}")
+    except KeyboardInterrupt:
+        bar.close()
+        if options.json:  # what was generated so far, and why it ends there
+            sys.stdout.write(json.dumps(_record(loaded, conv, pieces, last, "interrupted"), ensure_ascii=False) + "\n")
+        else:
+            out.write("\n" if out.open else "")
+        sys.stdout.flush()
+        raise
     bar.close()
+    record = _record(loaded, conv, pieces, last, last.finish_reason)
     if options.json:
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
-        out.write("\n")
-        print(f"h2o-chat: {summary_line(last, stats, conv.engine.describe())}", file=sys.stderr)
-    out.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        say(summary_line(last, conv.cache.stats(), conv.engine.describe(), conv.speeds(last)))
+    sys.stdout.flush()
     return record
 
 
-# -- interactive ----------------------------------------------------------------------------------------
+def _record(loaded: Loaded, conv: Conversation, pieces: list[str], last, finish_reason: str | None) -> dict:
+    """The --json record: the text, why it ended, token counts, speeds (a one-time setup apart), cache stats."""
+    prompt_tps, decode_tps, setup = conv.speeds(last) if last is not None else (0.0, 0.0, 0.0)
+    return {
+        "model": loaded.spec.name,
+        "text": "".join(pieces),
+        "finish_reason": finish_reason,
+        "prompt_tokens": last.prompt_tokens if last is not None else conv.pending,
+        "generated_tokens": last.generation_tokens if last is not None else 0,
+        "prompt_tps": round(prompt_tps, 2),
+        "decode_tps": round(decode_tps, 2),
+        "setup_seconds": round(setup, 2),
+        "decode": conv.engine.describe(),
+        "cache": conv.cache.stats().as_dict(),
+    }

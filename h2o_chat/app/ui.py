@@ -9,13 +9,14 @@ import os
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 
@@ -27,16 +28,9 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def process_memory() -> dict[str, int]:
-    """Resident memory of this process, and GPU memory when CUDA is in use (bytes)."""
-    import psutil
-
-    out = {"rss": psutil.Process().memory_info().rss}
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["gpu_allocated"] = torch.cuda.memory_allocated()
-        out["gpu_reserved"] = torch.cuda.memory_reserved()
-    return out
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 token', '2 tokens', '1,024 tokens'."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def reading_label(total: int, prompt_tokens: int) -> str:
@@ -44,12 +38,16 @@ def reading_label(total: int, prompt_tokens: int) -> str:
     return "reading the prompt" + (" (twice: snap)" if prompt_tokens and total >= 2 * prompt_tokens else "")
 
 
-def summary_line(response, stats, decode: str = "") -> str:
-    """One line for stderr after a piped run; `decode` says how decode steps ran (eager, CUDA graph, ...)."""
+def summary_line(response, stats, decode: str = "", speeds: tuple[float, float, float] | None = None) -> str:
+    """One line for stderr after a piped run; `decode` says how decode steps ran (eager, CUDA graph, ...);
+    `speeds` are (prompt tok/s, decode tok/s, one-time setup seconds) with the setup (a capture or compilation)
+    left out of both speeds, which is then stated apart."""
+    prompt_tps, decode_tps, setup = speeds or (response.prompt_tps, response.generation_tps, 0.0)
     steps = f", {decode}" if decode else ""
+    once = f"; one-time setup {setup:.1f} s, not in tok/s" if setup >= 0.05 else ""
     return (
-        f"{response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s{steps} "
-        f"(prompt {response.prompt_tokens} tokens, {response.prompt_tps:.0f} tok/s) | "
+        f"{plural(response.generation_tokens, 'token')}, {decode_tps:.1f} tok/s{steps} "
+        f"(prompt {plural(response.prompt_tokens, 'token')}, {prompt_tps:.0f} tok/s{once}) | "
         f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
         f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}"
     )
@@ -75,11 +73,16 @@ def describe_policy(stats) -> str:
     return f"{stats.policy} {stats.budget} ({split})"
 
 
-def make_console(stderr: bool = False, force_plain: bool = False) -> Console:
-    """Rich console honouring NO_COLOR; plain when not a terminal."""
-    return Console(
-        stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")) or force_plain, highlight=False, soft_wrap=True
-    )
+def make_console(stderr: bool = False) -> Console:
+    """Rich console honouring NO_COLOR; plain when not a terminal. Text is not wrapped unless asked for
+    (`wrap` below): streamed replies and echoed input keep their own lines."""
+    return Console(stderr=stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, soft_wrap=True)
+
+
+def wrap(console: Console, renderable, **kwargs) -> None:
+    """Print a line of ours (a banner, a note, a status line) wrapped at word boundaries to the terminal's
+    width, so that the terminal never cuts it mid-word; pipes and files keep it on one line."""
+    console.print(renderable, soft_wrap=not console.is_terminal, **kwargs)
 
 
 # -- progress of long loops ----------------------------------------------------------------------------------
@@ -90,14 +93,16 @@ class _Speed(ProgressColumn):
 
 
 def _progress(console: Console) -> Progress:
+    """A bar laid out for the console's width: below COMPACT_BELOW columns the bar and the speed give way, and
+    the description wraps at word boundaries (never cut by the terminal)."""
+    label = TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=False, overflow="fold"))
+    if console.width < COMPACT_BELOW:
+        columns = [label, MofNCompleteColumn(), TextColumn("tokens"), TimeRemainingColumn()]
+    else:
+        columns = [label, BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("tokens"), _Speed()]
+        columns += [TextColumn("ETA"), TimeRemainingColumn()]
     return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=24),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        _Speed(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
+        *columns,
         console=console,
         transient=True,  # gone when done: the scrollback keeps the results, not the bar
         redirect_stdout=False,  # piped text goes to stdout itself, never through the bar
@@ -133,7 +138,7 @@ class ProgressBar:
 
     def print(self, message: str) -> None:
         """A status line for stderr, printed above the bar while it is drawn (a raw write would tear it)."""
-        self.console.print(f"h2o-chat: {message}", markup=False, highlight=False, soft_wrap=True)
+        wrap(self.console, f"h2o-chat: {message}", markup=False, highlight=False)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -159,8 +164,7 @@ class TurnStats:
     evicted_at_start: float = 0.0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
-    tokens: int = 0
-    decode: str = ""  # how decode steps run: eager, CUDA graph (captured), compiled
+    decode: str = ""  # how decode steps run: eager or CUDA graph (captured)
 
 
 COMPACT_BELOW = 80  # columns: below this the panel is two plain lines
@@ -179,9 +183,10 @@ class PanelView:
     device: str
     turn: TurnStats = field(default_factory=TurnStats)
     plain: bool = False
+    memory: Callable[[], dict[str, int]] = field(default=lambda: {"rss": 0})  # the process's memory, in bytes
 
     def render(self, stats) -> _Panel:
-        return _Panel(self, stats, process_memory())
+        return _Panel(self, stats, self.memory())
 
     def rows(self, stats, mem: dict) -> list[tuple[str, str]]:
         memory = f"RSS {human_bytes(mem['rss'])}"
@@ -285,6 +290,7 @@ class StreamView:
         self.min_progress = min_progress  # prompts shorter than this read without a bar
         self.reading: Progress | None = None  # the prompt-reading bar, shown until the first text
         self.bar: ProgressBar | None = None  # the same without a live panel
+        self.at_line_start = True  # plain text: whether what was written so far ends a line
 
     def prefill(self, done: int, total: int, description: str, stats_fn=None) -> None:
         """Show how far the prompt has been read (before the reply's first text): in the live area above the
@@ -320,6 +326,8 @@ class StreamView:
         if self.live is None:
             self.console.file.write(piece)
             self.console.file.flush()
+            if piece:
+                self.at_line_start = piece.endswith("\n")
             return
         self.stats_fn = stats_fn
         self.partial += piece
@@ -336,6 +344,14 @@ class StreamView:
         if now - self.drawn > 0.1:
             self.drawn = now
             self.live.update(Group(Text(self.partial), self.panel.render(stats_fn())))
+
+    def break_line(self) -> None:
+        """Before a line of ours in the middle of a reply: plain text that has not ended its line ends it (with
+        the live panel the reply's open line lives in the live area, below what is printed)."""
+        if self.live is None and not self.at_line_start:
+            self.console.file.write("\n")
+            self.console.file.flush()
+            self.at_line_start = True
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
@@ -377,6 +393,32 @@ def eviction_table(reports) -> Table:
     return table
 
 
+def models_tables(rows: list[tuple[str, ...]], caption: str, width: int) -> list[Table]:
+    """`h2o-chat models`: rows of (alias, present, family, dtype/quant, context, source, note). A source (a repo
+    id, a path) has no space to wrap at and is never cut: it gets a column as wide as the longest one, beside the
+    other columns when `width` allows, else in a second table of its own (alias, source / note)."""
+    header = ["alias", "present", "family", "dtype/quant", "context"]
+    widths = [max(len(r[i]) for r in [header, *rows]) + 2 for i in range(len(header))]
+    longest = max(len(r[5]) for r in rows)
+    beside = sum(widths) + longest <= width
+    tables = [Table(box=None, pad_edge=False)]
+    for col in header:
+        tables[0].add_column(col, no_wrap=True)
+    if not beside:
+        tables.append(Table(box=None, pad_edge=False))
+        tables[1].add_column("alias", no_wrap=True)
+    tables[-1].add_column("source / note", min_width=longest)
+    for row in rows:
+        source = Text(f"{row[5]}\n{row[6]}", overflow="fold")
+        if beside:
+            tables[0].add_row(*row[:5], source)
+        else:
+            tables[0].add_row(*row[:5])
+            tables[1].add_row(row[0], source)
+    tables[-1].caption = caption
+    return tables
+
+
 def bench_table(records, ratios) -> Group:
     """Decode speed and KV memory per configuration and length, then the measured ratios (only what was
     measured: a target beside each read like a failed run to users)."""
@@ -396,7 +438,7 @@ def bench_table(records, ratios) -> Group:
     setup = [f"{c} {r.setup_seconds:.1f} s" for c in configs for r in [next(x for x in records if x.config == c)]]
     setup = [s for s, c in zip(setup, configs, strict=True) if next(x for x in records if x.config == c).setup_seconds]
     if setup:
-        table.caption = "one-time compile or capture: " + ", ".join(setup)
+        table.caption = "one-time capture or compilation: " + ", ".join(setup)
     lines = Table(box=None, show_header=False)
     for text, value in ratios:
         lines.add_row(text, f"{value:.2f}x")

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from h2o_chat.engine.sampling import RowSampler, Sampler
+from h2o_chat.engine.slots import mark_static
 from h2o_chat.engine.snap import compress_prompt
 from h2o_chat.errors import ConfigError
 
@@ -85,12 +86,6 @@ def sync(device: torch.device) -> None:
     """Wait for the device (a no-op on CPU): around timed work, and where a step must be finished."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _static(*tensors: torch.Tensor) -> None:
-    """Mark tensors that keep their address across steps (the captured step reads and writes them in place)."""
-    for t in tensors:
-        torch._dynamo.mark_static_address(t)
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,14 +144,8 @@ class Engine:
             return
         new = sampler.rows(batch, self.device, self.vocab, **per_row)
         old = self.sampler
-        if (
-            old is not None
-            and old.batch == batch
-            and (old.hot, old.penalized, old.top_p) == (new.hot, new.penalized, new.top_p)
-        ):
-            old.temperature.copy_(new.temperature)
-            old.penalty.copy_(new.penalty)
-            old.seed.copy_(new.seed)
+        if old is not None and old.shape_key == new.shape_key:
+            old.load(new)
             return
         self.sampler = new
 
@@ -181,20 +170,24 @@ class Engine:
 
     @torch.inference_mode()
     def refill(
-        self, row: int, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, progress: Progress = None
+        self, row: int, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, progress: Progress = None, **sampling
     ) -> torch.Tensor:
         """Start a new prompt (1, L) in batch row `row` while the other rows keep theirs (continuous batching):
         the row is emptied and the prompt read into it alone, in place, so a captured step stays valid. Returns
-        the row's logits (V,); the caller feeds the row's first token with the next step. A full cache must
-        have room for the prompt (`cache.reserve`)."""
+        the row's first token (a 0-d tensor), drawn with `sampling` (temperature, penalty, top_k, min_p: the
+        row's own settings); feed it in the row's place at the next step. A full cache must have room for the
+        prompt (`cache.reserve`)."""
         ids = ids.to(self.device).reshape(1, -1)
         self.cache.clear_row(row)
         view = self.cache.row(row)
-        logits = self._read(view, ids, torch.ones_like(ids), chunk_size, progress)
+        logits = self._read(view, ids, torch.ones_like(ids), chunk_size, progress)[0]
         self.cache.absorb(view, row)
-        if self.sampler is not None:
-            self.sampler.observe_row(row, ids)
-        return logits[0]
+        if self.sampler is None:
+            return logits.argmax()
+        if sampling:
+            self.sampler.set_row(row, **sampling)
+        self.sampler.observe_row(row, ids)
+        return self.sampler.first_of_row(row, logits)
 
     def _read(self, cache, ids, mask, chunk_size, progress) -> torch.Tensor:
         done = [0]  # prompt columns read so far, over every pass
@@ -203,7 +196,9 @@ class Engine:
             def feed(target, start: int = 0, total: int | None = None) -> torch.Tensor:
                 """Read columns [start:] of the prompt into `target`; `total`: columns read over every pass."""
                 total = ids.shape[1] if total is None else total
-                return self._chunks(target, ids[:, start:], mask[:, start:], chunk_size, progress, done, total, interrupted)
+                return self._chunks(
+                    target, ids[:, start:], mask[:, start:], chunk_size, progress, done, total, interrupted
+                )
 
             return compress_prompt(cache, mask, feed, probe_tokens=chunk_size)
 
@@ -255,11 +250,11 @@ class Engine:
             tokens = tokens.to(self.device)
             if self._tokens is None or self._tokens.shape != tokens.shape:
                 self._tokens = tokens.clone()
-                _static(self._tokens)
+                mark_static(self._tokens)
             else:
                 self._tokens.copy_(tokens)
         sampler = self.sampler
-        key = (cache.version, self._tokens.shape[0], id(sampler), sampler and (sampler.hot, sampler.penalized))
+        key = (cache.version, self._tokens.shape[0], id(sampler), sampler and sampler.shape_key)
         if key != self._key:
             self._key, self._warmups, self._graph, self._out = key, 0, None, None
         if self.mode == "eager":
@@ -311,7 +306,7 @@ class Engine:
             self.sampler.select_rows(index)
         if self._tokens is not None:
             self._tokens = self._tokens[index].clone()
-            _static(self._tokens)
+            mark_static(self._tokens)
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """While `tokens()` streams: from the next step on, decode only rows `index` (of the current batch)."""

@@ -171,9 +171,11 @@ class Snap(H2O):
     compresses_prompts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.budget, int) and self.budget == 1:
-            raise ConfigError("snap needs a budget of at least 2 (its query window plus one token)")
         super().__post_init__()
+        if self.budget < 2:  # said first: the window is not what the user got wrong
+            raise ConfigError(
+                f"snap needs a budget of at least 2 (a slot for its query window and one more), got {self.budget}"
+            )
         if not 1 <= self.window < self.budget:
             raise ConfigError(f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:

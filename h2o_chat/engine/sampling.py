@@ -1,7 +1,8 @@
-"""Sampling on the device: temperature, top-p and a repetition penalty, with no host sync per token.
+"""Sampling on the device: temperature, top-k, top-p, min-p and a repetition penalty, with no host sync per token.
 
 `Sampler` holds the settings (frozen, validated); `RowSampler` is its state for a batch of rows on the device:
-per-row temperatures and penalties, a ring of each row's recent tokens for the penalty, and a step counter.
+per-row temperatures, penalties, top-k and min-p, a ring of each row's recent tokens for the penalty, and a step
+counter.
 Calling it on logits (B, V) is pure tensor work with static shapes, so it runs inside a captured decode step.
 
 Randomness comes from a counter-based hash of (seed, step, row, token id) instead of a torch.Generator: the
@@ -11,73 +12,170 @@ to be registered with a graph. Sampling uses the exponential race: argmax(p / E)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 import torch
 
+from h2o_chat.engine.slots import mark_static
 from h2o_chat.errors import ConfigError
 
 PENALTY_WINDOW = 64  # tokens a repetition penalty looks back over (llama.cpp's and ollama's repeat_last_n)
-NUCLEUS_CAP = 512  # top-p chooses among at most this many of the most likely tokens
+NUCLEUS_CAP = 512  # top-p and min-p choose among at most this many of the most likely tokens (top-k: its k)
+MAX_TEMPERATURE = 10.0  # far past any useful setting: the distribution is flat noise well before
+MAX_PENALTY = 10.0
 _M32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
 class Sampler:
-    """temperature 0 = greedy; top_p < 1 = nucleus sampling; repetition_penalty > 1 makes the last
+    """temperature 0 = greedy; top_k > 0 keeps the k most likely tokens; top_p < 1 = nucleus sampling; min_p > 0
+    drops tokens less likely than min_p times the most likely one; repetition_penalty > 1 makes the last
     `PENALTY_WINDOW` tokens less likely (divides positive logits, multiplies negative ones, as in CTRL and
-    transformers); seed makes sampling repeatable."""
+    transformers); seed makes sampling repeatable. The filters apply together, as in llama.cpp."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     _auto_seed: int = field(default_factory=lambda: int.from_bytes(os.urandom(4), "little"), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        """The one check of the sampling settings; each message says which value is wrong (NaN included)."""
-        if not self.temperature >= 0:
-            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
+        """The one check of the sampling settings; each message says which value is wrong (NaN and infinity
+        included: `not 0 <= x <= limit` is true for NaN)."""
+        check_temperature(self.temperature)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be above 0 and at most 1, got {self.top_p:g}")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(f"--repetition-penalty must be above 0 (1 = off), got {self.repetition_penalty:g}")
+        check_repetition_penalty(self.repetition_penalty)
+        check_top_k(self.top_k)
+        check_min_p(self.min_p)
+
+    def reseeded(self) -> Sampler:
+        """The same settings with another draw: a fresh random seed, or the next seed after a given one (a
+        retried reply should differ, and stay repeatable when a seed was given)."""
+        if self.seed is not None:
+            return dataclasses.replace(self, seed=self.seed + 1)
+        return dataclasses.replace(self, _auto_seed=int.from_bytes(os.urandom(4), "little"))
 
     @property
     def effective_seed(self) -> int:
         return (self.seed if self.seed is not None else self._auto_seed) & 0x7FFFFFFF
 
     def rows(self, batch: int, device: torch.device, vocab: int, **overrides) -> RowSampler:
-        """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty to per-row lists."""
-        temps = overrides.get("temperature") or [self.temperature] * batch
-        pens = overrides.get("repetition_penalty") or [self.repetition_penalty] * batch
-        return RowSampler(temps, pens, self.top_p, self.effective_seed, device, vocab)
+        """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty / top_k / min_p to
+        per-row lists."""
+        per_row = {
+            name: overrides.get(name) or [getattr(self, name)] * batch
+            for name in ("temperature", "repetition_penalty", "top_k", "min_p")
+        }
+        return RowSampler(
+            per_row["temperature"],
+            per_row["repetition_penalty"],
+            self.top_p,
+            self.effective_seed,
+            device,
+            vocab,
+            top_k=per_row["top_k"],
+            min_p=per_row["min_p"],
+        )
+
+
+# the checks of single settings, shared by the Sampler and a batch line's own values (`name` says which)
+def check_temperature(value: float, name: str = "--temperature") -> None:
+    if not 0 <= value <= MAX_TEMPERATURE:
+        raise ConfigError(f"{name} must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {value:g}")
+
+
+def check_repetition_penalty(value: float, name: str = "--repetition-penalty") -> None:
+    if not 0 < value <= MAX_PENALTY:
+        raise ConfigError(f"{name} must be above 0 and at most {MAX_PENALTY:g} (1 = off), got {value:g}")
+
+
+def check_top_k(value: int, name: str = "--top-k") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a whole number >= 0 (0 = off), got {value}")
+
+
+def check_min_p(value: float, name: str = "--min-p") -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(f"{name} must be at least 0 (off) and below 1, got {value:g}")
 
 
 class RowSampler:
     """Sampling state for B rows on the device. `__call__(logits (B, V)) -> tokens (B,)`; `observe(ids, mask)`
     feeds prompt tokens into the penalty window. Which operations run is fixed at construction (graph-safe)."""
 
-    def __init__(self, temperatures, penalties, top_p: float, seed: int, device: torch.device, vocab: int):
+    def __init__(
+        self,
+        temperatures,
+        penalties,
+        top_p: float,
+        seed: int,
+        device: torch.device,
+        vocab: int,
+        top_k=None,
+        min_p=None,
+    ):
+        B = len(temperatures)
+        top_k, min_p = top_k or [0] * B, min_p or [0.0] * B
         self.device, self.vocab, self.top_p = device, vocab, top_p
         self.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)  # (B,)
         self.penalty = torch.tensor(penalties, dtype=torch.float32, device=device)  # (B,)
         self.hot = any(t > 0 for t in temperatures)  # host-known: does any row sample?
         self.penalized = any(p != 1.0 for p in penalties)
-        B = len(temperatures)
+        # host-known too: whether candidates are cut to the most likely ones, and how many a step ranks (top-p
+        # and min-p look at NUCLEUS_CAP, top-k at its k); a row without top-k keeps them all (k = the cut)
+        self.filtered = top_p < 1.0 or any(top_k) or any(min_p)
+        self.cut = min(vocab, max(NUCLEUS_CAP, *top_k))
+        self.top_k = torch.tensor([k or self.cut for k in top_k], dtype=torch.long, device=device)  # (B,)
+        self.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)  # (B,)
         self.recent = torch.full((B, PENALTY_WINDOW), -1, dtype=torch.long, device=device)  # ring of last tokens
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.seed = torch.tensor(seed, dtype=torch.long, device=device)
         self.row = torch.arange(B, device=device)
         self.ids = torch.arange(vocab, device=device)
+        self.rank = torch.arange(self.cut, device=device)
         self._static()
 
     def _static(self) -> None:
-        """Fixed addresses for torch.compile: a compiled step updates the window and the counter in place."""
-        if not torch.compiler.is_compiling():
-            for t in (self.temperature, self.penalty, self.recent, self.step, self.seed, self.row, self.ids):
-                torch._dynamo.mark_static_address(t)
+        """Fixed addresses: a captured step updates the window and the counter in place."""
+        mark_static(*self._state())
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.temperature, self.penalty, self.top_k, self.min_p, self.recent, self.step, self.seed, self.row,
+            self.ids, self.rank,
+        )  # fmt: skip
+
+    @property
+    def shape_key(self) -> tuple:
+        """What decides which operations a step runs: samplers with equal keys can share a captured step."""
+        return (self.batch, self.hot, self.penalized, self.top_p, self.filtered, self.cut)
+
+    def load(self, other: RowSampler) -> None:
+        """Take `other`'s settings in place (same shape key): a captured step keeps reading these tensors."""
+        for mine, theirs in zip(self._state()[:4], other._state()[:4], strict=True):
+            mine.copy_(theirs)
+        self.seed.copy_(other.seed)
+
+    def set_row(self, r: int, temperature: float, penalty: float, top_k: int = 0, min_p: float = 0.0) -> None:
+        """Row r's settings, in place (a new prompt takes the row; the step's shape key must allow them)."""
+        self.temperature[r], self.penalty[r] = temperature, penalty
+        self.top_k[r], self.min_p[r] = top_k or self.cut, min_p
+
+    def observe_row(self, r: int, ids: torch.Tensor) -> None:
+        """Row r's penalty window from a new prompt (1, L) read into that row alone."""
+        if not self.penalized:
+            return
+        tail = ids.reshape(-1)[-(PENALTY_WINDOW - 1) :]
+        self.recent[r].fill_(-1)
+        # the ring is indexed by the shared step counter: the tail ends just before the slot of the row's first
+        # token (first_of_row), which comes just before the next step's
+        slots = (self.step - 1 - tail.numel() + torch.arange(tail.numel(), device=self.device)) % PENALTY_WINDOW
+        self.recent[r].scatter_(0, slots, tail.to(self.device))
 
     @property
     def batch(self) -> int:
@@ -97,23 +195,36 @@ class RowSampler:
     def select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device)
         self.temperature, self.penalty = self.temperature[index], self.penalty[index]
+        self.top_k, self.min_p = self.top_k[index], self.min_p[index]
         self.recent = self.recent[index]
         self.row = torch.arange(index.numel(), device=self.device)
         self._static()
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) logits -> (B,) tokens; advances the step and records the tokens for the penalty."""
+        tokens = self._draw(logits)
+        if self.penalized:
+            slot = (self.step % PENALTY_WINDOW).expand(self.batch, 1)
+            self.recent.scatter_(1, slot, tokens[:, None])
+        self.step += 1
+        return tokens
+
+    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
         if self.penalized:
             logits = self._penalize(logits)
         tokens = logits.argmax(dim=-1)
         if self.hot:
             tokens = torch.where(self.temperature > 0, self._sample(logits), tokens)
-        if self.penalized:
-            slot = (self.step % PENALTY_WINDOW).expand(self.batch, 1)
-            self.recent.scatter_(1, slot, tokens[:, None])
-        self.step += 1
         return tokens
+
+    def first_of_row(self, r: int, logits: torch.Tensor) -> torch.Tensor:
+        """Row r's first token from its new prompt's logits (V,), drawn with the row's settings; the other rows'
+        state is untouched and the step counter does not move (the next step is shared by every row)."""
+        token = self._draw(logits.reshape(1, -1).expand(self.batch, -1))[r]
+        if self.penalized:
+            self.recent[r, (self.step - 1) % PENALTY_WINDOW] = token
+        return token
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalize the window's tokens only (B, W values, not the vocabulary): empty entries point at an extra
@@ -127,12 +238,15 @@ class RowSampler:
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         probs = (logits / self.temperature.clamp(min=1e-6)[:, None]).softmax(dim=-1)  # (B, V)
-        if self.top_p >= 1.0:  # argmax of p / E, E ~ Exp(1), is a draw from p
+        if not self.filtered:  # argmax of p / E, E ~ Exp(1), is a draw from p
             return (probs / self._exponential(self.ids[None, :])).argmax(dim=-1)
-        # the nucleus among the NUCLEUS_CAP most likely tokens (a full sort of the vocabulary costs more than
-        # the rest of sampling; llama.cpp and ollama cut to 40 before top-p)
-        top, ids = probs.topk(min(NUCLEUS_CAP, self.vocab), dim=-1)  # (B, k), descending
-        outside = top.cumsum(-1) - top >= self.top_p  # the smallest set whose mass reaches top_p
+        # candidates among the `cut` most likely tokens (a full sort of the vocabulary costs more than the rest
+        # of sampling; llama.cpp and ollama cut to 40 before top-p); each filter masks, no shape depends on it
+        top, ids = probs.topk(self.cut, dim=-1)  # (B, cut), descending
+        outside = self.rank[None, :] >= self.top_k[:, None]  # top-k (a row without it keeps the cut)
+        outside |= top < self.min_p[:, None] * top[:, :1]  # min-p: relative to the most likely token
+        if self.top_p < 1.0:
+            outside |= top.cumsum(-1) - top >= self.top_p  # the smallest set whose mass reaches top_p
         race = (top / self._exponential(ids)).masked_fill(outside, -1.0)
         return ids.gather(-1, race.argmax(dim=-1, keepdim=True)).squeeze(-1)
 

@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tensors a captured step reads and writes in place: they keep their address from step to step."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
 def per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """A slot index (..., k) expanded over buf's trailing dims, for gather/scatter along buf's slot dim
     (the index's last dim): (B, H, k) for one layer's (B, H, S, D), (L, B, H, k) for every layer's."""
@@ -94,8 +101,7 @@ class Slots:
 
     def mark_static(self) -> None:
         """Fixed addresses for a captured step, which writes into these in place."""
-        for t in (self.keys, self.values, self.pos, self.rot, self.score, self.seen, self.next_rot):
-            torch._dynamo.mark_static_address(t)
+        mark_static(self.keys, self.values, self.pos, self.rot, self.score, self.seen, self.next_rot)
 
     def rows(self, index: torch.Tensor) -> Slots:
         index = index.to(self.seen.device)

@@ -158,6 +158,15 @@ def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
     return compress & (held.to(real.device) + real > budgets)
 
 
+def columns_read(cache, tokens: int, chunk_size: int) -> int:
+    """Columns a prompt of `tokens` will be read for in all, known on the host before reading it: snap reads
+    an overflowing prompt's last chunk first, then the whole prompt (progress bars show both from the start)."""
+    budgets = [g.policy.budget for g in cache.groups if g.policy.compresses_prompts]
+    if not budgets or min(min(budgets), cache.columns) + tokens <= min(budgets):
+        return tokens
+    return tokens + (min(tokens, max(chunk_size, *budgets)) if PROBE == "tail" else tokens)
+
+
 # What the probe reads to find the prompt's last queries: "whole" (the prompt, evicting as h2o does, so the
 # final queries see heavy hitters and the recent half of the budget) or "tail" (only its last `probe_tokens`,
 # after skipping the rest: the final queries see that much recent text exactly; the probe costs one chunk).

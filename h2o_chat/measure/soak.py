@@ -16,6 +16,7 @@ import torch
 
 from h2o_chat.engine.policies import Policy, make_policy
 from h2o_chat.measure.evaluate import streaming_nll
+from h2o_chat.models.memory import process_memory
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,6 @@ def soak_configs(budget: int, sinks: int) -> list[SoakConfig]:
         SoakConfig(f"rolling + {sinks} sinks", pinned, "rolling"),
         SoakConfig(f"auto + {sinks} sinks", pinned, "auto"),
     ]
-
-
-def memory_now(device: torch.device) -> dict[str, int]:
-    import psutil
-
-    out = {"rss": psutil.Process().memory_info().rss}
-    if device.type == "cuda":
-        out["gpu_allocated"] = torch.cuda.memory_allocated(device)
-    return out
 
 
 def run_soak(
@@ -65,7 +57,7 @@ def run_soak(
             marks.append(
                 {
                     "seen": t + 1,
-                    **memory_now(device),
+                    **process_memory(device),
                     "kv_bytes": sum(s.kv_bytes for s in stats),
                     "positions": [s.positions for s in stats],
                 }

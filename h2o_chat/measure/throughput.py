@@ -17,7 +17,7 @@ import torch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.models.memory import OVERHEAD, footprint
+from h2o_chat.models.memory import OVERHEAD, footprint, process_memory
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,7 @@ def largest_batch(fp, dtype, weight_bytes: int, kv_tokens: int, limit: int, conf
 def _peak(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    import psutil
-
-    return psutil.Process().memory_info().rss
+    return process_memory(device)["rss"]
 
 
 @torch.inference_mode()

@@ -46,6 +46,14 @@ class Loaded:
         """Trained context in tokens (models.toml, else the config)."""
         return self.spec.context or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
+    def check_budget(self, kv_tokens: int, rows: int = 1, flag: str = "--budget") -> None:
+        """Raise a DeviceError (saying which `flag` value would fit) when a KV cache of `kv_tokens` for each of
+        `rows` rows does not fit in the memory free now: a budget changed after loading gets the check that
+        --budget got before it."""
+        from h2o_chat.models.memory import check_budget
+
+        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag)
+
 
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
@@ -112,8 +120,29 @@ def embedded_gguf(source: str) -> Path:
     raise ModelNotFoundError(f"{filename} is missing from the installed {package} package; reinstall it")
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(path: Path) -> None:
+    """A clear error for what is not a GGUF file, before any conversion starts."""
+    if not path.exists():
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is not a file: a GGUF model is one .gguf file")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot read {path}: {e.strerror}") from None
+    if not magic:
+        raise ModelNotFoundError(f"{path} is empty, not a GGUF model")
+    if magic != GGUF_MAGIC:
+        raise ModelNotFoundError(f"{path} is not a GGUF model (a .gguf file starts with the bytes GGUF)")
+
+
 def converted_folder(gguf: Path, status: Status = None) -> Path:
     """Dequantise a GGUF file once into safetensors in the user cache; later loads reuse it."""
+    check_gguf(gguf)
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     name = f"{gguf.stem}-{key}"
@@ -127,9 +156,13 @@ def converted_folder(gguf: Path, status: Status = None) -> Path:
 
     if status:
         status(f"converting {gguf.name} to safetensors in {target.parent} (once, ~20 s)")
-    with contextlib.redirect_stderr(io.StringIO()):  # the GGUF reader draws a progress bar
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the GGUF reader draws a progress bar
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:  # a damaged file, or an architecture it lacks
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ModelNotFoundError(f"cannot convert {gguf}: {reason}") from None
     # the dequantised weights are plain fp32 tensors: drop the GGUF marker so they can be saved
     del model.config.quantization_config
     model.hf_quantizer, model.is_quantized = None, False
@@ -152,12 +185,13 @@ def weights_location(spec: ModelSpec, download: bool = False, status: Status = N
     if kind == "embedded":
         return str(converted_folder(embedded_gguf(spec.source), status))
     if kind == "gguf":
-        path = Path(spec.source).expanduser()
-        if not path.exists():
-            raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return str(converted_folder(path, status))
+        return str(converted_folder(Path(spec.source).expanduser(), status))
     if kind == "local":
         path = Path(spec.source).expanduser()
+        if path.is_file():
+            raise ModelNotFoundError(
+                f"{path} is a file, not a model: give a model folder (with config.json) or a .gguf file"
+            )
         if not path.is_dir():
             raise ModelNotFoundError(f"model folder not found: {path}")
         if not (path / "config.json").exists():
@@ -208,6 +242,28 @@ def _tokenizer_problem(spec: ModelSpec, location: str, error: Exception) -> str:
     return f"could not load the tokenizer of {spec.name} from {location}: {reason[:200]}"
 
 
+@contextlib.contextmanager
+def _fetching(spec: ModelSpec, download: bool):
+    """With --download, the Hub's errors (no network, no such repo, a gated one) become one line."""
+    try:
+        yield
+    except OSError as e:
+        if not download:
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(f"could not download {spec.source} from the Hugging Face Hub: {reason}") from None
+
+
+def warm_up(model: torch.nn.Module, device: torch.device) -> None:
+    """One short forward without a cache on a GPU, while loading: the first forward of a process initialises
+    CUDA kernels and libraries, which made the first prompt of a chat read at a fraction of the later speed."""
+    if device.type != "cuda":
+        return
+    with torch.inference_mode():  # the ids go where the embeddings are (device_map may spread the layers)
+        model(input_ids=torch.zeros((1, 8), dtype=torch.long, device=model.device), use_cache=False)
+    torch.cuda.synchronize()
+
+
 def _quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
@@ -235,10 +291,12 @@ def load(
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if dev.type == "cuda" or kv_tokens or download:
+        with _fetching(spec, download):  # the first contact with the Hub, when downloading
+            config = AutoConfig.from_pretrained(location, local_files_only=not download)
     if dev.type == "cuda":
         from h2o_chat.models.memory import check_fits, footprint, free_gpu_bytes
 
-        config = AutoConfig.from_pretrained(location, local_files_only=not download)
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
         check_fits(
             spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows
@@ -246,7 +304,6 @@ def load(
     elif kv_tokens:
         from h2o_chat.models.memory import check_fits_in_memory
 
-        config = AutoConfig.from_pretrained(location, local_files_only=not download)
         check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows)
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
@@ -270,13 +327,15 @@ def load(
     except (OSError, ValueError) as e:  # ValueError: no tokenizer file the backend can build from
         raise ModelNotFoundError(_tokenizer_problem(spec, location, e)) from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        with _fetching(spec, download):
+            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None
     if dev.type != "cuda":
         model.to(dev)
     model.eval()
     prepare_model(model)
+    warm_up(model, dev)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

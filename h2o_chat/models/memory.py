@@ -108,14 +108,50 @@ def check_fits(
 def check_fits_in_memory(name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1) -> None:
     """On CPU: the KV cache is allocated whole at the first token, so a budget beyond this machine's memory
     fails there with "can't allocate"; say before loading which budget would fit."""
-    import psutil
-
-    available = psutil.virtual_memory().available
+    available = available_memory()
     shape = _kv_shape(config)
     kv = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * kv_tokens * rows * _DTYPE_BYTES[dtype]
     if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
         return
     check_fits(name, footprint(config), dtype, "none", kv_tokens, available, rows=rows, gpu=False)
+
+
+def check_budget(
+    config, dtype: torch.dtype, device: torch.device, kv_tokens: int, rows: int = 1, flag: str = "--budget"
+) -> None:
+    """With the weights already loaded (a budget changed in the chat, a batch line's own budget): the same
+    check as before loading, for the KV cache alone against what is free now -- raise a DeviceError saying
+    which `flag` value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
+    fp = Footprint(linear_params=0, other_params=0, **_kv_shape(config))
+    gpu = device.type == "cuda"
+    free = free_gpu_bytes() if gpu else available_memory()
+    need = fp.total_bytes(dtype, "none", kv_tokens, rows)
+    if need <= free:
+        return
+    fits = int(free / (OVERHEAD * fp.kv_bytes(1, dtype, rows)))
+    has = f"the GPU has {gb(free)} free" if gpu else f"this machine has {gb(free)} of memory available"
+    cache = f"a {kv_tokens}-token KV cache" + (f" for each of {rows} rows" if rows > 1 else "")
+    raise DeviceError(f"{flag} {kv_tokens}: {cache} needs ~{gb(need)}, but {has}; {flag} {fits} fits")
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give the process (psutil's available: free plus reclaimable)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def process_memory(device: torch.device | None = None) -> dict[str, int]:
+    """Resident memory of this process, and GPU memory (allocated, reserved) when `device` is a GPU or, without
+    a device, when CUDA is in use (bytes)."""
+    import psutil
+
+    out = {"rss": psutil.Process().memory_info().rss}
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        out["gpu_allocated"] = torch.cuda.memory_allocated(device)
+        out["gpu_reserved"] = torch.cuda.memory_reserved(device)
+    return out
 
 
 def free_gpu_bytes() -> int:
@@ -143,7 +179,9 @@ class ModelShape:
     def of(cls, config) -> ModelShape:
         text = config.get_text_config()
         kv = _kv_shape(config)
-        intermediate = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None) or 4 * text.hidden_size
+        intermediate = (
+            getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None) or 4 * text.hidden_size
+        )
         return cls(
             kv["layers"], text.num_attention_heads, kv["kv_heads"], kv["head_dim"], text.hidden_size,
             intermediate, text.vocab_size,

@@ -10,7 +10,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.errors import ConfigError, UnknownModelError
+from h2o_chat.errors import ConfigError, ModelNotFoundError, UnknownModelError
 from h2o_chat.files import read_user_text, user_config_dir
 
 PACKAGE_MODELS = Path(__file__).with_name("models.toml")
@@ -32,14 +32,20 @@ class ModelSpec:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if not self.source:
-            raise ConfigError(f"model {self.name!r} has no source")
-        if self.family not in FAMILIES:
-            raise ConfigError(f"model {self.name!r}: unknown family {self.family!r} (one of {', '.join(FAMILIES)})")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"model {self.name!r}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.quantize not in QUANTIZE:
-            raise ConfigError(f"model {self.name!r}: quantize must be one of {', '.join(QUANTIZE)}")
+        """Every field checked, each message naming the alias and the field (as models.toml spells them)."""
+        where = f"models.{self.name}"
+        for name in ("source", "family", "dtype", "quantize", "note"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}.{name} must be a string, got {value!r}")
+        if not self.source.strip():
+            raise ConfigError(f"{where}.source is empty: give a Hugging Face repo id, a folder or a .gguf file")
+        for name, allowed in (("family", FAMILIES), ("dtype", DTYPES), ("quantize", QUANTIZE)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{where}.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        context = self.context
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context <= 0):
+            raise ConfigError(f"{where}.context must be a positive number of tokens, got {context!r}")
 
     @property
     def kind(self) -> str:
@@ -59,14 +65,24 @@ class Registry:
     models: dict[str, ModelSpec] = field(default_factory=dict)
 
     def resolve(self, name: str | None) -> ModelSpec:
-        """An alias, a local folder or .gguf file, or a Hugging Face repo id (owner/name)."""
-        name = (name or self.default).strip()
+        """An alias, a local folder or .gguf file, or a Hugging Face repo id (owner/name); None: the default."""
+        if name is None:
+            name = self.default
+        name = name.strip()
+        if not name:
+            raise UnknownModelError(
+                "--model is empty: give an alias (h2o-chat models lists them), a folder or a .gguf file"
+            )
         if name in self.models:
             return self.models[name]
         path = Path(name).expanduser()
         if path.exists():
             family = _guess_family(path)
             return ModelSpec(name=path.name, source=str(path.resolve()), family=family)
+        if name.lower().endswith(".gguf"):
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        if name.startswith(("/", ".", "~")):
+            raise ModelNotFoundError(f"model folder not found: {path}")
         if _looks_like_repo_id(name):
             return ModelSpec(name=name, source=name, family=_guess_family_from_name(name))
         close = difflib.get_close_matches(name, self.models, n=3, cutoff=0.5)
@@ -129,7 +145,12 @@ def _specs(data: dict, path: Path) -> dict[str, ModelSpec]:
         unknown = set(entry) - {"source", "family", "dtype", "quantize", "context", "note"}
         if unknown:
             raise ConfigError(f"{path}: models.{alias} has unknown keys: {', '.join(sorted(unknown))}")
-        specs[alias] = ModelSpec(name=alias, **entry)
+        if "source" not in entry:
+            raise ConfigError(f"{path}: models.{alias} has no source")
+        try:
+            specs[alias] = ModelSpec(name=alias, **entry)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     return specs
 
 
@@ -148,6 +169,8 @@ def load_registry(user_file: str | Path | None = None) -> Registry:
         extra = _read_toml(path)
         models.update(_specs(extra, path))
         default = extra.get("default", default)
+        if not isinstance(default, str):
+            raise ConfigError(f"{path}: default must be the name of an alias, got {default!r}")
     if default not in models:
         raise ConfigError(f"default model {default!r} is not defined in models.toml")
     return Registry(default=default, models=models)

@@ -1,0 +1,102 @@
+"""Messages as h2o-chat reads and writes them: the one check of a message list (saved conversations and batch
+lines alike), the chat template from messages to token ids, and the saved-conversation file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from h2o_chat.errors import InputError
+from h2o_chat.files import read_user_text
+
+ROLES = ("system", "user", "assistant")
+FORMAT = "h2o-chat/1"
+
+# for base models without a chat template (OPT, Pythia)
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+PLAIN_STOP = "\nUser:"
+
+
+def messages_problem(value) -> str | None:
+    """What is wrong with `value` as a list of {"role", "content"} messages, or None when nothing is."""
+    if not isinstance(value, list):
+        return f"expected a list of messages, got {_kind(value)}"
+    if not value:
+        return "the list of messages is empty"
+    for number, m in enumerate(value, start=1):
+        if not isinstance(m, dict):
+            return f"message {number} is {_kind(m)}, not an object with a role and a content"
+        if "role" not in m or "content" not in m:
+            return f'message {number} has no "{"role" if "role" not in m else "content"}"'
+        if m["role"] not in ROLES:
+            return f"message {number} has role {m['role']!r}: expected one of {', '.join(ROLES)}"
+        if not isinstance(m["content"], str):
+            return f"message {number}'s content is {_kind(m['content'])}, not text"
+    return None
+
+
+def is_messages(value) -> bool:
+    """Whether `value` is a non-empty list of {"role", "content"} messages."""
+    return messages_problem(value) is None
+
+
+def _kind(value) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+# -- the chat template ----------------------------------------------------------------------------------
+def use_chat_template(tokenizer) -> bool:
+    """Give a base model's tokenizer (no chat template) a plain "User:/Assistant:" one; True when it did."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = PLAIN_TEMPLATE
+    return True
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text (the template wrote its special tokens already)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Messages -> the ids of the whole conversation, ready for a reply."""
+    return encode(tokenizer, render(tokenizer, messages))
+
+
+# -- saved conversations --------------------------------------------------------------------------------
+def write_conversation(path: str | Path, model: str, messages: list[dict]) -> Path:
+    path = Path(path).expanduser()
+    data = {"format": FORMAT, "model": model, "messages": messages}
+    try:
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror}") from None
+    return path
+
+
+def read_conversation(path: str | Path) -> list[dict]:
+    """A saved conversation ({"messages": [...]}, as /save writes it) or a bare list of messages."""
+    text = read_user_text(path, "conversation file")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{path} is not a saved conversation (invalid JSON: {e})") from None
+    if isinstance(data, dict) and "messages" in data:
+        data = data["messages"]
+    elif isinstance(data, dict):
+        raise InputError(f'{path} is not a saved conversation: it has no "messages"')
+    problem = messages_problem(data)
+    if problem:
+        raise InputError(f"{path} is not a saved conversation: {problem}")
+    return [{"role": m["role"], "content": m["content"]} for m in data]
