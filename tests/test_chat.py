@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
@@ -517,3 +518,67 @@ def test_installed_command_in_a_pty(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap"])
+def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_session_answers_on(
+    embedded, tmp_path, monkeypatch, policy
+):
+    """Issue 17.5: a real Ctrl-C after the second chunk of a long message: reading stops after that chunk,
+    the message is taken back (the cache exactly as before it), the user is told, and the next message gets
+    the reply it gets in a session where the long message never was."""
+    from h2o_chat.engine import decode
+
+    chunks = {"n": 0}
+    real = decode.Engine._forward
+
+    def forward(self, ids, positions, cache):
+        out = real(self, ids, positions, cache)
+        if ids.shape[1] > 1:
+            chunks["n"] += 1
+            if chunks["n"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, during the second chunk's forward
+        return out
+
+    monkeypatch.setattr(decode.Engine, "_forward", forward)
+    long = " ".join(["The river ran past the old mill and on towards the sea."] * 40)  # ~500 tokens
+    chat = session(embedded, tmp_path, budget=64, max_new_tokens=8, chunk_size=64, policy=make_policy(policy, 64))
+    drive(chat, tmp_path, "Hello there.\r/exit\r")
+    chunks["n"] = 0
+    out = plain(drive(chat, tmp_path, f"{long}\rWhat is two plus two?\r/exit\r"))
+    done, total = (int(x.replace(",", "")) for x in re.search(r"after ([\d,]+) of ([\d,]+) tokens", out).groups())
+    assert done <= 2 * 64 < total and "it was not added" in out  # stopped at the end of the second chunk
+    messages = chat.conv.messages
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["Hello there.", "What is two plus two?"]
+
+    monkeypatch.setattr(decode.Engine, "_forward", real)
+    alone = session(embedded, tmp_path, budget=64, max_new_tokens=8, chunk_size=64, policy=make_policy(policy, 64))
+    drive(alone, tmp_path, "Hello there.\rWhat is two plus two?\r/exit\r")
+    assert alone.conv.messages == messages  # the same replies: nothing of the stopped message remains
+    assert chat.conv.fed == alone.conv.fed == chat.conv.cache.stats().seen
+    assert torch.equal(chat.conv.cache.slots.pos, alone.conv.cache.slots.pos)
+    torch.testing.assert_close(chat.conv.cache.slots.score, alone.conv.cache.slots.score)
+
+
+def test_the_one_step_ahead_bookkeeping_holds_on_cpu(embedded, tmp_path, monkeypatch):
+    """On CUDA the engine feeds a token before the host has read it (`fed_last`); forced on here, a chat's
+    replies, token accounting and cache are what they are without it."""
+    from h2o_chat.engine import decode
+
+    def run(lookahead: bool):
+        real_init = decode.Engine.__init__
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            self.lookahead = lookahead
+
+        monkeypatch.setattr(decode.Engine, "__init__", init)
+        chat = session(embedded, tmp_path, budget=48, max_new_tokens=12)
+        drive(chat, tmp_path, "Name a colour.\rAnd another one?\rThanks, one more.\r/exit\r")
+        monkeypatch.setattr(decode.Engine, "__init__", real_init)
+        return chat.conv
+
+    ahead, behind = run(True), run(False)
+    assert ahead.messages == behind.messages
+    assert ahead.fed == behind.fed == ahead.cache.stats().seen
+    assert torch.equal(ahead.cache.slots.pos, behind.cache.slots.pos)

@@ -20,6 +20,7 @@ from h2o_chat.app.commands import SlashCommands
 from h2o_chat.app.conversation import Conversation
 from h2o_chat.app.piped import ReadingForecast, RunOptions
 from h2o_chat.app.ui import PanelView, describe_device, make_console, plural
+from h2o_chat.engine.decode import PrefillInterrupted
 from h2o_chat.errors import H2OChatError, out_of_memory
 from h2o_chat.files import user_data_dir
 from h2o_chat.models.loading import Loaded
@@ -103,6 +104,12 @@ class ChatSession:
                     view.token(last, conv.engine.describe(), conv.speeds(last))
                     if stop.is_set():
                         break
+        except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk
+            view.say(
+                f"(stopped reading your message after {e.done:,} of {e.total:,} tokens: it was not added, and the "
+                "conversation is as it was before it; Up brings the message back)"
+            )
+            return
         except H2OChatError as e:  # e.g. a model that cannot read past its context: the session stays
             view.error(e)
             return

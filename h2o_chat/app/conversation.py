@@ -16,7 +16,7 @@ from pathlib import Path
 
 from h2o_chat.app.messages import PLAIN_STOP, encode, read_conversation, render, use_chat_template, write_conversation
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, Progress
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.snap import columns_read
@@ -239,9 +239,13 @@ class Conversation:
             self.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
             begin = start + end
         self.fed += len(ids)
+        carried = (self._unfed, self._fed_stop)  # what the last turn left for this one (restored if taken back)
         self._unfed = self._fed_stop = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
-        reply, last, count = [], None, 0
+        # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
+        # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
+        before = self.cache.snapshot() if len(ids) > self.settings.chunk_size else None
+        reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
         stops = (*((PLAIN_STOP,) if self.plain and not raw else ()), *self.settings.stop)
@@ -265,19 +269,42 @@ class Conversation:
                 self._setup[2] = self.engine.setup_seconds
                 reply.append(r.text)
                 yield r
+        except PrefillInterrupted as e:
+            if e.done >= e.total:  # the message was read whole: it stays, with an empty reply
+                return
+            self._take_back(user, before, len(ids), carried, e)
+            taken_back = True
+            raise
         finally:
-            # every sampled token but the last has been fed; the last one too when the engine ran ahead. A stop
-            # token that was not fed is added by the template next turn; one that was is not added again.
-            fed_reply = max(0, count - 1)
-            if last is not None and last.fed:
-                fed_reply += 1
-                if last.token in self.stop_ids:
-                    self._fed_stop = last.token
-            elif last is not None and last.token not in self.stop_ids:
-                self._unfed = last.token
-            self.fed += fed_reply
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
-            self.spans.append(Span("assistant", reply_index, start + len(ids), self.fed))
+            if not taken_back:
+                self._end_turn(user, reply, last, count, start + len(ids), reply_index)
+
+    def _end_turn(self, user: dict, reply: list[str], last, count: int, reply_start: int, reply_index: int) -> None:
+        """Record the reply. Every sampled token but the last has been fed; the last one too when the engine ran
+        ahead. A stop token that was not fed is added by the template next turn; one that was is not added again."""
+        fed_reply = max(0, count - 1)
+        if last is not None and last.fed:
+            fed_reply += 1
+            if last.token in self.stop_ids:
+                self._fed_stop = last.token
+        elif last is not None and last.token not in self.stop_ids:
+            self._unfed = last.token
+        self.fed += fed_reply
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        self.spans.append(Span("assistant", reply_index, reply_start, self.fed))
+
+    def _take_back(self, user: dict, before: dict | None, tokens: int, carried, stopped: PrefillInterrupted) -> None:
+        """A message whose reading was stopped leaves no trace: the cache as it was before it, the message and
+        its spans gone. `stopped` says how far the reading got (for the user)."""
+        del self.messages[next(i for i, m in enumerate(self.messages) if m is user) :]
+        self.spans = [s for s in self.spans if s.index < len(self.messages)]
+        self.fed -= tokens
+        self._unfed, self._fed_stop = carried
+        if before is not None:
+            self.cache.restore(before)
+        else:
+            self._restart()
+        self.stopped_reading = (stopped.done, stopped.total)
 
     def speeds(self, record: Response) -> tuple[float, float, float]:
         """This turn's (prompt tok/s, decode tok/s, one-time setup seconds): a capture or compilation of the

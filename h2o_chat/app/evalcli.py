@@ -90,6 +90,30 @@ class Compared:
         return specs, names
 
 
+def forecast(bar, label: str, rows: int, unit: str = "step"):
+    """The progress callback `bar` plus one line once the first steps are timed: seconds per step for all rows
+    together, and the time the whole run will take at that speed (said up front, not discovered at the end)."""
+    import time
+
+    from h2o_chat.app.piped import duration
+
+    first: list = []
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if not first:
+            first.append((now, done))
+        elif len(first) == 1 and done - first[0][1] >= max(8, total // 64):
+            per = (now - first[0][0]) / (done - first[0][1])
+            first.append(per)
+            status(
+                f"{label}: {per:.2f} s per {unit} for {rows} rows together; about {duration(per * (total - done))} left"
+            )
+        bar(done, total)
+
+    return progress
+
+
 def _texts(paths: list[Path] | None) -> dict[str, str]:
     from h2o_chat.measure import evaluate as ev
 
@@ -157,7 +181,10 @@ def ppl_command(
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
         with progress_bar(f"ppl, {len(configs)} rows") as bar:
             results = ev.perplexity(
-                loaded.model, torch.tensor([ids]), configs, compared.positions, bar, prompt_tokens, decode=models.decode
+                *(loaded.model, torch.tensor([ids]), configs, compared.positions),
+                forecast(bar, "ppl", len(configs), "token"),
+                prompt_tokens,
+                decode=models.decode,
             )
         source = text.name if text else "alice.txt"
         records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
@@ -210,7 +237,7 @@ def needle_command(
                 answer_tokens,
                 chunk_size,
                 compared.positions,
-                bar,
+                forecast(bar, "needle", len(trials) * len(configs), "column"),
                 models.decode,
             )
         records = [{**r, "model": loaded.spec.name} for r in records]
@@ -247,7 +274,8 @@ def agree_command(
         status(f"agree: {plural(len(items), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}")
         with progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
             records = tasks.agreement(
-                *(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, compared.positions, bar),
+                *(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, compared.positions),
+                forecast(bar, "agree", len(items) * len(configs), "column"),
                 decode=models.decode,
             )
         records = [{**r, "model": loaded.spec.name} for r in records]

@@ -75,7 +75,7 @@ class ReadingForecast:
         rate = done / max(1e-9, self.clock() - self.started)
         if total / rate < self.threshold:
             return None
-        twice = f" (twice: snap reads {tokens:,})" if total > tokens else ""
+        twice = f" ({total - tokens:,} of them twice: snap's probe reads the end first)" if total > tokens else ""
         return (
             f"reading {total:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
             "a larger --chunk-size, or a GPU, reads faster"

@@ -115,6 +115,7 @@ class Forward:
     probe: object | None = None  # snap pass 1 (`snap.Probe`)
     observation: object | None = None  # snap pass 2 (`snap.Observation`)
     stored_valid: torch.Tensor | None = None  # chunk: (B, attend_from) stored slots holding a token
+    target: torch.Tensor | None = None  # chunk that fits: (B, T) the slots its tokens are written into
     layers: int = 0
     skipped: torch.Tensor | None = None  # chunk: (B,) tokens counted as read before it (see H2OCache.skip)
     _mask: torch.Tensor | None = field(default=None, repr=False)
@@ -136,17 +137,26 @@ class Forward:
             allowed = torch.cat((self.stored_valid[:, None, None, :] & real[:, None, :, None], new), dim=-1)
         return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, -torch.inf)
 
-    def stash(self, i: int, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor | None) -> None:
-        """Keep layer i's new keys, values and mass until the forward ends."""
-        if self.keys is None:
-            B, H, T, _ = key.shape
-            self.keys = key.new_empty(self.layers, *key.shape)
-            self.values = value.new_empty(self.layers, *value.shape)
+    def stash(self, slots: Slots, i: int, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor | None) -> None:
+        """Layer i's new keys, values and mass, once its attention has run: when the chunk fits they go straight
+        into their slots (appended); otherwise they wait, every layer's together, until the forward ends."""
+        B, H, T, _ = key.shape
+        if self.score is None:
             self.score = torch.zeros(self.layers, B, H, T, dtype=torch.float32, device=key.device)
-        self.keys[i] = key
-        self.values[i] = value
+            if self.fits:
+                self.target = evict.append_slots(slots, self.real)  # (B, T), the same in every layer
+            else:
+                self.keys = key.new_empty(self.layers, *key.shape)
+                self.values = value.new_empty(self.layers, *value.shape)
         if mass is not None:
             self.score[i] = mass
+        if self.fits:
+            where = self.target[:, None, :, None]
+            slots.keys[i].scatter_(2, where.expand(B, H, T, key.shape[-1]), key)
+            slots.values[i].scatter_(2, where.expand(B, H, T, value.shape[-1]), value)
+            return
+        self.keys[i] = key
+        self.values[i] = value
 
 
 @dataclass
@@ -530,7 +540,7 @@ class H2OCache(Cache):
             s.seen += 1
             s.next_rot += 1
             return
-        if fwd.keys is None:  # nothing reached the attention (an empty model?)
+        if fwd.score is None:  # nothing reached the attention (an empty model?)
             return
         extra = [fwd.observation.new_obs] if fwd.observation is not None else []
         new = evict.NewTokens(fwd.keys, fwd.values, fwd.pos_new, fwd.rot_new, fwd.score, extra)

@@ -74,6 +74,8 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
 
     def note(signum, frame) -> None:
         hit[0] = True
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)  # whoever handled Ctrl-C before (the chat's stop flag) hears it too
 
     previous = signal.signal(signal.SIGINT, note)
     try:

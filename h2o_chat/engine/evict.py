@@ -53,8 +53,8 @@ def step(slots: Slots, rules: Rules) -> None:
 class NewTokens:
     """A prompt chunk's tokens for every layer, waiting to be placed: T columns per row."""
 
-    keys: torch.Tensor  # (L, B, H, T, D)
-    values: torch.Tensor  # (L, B, H, T, Dv)
+    keys: torch.Tensor | None  # (L, B, H, T, D); None: already written into the slots (appended, see `append`)
+    values: torch.Tensor | None  # (L, B, H, T, Dv)
     pos: torch.Tensor  # (B, T) true positions, -1 = padding
     rot: torch.Tensor  # (B, T) positions the keys were rotated at
     score: torch.Tensor  # (L, B, H, T) fp32 mass received within the chunk (zeros when not tracked)
@@ -70,19 +70,23 @@ class NewTokens:
         return [self.keys, self.values, spread(self.pos), spread(self.rot), self.score, *self.extra]
 
 
+def append_slots(slots: Slots, real: torch.Tensor) -> torch.Tensor:
+    """Where a chunk's tokens go when every row has room for them (B, T): after the row's held tokens, in order;
+    padding goes to the spare slot (cleared when the chunk is placed)."""
+    return torch.where(real, slots.held()[:, None] + real.cumsum(-1) - 1, slots.capacity)
+
+
 def chunk(slots: Slots, new: NewTokens, rules: Rules, fits: bool, priority: torch.Tensor | None = None) -> None:
     """Place a chunk's tokens. `fits` (host-known): every row has room for all of them, so they are appended.
     Otherwise the T lowest of stored + new lose (`priority`, (L, B, H, C + T), overrides the rules': snap)."""
-    C, (L, B, H, T) = slots.capacity, new.score.shape
-    real = new.pos >= 0  # (B, T)
+    L, B, H, T = new.score.shape
     if fits:
-        rank = real.cumsum(-1) - 1
-        target = torch.where(real, slots.held()[:, None] + rank, C)  # padding -> the spare slot, cleared below
-        target = target[None, :, None, :].expand(L, B, H, T)
+        target = append_slots(slots, new.pos >= 0)[None, :, None, :].expand(L, B, H, T)
     else:
         target = _pair_freed_with_survivors(slots, new, rules, priority)
     for buf, values in zip(slots.buffers(), new.buffers(torch.Size((L, B, H, T))), strict=True):
-        buf.scatter_(3, per_slot(target, buf), values.to(buf.dtype))
+        if values is not None:
+            buf.scatter_(3, per_slot(target, buf), values.to(buf.dtype))
     slots.clear_spare()
 
 

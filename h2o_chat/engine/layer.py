@@ -119,7 +119,7 @@ class H2OLayer(CacheLayerMixin):
         out, mass = attention_with_mass(query, keys, values, mask, scaling, fwd.track_mass, fwd.fused)
         if mass is not None and n:
             slots.score[i, :, :, :n] += mass[..., :n]
-        fwd.stash(i, key, value, None if mass is None else mass[..., n:])
+        fwd.stash(slots, i, key, value, None if mass is None else mass[..., n:])
         if fwd.probe is not None:  # snap pass 1: remember the prompt's last queries
             fwd.probe.capture(i, query * scaling, fwd.rot_new, fwd.pos_new)
         if fwd.observation is not None:  # snap pass 2: score the chunk by the observation queries

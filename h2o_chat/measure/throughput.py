@@ -17,7 +17,7 @@ import torch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.models.memory import OVERHEAD, footprint, process_memory
+from h2o_chat.models.memory import OVERHEAD, ModelShape, decode_bytes, footprint, prefill_bytes, process_memory
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,30 @@ class ThroughputRecord:
     setup_seconds: float = 0.0  # graph capture or compilation, not counted in tokens_per_second
 
 
-def largest_batch(fp, dtype, weight_bytes: int, kv_tokens: int, limit: int, config, chunk: int) -> int:
-    """The most rows whose KV cache and per-row transients fit beside the weights under `limit`. Transients
-    per row: a prefill chunk's fp32 attention logits and its MLP activations, and the last fp32 logits."""
-    text = config.get_text_config()
-    hidden, heads = text.hidden_size, text.num_attention_heads
-    elem = fp.kv_bytes(1, dtype) // (2 * fp.layers * fp.kv_heads * fp.head_dim)
-    transient = chunk * (heads * (kv_tokens + chunk) * 4 + 16 * hidden * elem) + 4 * text.vocab_size
-    per_row = OVERHEAD * (fp.kv_bytes(kv_tokens, dtype) + transient)
-    return max(0, int((limit - OVERHEAD * weight_bytes) // per_row))
+def largest_batch(
+    shape: ModelShape, elem: int, weight_bytes: int, capacity: int, limit: int, chunk: int
+) -> tuple[int, int]:
+    """The most rows whose cache, prompt reading (every transient of a prefill chunk) and decode steps fit beside
+    the weights under `limit` (with the allocator's slack), and the prefill chunk that allows it: a smaller
+    chunk (down to 64) when its transients would cost rows."""
+
+    def rows_for(size: int) -> int:
+        def need(rows: int) -> float:
+            peak = max(prefill_bytes(shape, elem, rows, capacity, size), decode_bytes(shape, elem, rows, capacity))
+            return OVERHEAD * (weight_bytes + peak)
+
+        lo, hi = 0, 1
+        while need(hi) <= limit and hi < 1 << 16:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # need() grows with rows: the largest that fits lies in [lo, hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+        return lo
+
+    sizes = [chunk]
+    while sizes[-1] > 64:
+        sizes.append(sizes[-1] // 2)
+    return max(((rows_for(size), size) for size in sizes), key=lambda rs: (rs[0], rs[1]))
 
 
 def _peak(device: torch.device) -> int:
@@ -74,12 +89,14 @@ def run_throughput(
     fp = footprint(model.config)
     vocab = model.config.get_text_config().vocab_size
     weights = fp.weight_bytes(dtype, loaded.quantize)
+    shape, elem = ModelShape.of(model.config), torch.tensor([], dtype=dtype).element_size()
     total = prompt_tokens + generated_tokens
     warmup = min(4, generated_tokens - 1)
     out = []
     plans = (("full", make_policy("full"), total), ("h2o", make_policy("h2o", budget), budget))
     for k, (config, policy, cap) in enumerate(plans):
-        batch = min(max_batch, largest_batch(fp, dtype, weights, cap, memory_limit, model.config, chunk))
+        batch, chunk_used = largest_batch(shape, elem, weights, cap, memory_limit, chunk)
+        batch = min(max_batch, batch)
         before = k * total  # tokens of the configurations already run
         report = None if progress is None else (lambda done, _of, before=before: progress(before + done, 2 * total))
         if batch == 0:
@@ -94,7 +111,7 @@ def run_throughput(
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk, progress=report))
+        token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk_used, progress=report))
         for i in range(warmup):
             engine.decode(token if i == 0 else None)
         sync(device)

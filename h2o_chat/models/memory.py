@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in elements
 from h2o_chat.errors import DeviceError
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -160,7 +161,6 @@ def free_gpu_bytes() -> int:
 
 
 # -- what reading a prompt and decoding need beyond the weights ----------------------------------------------
-MASS_BLOCK = 1 << 24  # the attention-mass block, in elements (kept equal to h2o_chat.engine.attention's)
 
 
 @dataclass(frozen=True)
@@ -198,19 +198,27 @@ def storage_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int
 
 
 def prefill_bytes(
-    shape: ModelShape, elem: int, rows: int, capacity: int, chunk: int, snap: bool = False, window: int = 16
+    shape: ModelShape,
+    elem: int,
+    rows: int,
+    capacity: int,
+    chunk: int,
+    snap: bool = False,
+    window: int = 16,
+    mass: bool = True,
 ) -> int:
     """Peak bytes beyond the weights while a prompt is read in chunks of `chunk` columns: the storage, every
     layer's keys and values of the chunk (placed together when the forward ends), one layer's attention
     (keys of slots and chunk together, the mask, one block of the mass's logits and fp32 probabilities) and
     activations, and the last logits. Snap's probe reads into a second storage, and its observation logits
-    (per slot and window query) live beside the slots."""
+    (per slot and window query) live beside the slots. `mass`: the policy tracks attention mass (h2o, snap);
+    the others read with the fused kernel alone."""
     B, T, N = rows, chunk, capacity + chunk
     L, H, Hq, D = shape.layers, shape.kv_heads, shape.heads, shape.head_dim
     stash = L * B * H * T * (2 * D * elem + 4)
     layer_keys = B * H * N * 2 * D * elem
     mask = B * T * N * elem
-    block = min(B * Hq * T * N, MASS_BLOCK) * (2 * elem + 4 + 4)  # logits, logits + mask, probabilities, sum
+    block = min(B * Hq * T * N, MASS_BLOCK) * (2 * elem + 4 + 4) if mass else 0  # logits (+ mask), probabilities
     activations = B * T * (4 * shape.hidden + 3 * shape.intermediate + 2 * (Hq + 2 * H) * D) * elem
     logits = B * shape.vocab * 4 * 2
     total = storage_bytes(shape, elem, B, capacity) + stash + layer_keys + mask + block + activations + logits
@@ -223,12 +231,14 @@ def prefill_bytes(
 
 def decode_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
     """Peak bytes beyond the weights for a decode step: the storage, the step's attention over every slot in
-    fp32, one layer's activations, the logits and the sampler's copies of them."""
+    fp32, the eviction's per-slot priorities and sort keys for every layer, one layer's activations, the logits
+    and the sampler's copies of them."""
     B = rows
     attention = B * shape.heads * (capacity + 1) * 4 * 3
+    eviction = shape.layers * B * shape.kv_heads * (capacity + 1) * 48
     activations = B * (4 * shape.hidden + 3 * shape.intermediate) * elem
     logits = B * shape.vocab * 4 * 4
-    return storage_bytes(shape, elem, B, capacity) + attention + activations + logits
+    return storage_bytes(shape, elem, B, capacity) + attention + eviction + activations + logits
 
 
 def available_bytes(device: torch.device) -> int:
@@ -250,6 +260,7 @@ def fitting_chunk(
     held: int = 0,
     snap: bool = False,
     window: int = 16,
+    mass: bool = True,
     smallest: int = 16,
 ) -> int:
     """The largest chunk, `chunk` or a smaller power of two, whose prefill fits in `available` bytes (plus the
@@ -257,10 +268,10 @@ def fitting_chunk(
     `smallest` does not fit."""
     size = chunk
     while size >= smallest or size == chunk:
-        if OVERHEAD * prefill_bytes(shape, elem, rows, capacity, size, snap, window) <= available + held:
+        if OVERHEAD * prefill_bytes(shape, elem, rows, capacity, size, snap, window, mass) <= available + held:
             return size
         size //= 2
-    need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, min(chunk, smallest), snap, window)
+    need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, min(chunk, smallest), snap, window, mass)
     raise DeviceError(
         f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {min(chunk, smallest)} tokens, "
         f"but {gb(available + held)} is available; lower --budget (or /budget) or the number of rows"

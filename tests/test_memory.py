@@ -1,0 +1,56 @@
+"""The memory a prompt's reading and a decode step need: the estimates that size throughput batches and refuse
+prompts that would not fit bound what the profiler measures (every allocation, in time order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine, left_pad
+from h2o_chat.engine.policies import make_policy
+from h2o_chat.errors import DeviceError
+from h2o_chat.measure.prefill import cpu_peak_bytes
+from h2o_chat.models.memory import ModelShape, decode_bytes, fitting_chunk, prefill_bytes
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap", "full", "sink"])
+@pytest.mark.parametrize("rows, length, chunk", [(1, 600, 64), (3, 300, 128)], ids=["long", "padded-batch"])
+def test_the_prefill_estimate_bounds_the_measured_peak(policy, rows, length, chunk):
+    model = tiny_model("llama", seed=30, layers=3)
+    shape = ModelShape.of(model.config)
+    budget = 48
+    g = torch.Generator().manual_seed(rows)
+    prompts = [torch.randint(1, 256, (length - 37 * r,), generator=g).tolist() for r in range(rows)]
+    ids, mask = left_pad(prompts, 0)
+    cache = H2OCache.for_model(model, make_policy(policy, budget) if policy != "full" else make_policy("full"))
+    cache.reserve(length)
+    capacity = budget if policy != "full" else length
+    measured = cpu_peak_bytes(lambda: Engine(model, cache, "eager").prefill(ids, mask, chunk_size=chunk))
+    mass = policy in ("h2o", "snap")  # the policies that rank by attention compute its mass too
+    estimate = prefill_bytes(shape, 4, rows, capacity, chunk, snap=policy == "snap", window=12, mass=mass)
+    assert measured <= estimate < 4 * measured, (measured, estimate)
+
+
+def test_the_decode_estimate_bounds_the_measured_peak():
+    model = tiny_model("llama", seed=31, layers=3)
+    shape = ModelShape.of(model.config)
+    cache = H2OCache.for_model(model, make_policy("h2o", 64))
+    engine = Engine(model, cache, "eager")
+    engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (4, 100)), chunk_size=32)))
+    measured = cpu_peak_bytes(lambda: [engine.decode() for _ in range(3)])
+    # the storage is allocated already: the step's own transients are what the estimate adds to it
+    storage = sum(t.numel() * t.element_size() for t in cache.slots.buffers())
+    assert measured <= decode_bytes(shape, 4, 4, 64) - storage + shape.vocab * 4 * 4
+
+
+def test_a_prompt_that_does_not_fit_is_read_in_smaller_chunks_or_refused():
+    model = tiny_model("llama", seed=32, layers=3)
+    shape = ModelShape.of(model.config)
+    need = prefill_bytes(shape, 4, 1, 64, 512)
+    assert fitting_chunk(shape, 4, 1, 64, 512, available=2 * need) == 512
+    smaller = fitting_chunk(shape, 4, 1, 64, 512, available=int(0.6 * need))
+    assert 16 <= smaller < 512 and prefill_bytes(shape, 4, 1, 64, smaller) * 1.15 <= 0.6 * need
+    with pytest.raises(DeviceError, match="lower --budget"):
+        fitting_chunk(shape, 4, 1, 64, 512, available=1000)
