@@ -258,6 +258,23 @@ def test_bench_command_small(fast_load):
     assert full[80] > full[40] and h2o[0]["kv_bytes"] == h2o[1]["kv_bytes"]
 
 
+def test_bench_prefill_times_every_reader_with_its_anchor(monkeypatch, tmp_path):
+    """bench --prefill: transformers in one pass and in chunks beside full, h2o and snap, in one run: seconds,
+    tokens/s, extra peak memory, operators per layer; h2o's reading costs far fewer than the old 166."""
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    args = ["bench", "--prefill", "--shape", "llama-tiny", "--lengths", "300", "--chunk-size", "64", "-b", "32"]
+    result = invoke([*args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    records = {r["config"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert list(records) == ["transformers", "transformers-chunked", "full", "h2o", "snap"]
+    assert all(r["seconds"] > 0 and r["tokens_per_second"] > 0 and r["extra_peak_bytes"] > 0 for r in records.values())
+    assert records["transformers"]["chunk"] is None and records["h2o"]["chunk"] == 64
+    base = records["transformers-chunked"]["ops_per_layer"]
+    assert base > 0 and records["h2o"]["ops_per_layer"] <= 1.5 * base and records["full"]["ops_per_layer"] <= 1.2 * base
+    table = invoke(args)
+    assert table.exit_code == 0 and "h2o / transformers-chunked: tokens/s" in table.stdout
+
+
 def test_bench_rejects_bad_lengths():
     assert_one_line_error(invoke(["bench", "--lengths", "512,abc"]), "--lengths")
     assert_one_line_error(invoke(["bench", "--configs", "h2o,fast"]), "unknown bench config")
@@ -513,3 +530,27 @@ def test_reading_forecast():
     quick(0, 2048, 2048)
     now[0] += 1.0
     assert quick(512, 2048, 2048) is None
+
+
+def test_a_prompt_too_big_for_memory_is_read_in_smaller_chunks_or_refused(fast_load, embedded, monkeypatch):
+    """Issue 17.4: the prompt's reading is checked against free memory before it starts (its transients
+    included): a smaller chunk when that fits, with a note; otherwise one line and nothing read."""
+    from h2o_chat.models import memory
+    from h2o_chat.models.memory import ModelShape, prefill_bytes
+
+    def free(limit):
+        monkeypatch.setattr(memory, "available_bytes", lambda device: limit)
+
+    shape = ModelShape.of(embedded.model.config)
+    prompt = " ".join(["The mill wheel turned slowly in the brown water."] * 60)  # ~700 tokens
+    need = prefill_bytes(shape, 4, 1, 64, 512, mass=True)
+    free(int(1.2 * prefill_bytes(shape, 4, 1, 64, 64, mass=True)))  # room for a chunk of 64, not of 512
+    assert need > 1.2 * prefill_bytes(shape, 4, 1, 64, 64, mass=True)
+    result = invoke(["--temperature", "0", "--max-new-tokens", "4", "-b", "64", "-p", "h2o", prompt])
+    assert result.exit_code == 0, result.stderr
+    assert "reading in chunks of 64 tokens instead of 512" in result.stderr
+    free(1000)
+    result = invoke(["--max-new-tokens", "4", "-b", "64", "-p", "h2o", prompt])
+    assert result.exit_code != 0 and "Traceback" not in result.output and not result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("h2o-chat: error:")]
+    assert len(errors) == 1 and "MB is available; lower --budget (or /budget)" in errors[0]

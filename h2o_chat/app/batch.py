@@ -20,13 +20,14 @@ import torch
 from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
-from h2o_chat.engine.generate import stop_token_ids
+from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.slots import mean_count
 from h2o_chat.errors import ConfigError, H2OChatError, InputError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
+from h2o_chat.models.memory import prefill_chunk
 
 MAX_INPUT_BYTES = 2**30  # a batch file: one read, every line tokenized before generation starts
 
@@ -209,7 +210,8 @@ def generate_batch(
     engine.sampler.select_rows(torch.arange(R))
     t0 = time.perf_counter()
     ids, mask = left_pad([it.ids for it in items[:R]], tok.pad_token_id or 0)
-    tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size))
+    chunk, _ = prefill_chunk(model, cache, R, ids.shape[1], chunk_size)  # smaller when memory is short
+    tokens = engine.first_tokens(engine.prefill(ids, mask, chunk))
     queue = list(range(R, len(items)))
     slot: list[int | None] = list(range(R))  # the item each batch row is generating, None when idle
     out: dict[int, list[int]] = {i: [] for i in range(R)}
@@ -218,10 +220,10 @@ def generate_batch(
 
     def finished(i: int, token: int) -> str | None:
         """Take item i's next token; the reason it is done, or None."""
-        if token in stops:
-            return "stop"
-        out[i].append(token)
-        return "length" if len(out[i]) >= items[i].max_new_tokens else None
+        reason = finish_reason(token, len(out[i]) + 1, items[i].max_new_tokens, stops)
+        if reason != "stop":
+            out[i].append(token)
+        return reason
 
     while True:
         step = tokens.tolist()  # the host reads this step's tokens (one wait per step)
@@ -237,7 +239,8 @@ def generate_batch(
                 if queue:
                     i = slot[r] = queue.pop(0)
                     started[i], out[i] = time.perf_counter(), []
-                    first = engine.refill(r, torch.tensor([items[i].ids]), chunk_size, **_sampling([items[i]]))
+                    chunk, _ = prefill_chunk(model, cache, 1, len(items[i].ids), chunk_size)
+                    first = engine.refill(r, torch.tensor([items[i].ids]), chunk, **_sampling([items[i]]))
                     prompt_seconds[i] = time.perf_counter() - started[i]
                     tokens[r] = first
                     reason = finished(i, int(first))  # fed with the next step unless it already ends the item

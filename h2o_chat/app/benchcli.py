@@ -74,7 +74,8 @@ def bench_command(
         str | None,
         typer.Option(
             help="Comma-separated: dynamic (transformers DynamicCache), static (StaticCache), static-compiled "
-            "(StaticCache + torch.compile), full, h2o, h2o-nobound (budget above every length). Default: "
+            "(StaticCache + torch.compile), full, h2o, h2o-rolling (positions renumbered), h2o-nobound (budget above "
+            "every length). Default: "
             "dynamic, full, h2o, h2o-nobound, plus static-compiled on CUDA (compiling on a CPU takes minutes).",
             show_default=False,
         ),

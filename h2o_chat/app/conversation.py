@@ -22,6 +22,7 @@ from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.snap import columns_read
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
+from h2o_chat.models.memory import prefill_chunk
 
 SENTINEL = "\x00h2o-chat-reply\x00"
 
@@ -207,10 +208,10 @@ class Conversation:
             return encode(self.tokenizer, text), None
         return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
 
-    def reads(self, tokens: int) -> int:
+    def reads(self, tokens: int, chunk: int | None = None) -> int:
         """Columns a turn of `tokens` new tokens is read for: snap reads an overflowing prompt's last chunk
         first (its probe chooses what the full read keeps)."""
-        return columns_read(self.cache, tokens, self.settings.chunk_size)
+        return columns_read(self.cache, tokens, chunk or self.settings.chunk_size)
 
     # -- a turn -----------------------------------------------------------------------------------
     def send(
@@ -231,8 +232,12 @@ class Conversation:
         note = budget_note(len(ids), self.policy.budget, self.budget_hint)
         if note:
             self.cache.notices.append(note)
+        # checked before anything changes: a prompt that cannot be read leaves the conversation as it was
+        chunk, smaller = prefill_chunk(self.loaded.model, self.cache, 1, len(ids), self.settings.chunk_size)
+        if smaller:
+            self.cache.notices.append(smaller)
         if progress is not None:
-            progress(0, self.reads(len(ids)))
+            progress(0, self.reads(len(ids), chunk))
         self.messages.append(user)
         start = begin = self.fed
         for index, end in ends:  # one span per message (a whole loaded conversation has many)
@@ -244,7 +249,7 @@ class Conversation:
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
         # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
         # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
-        before = self.cache.snapshot() if len(ids) > self.settings.chunk_size else None
+        before = self.cache.snapshot() if len(ids) > chunk else None
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
@@ -256,7 +261,7 @@ class Conversation:
                 self.cache,
                 ids,
                 sampler=self.settings.sampler,
-                chunk_size=self.settings.chunk_size,
+                chunk_size=chunk,
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
                 stop_ids=self.stop_ids,
                 stop_strings=stops,

@@ -253,6 +253,18 @@ class H2OCache(Cache):
         """Whether some row's tokens are numbered by their order among the held tokens."""
         return any(self._switched) or (not self._rows and any(g.positions == "rolling" for g in self.groups))
 
+    def capacity_for(self, tokens: int) -> int:
+        """Slots per layer once `tokens` more are read: the storage's, or what it will allocate."""
+        if self.slots is None:
+            return self._capacity(self.columns + tokens)
+        if all(g.policy.capacity is not None for g in self.groups):
+            return self.slots.capacity
+        return max(self.slots.capacity, self.columns + tokens)
+
+    def storage_bytes(self) -> int:
+        """Bytes the storage occupies now (0 before the first token)."""
+        return 0 if self.slots is None else sum(t.numel() * t.element_size() for t in self.slots.buffers())
+
     def _capacity(self, need: int = 0) -> int:
         """Slots per layer for storage allocated now: the largest budget, or room for a full cache's tokens."""
         budgets = [g.policy.capacity for g in self.groups]

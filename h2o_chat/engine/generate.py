@@ -73,6 +73,14 @@ class Response:
         return (self.generation_tokens - 1) / self.generation_seconds if self.generation_seconds else 0.0
 
 
+def finish_reason(token: int, count: int, max_new_tokens: int, stop_ids: set[int]) -> str | None:
+    """Why a row's generation ends at `token`, its `count`-th: "stop" (an end token), "length", or None. The
+    one rule for every loop that turns tokens into replies (chat and piped, batch, evaluations)."""
+    if token in stop_ids:
+        return "stop"
+    return "length" if count >= max_new_tokens else None
+
+
 def stop_token_ids(tokenizer, model=None) -> set[int]:
     """EOS ids from the tokenizer and generation config, plus the usual end-of-turn tokens."""
     ids: set[int] = set()
@@ -127,7 +135,7 @@ def stream_generate(
     t1 = time.perf_counter()
     for n, row_tokens in enumerate(itertools.chain((first,), steps), start=1):
         token = row_tokens[0]
-        reason = "stop" if token in stop_ids else ("length" if n >= max_new_tokens else None)
+        reason = finish_reason(token, n, max_new_tokens, stop_ids)
         if reason != "stop":
             pending += detok.add(token)
         if reason is not None:

@@ -10,6 +10,8 @@ graph capture). Configurations:
   user could pick with plain transformers
 - full: h2o-chat's cache without eviction (capacity reserved up front), through the decode engine
 - h2o: the paper's policy at the given budget, through the decode engine
+- h2o-rolling: the same with --positions rolling: held tokens renumbered by order whenever positions would
+  pass twice the budget (what every step past the trained context runs)
 - h2o-nobound: h2o with a budget above the longest length (nothing evicted: the cost of scoring itself)
 
 h2o-chat's configurations decode through `Engine` with the chosen `--decode` mode (auto: CUDA graphs on a GPU,
@@ -32,8 +34,8 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 
-CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-nobound")
-OURS = ("full", "h2o", "h2o-nobound")
+CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound")
+OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound")
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,10 @@ class _Run:
             if config == "full":
                 self.policy, self.budget = make_policy("full"), None
             else:
-                self.budget = budget if config == "h2o" else total
+                self.budget = total if config == "h2o-nobound" else budget
                 self.policy = make_policy("h2o", self.budget)
-            self.cache = H2OCache.for_model(model, self.policy)
+            positions = "rolling" if config == "h2o-rolling" else "absolute"
+            self.cache = H2OCache.for_model(model, self.policy, positions)
             self.cache.reserve(total)
             self.engine = Engine(model, self.cache, decode)
             self.decode = self.engine.mode
@@ -278,6 +281,10 @@ def ratios(records: list[BenchRecord], budget: int) -> list[tuple[str, float]]:
     first = ("h2o@first", hi) if ("h2o@first", hi) in at else ("h2o", lo)  # the twin when interleaved
     if ("h2o", hi) in at and first in at and hi != lo:
         out.append((f"h2o {budget}: ms/token at {hi} seen / at {lo} seen", at["h2o", hi] / at[first]))
+    if ("h2o-rolling", hi) in at and ("h2o", hi) in at:
+        out.append(
+            (f"h2o {budget} rolling / absolute positions: ms/token at {hi} seen", at["h2o-rolling", hi] / at["h2o", hi])
+        )
     for base in ("static-compiled", "full", "dynamic", "static"):
         if (base, hi) in at and ("h2o", hi) in at:
             out.append((f"h2o {budget} / {base}: ms/token at {hi} seen", at["h2o", hi] / at[base, hi]))

@@ -68,7 +68,8 @@ def _kv_shape(config) -> dict[str, int]:
 
 
 def gb(n: float) -> str:
-    return f"{n / 2**30:.1f} GB"
+    """Bytes for a message: GB with one decimal, or MB below a tenth of a GB (a tiny model's needs)."""
+    return f"{n / 2**30:.1f} GB" if n >= 0.1 * 2**30 else f"{n / 2**20:.1f} MB"
 
 
 def check_fits(
@@ -276,3 +277,30 @@ def fitting_chunk(
         f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {min(chunk, smallest)} tokens, "
         f"but {gb(available + held)} is available; lower --budget (or /budget) or the number of rows"
     )
+
+
+def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int, str | None]:
+    """The chunk to read a prompt of `tokens` into `cache` with: `chunk`, or a smaller one that fits this device's
+    free memory (with a note saying so); DeviceError, one line, when even a small one does not fit."""
+    device = next(model.parameters()).device
+    dtype = cache.slots.keys.dtype if cache.slots is not None else next(model.parameters()).dtype
+    if not dtype.is_floating_point:  # quantized weights compute in half precision
+        dtype = torch.float16
+    elem = torch.tensor([], dtype=dtype).element_size()
+    policies = [g.policy for g in cache.groups]
+    snap = next((p for p in policies if p.compresses_prompts), None)
+    size = fitting_chunk(
+        ModelShape.of(model.config),
+        elem,
+        rows,
+        cache.capacity_for(tokens),
+        min(chunk, max(1, tokens)),
+        available_bytes(device),
+        held=cache.storage_bytes(),
+        snap=snap is not None,
+        window=getattr(snap, "window", 16),
+        mass=any(p.by_score for p in policies),
+    )
+    if size >= min(chunk, tokens):
+        return chunk, None
+    return size, f"reading in chunks of {size} tokens instead of {chunk}: a larger chunk would not fit in memory"
