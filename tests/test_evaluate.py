@@ -82,6 +82,20 @@ def test_streaming_perplexity_equals_one_pass_forward(embedded):
     assert len(full.window_ppl(25)) == 3 and full.record()["window_ppl"] == [round(full.ppl, 3)]
 
 
+def test_full_cache_nll_in_chunks_equals_one_pass(single_thread):
+    """The full cache's perplexity is computed from chunked forwards; a chunk boundary must predict the next
+    chunk's first token, and the prompt's tokens are left out as streaming_nll leaves them out."""
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(4, 256, (1, 53))
+    with torch.inference_mode():
+        whole = F.cross_entropy(model(ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")
+    for chunk in (8, 16, 52, 53, 512):
+        torch.testing.assert_close(ev.full_nll(model, ids, chunk=chunk), whole, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ev.full_nll(model, ids, prompt_tokens=10, chunk=16), whole[9:], atol=1e-4, rtol=1e-4)
+    streamed, _ = ev.streaming_nll(model, ids, [make_policy("full")], prompt_tokens=10)
+    torch.testing.assert_close(streamed[0], whole[9:], atol=1e-4, rtol=1e-4)
+
+
 # -- greedy rows, needle and agreement -----------------------------------------------------------------------
 def test_measurement_loops_report_progress_to_the_last_token(single_thread):
     from h2o_chat.measure.bench import run_decode_bench
@@ -101,7 +115,8 @@ def test_measurement_loops_report_progress_to_the_last_token(single_thread):
     ev.greedy_rows(
         model, tok, [ids[0, :30].tolist()], ev.make_configs(["h2o"], budgets("16"), 30), 5, 8, progress=progress
     )
-    assert calls[-1] == (35, 35) and calls == sorted(calls)  # prompt columns, then one per step
+    # the full cache runs as its own batch, then the budgeted rows: prompt columns, then one per step, twice
+    assert calls[-1] == (70, 70) and calls == sorted(calls) and {t for _, t in calls} == {70}
     calls, progress = recorder()
     run_soak(model, torch.randint(4, 256, (1, 30)), soak_configs(8, 2), window=10, progress=progress)
     assert calls[-1] == (30, 30)

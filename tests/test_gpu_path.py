@@ -150,19 +150,33 @@ def test_cuda_eager_decode_steps_never_sync_with_the_host():
 
 @needs_cuda
 def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
+    """A 4-bit model: the captured step decides as the eager one (same tokens, same held positions), a budget
+    that holds everything gives the full cache's tokens, and the panel's memory figures are the device's."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'h2o-chat[cuda]')")
     from h2o_chat.models.loading import load
     from h2o_chat.models.memory import process_memory
 
     loaded = load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda", quantize="4bit")
     assert loaded.quantize == "4bit" and loaded.dtype in (torch.bfloat16, torch.float16)
-    cache = H2OCache.for_model(loaded.model, make_policy("h2o", 16))
-    engine = Engine(loaded.model, cache)  # graph capture of a 4-bit model
-    logits = engine.prefill(torch.randint(0, 256, (1, 30), device="cuda"))
-    tokens = [t[0] for t in engine.tokens(logits, 8)]
-    assert torch.isfinite(logits).all() and cache.stats().kept == 16 and len(tokens) == 8
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def run(policy, decode):
+        cache = H2OCache.for_model(loaded.model, policy)
+        engine = Engine(loaded.model, cache, decode)
+        tokens = [t[0] for t in engine.tokens(engine.prefill(ids, chunk_size=8), 24)]
+        return tokens, cache, engine
+
+    captured, cache, engine = run(make_policy("h2o", 16), "graph")
+    eager, eager_cache, _ = run(make_policy("h2o", 16), "eager")
+    assert engine.captures == 1 and captured == eager
+    assert torch.equal(cache.slots.pos.sort(-1).values, eager_cache.slots.pos.sort(-1).values)
+    assert cache.stats().kept == 16 and cache.stats().seen == 30 + 23
+    roomy, _, _ = run(make_policy("h2o", 64), "graph")
+    full, _, _ = run(make_policy("full"), "graph")
+    assert roomy == full  # nothing evicted: the full cache's tokens
+    allocated = torch.cuda.memory_allocated()
     mem = process_memory()
-    assert mem["gpu_allocated"] > 0 and mem["gpu_reserved"] >= mem["gpu_allocated"]
+    assert mem["gpu_allocated"] == allocated > cache.storage_bytes() > 0 and mem["gpu_reserved"] >= allocated
 
 
 @needs_cuda

@@ -103,3 +103,11 @@ def test_summary_leaves_a_one_time_setup_out_of_tok_s():
     assert line.startswith(
         "11 tokens, 20.0 tok/s, CUDA graph (1 captured, 1.2 s) (prompt 1 token, 50 tok/s; one-time setup 1.2 s"
     )
+
+
+def test_the_reading_bar_says_which_part_snap_reads_twice():
+    """snap's probe reads a prompt's end again (the whole prompt only when it is no longer than the probe)."""
+    assert ui.reading_label(100, 100) == "reading the prompt"
+    assert ui.reading_label(200, 100) == "reading the prompt (twice: snap)"
+    assert ui.reading_label(164, 100) == "reading the prompt (its end twice: snap)"
+    assert ui.reading_label(50, 0) == "reading the prompt"

@@ -77,7 +77,7 @@ class ReadingForecast:
             return None
         twice = f" ({total - tokens:,} of them twice: snap's probe reads the end first)" if total > tokens else ""
         return (
-            f"reading {total:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
+            f"reading {tokens:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
             "a larger --chunk-size, or a GPU, reads faster"
         )
 

@@ -231,15 +231,49 @@ def perplexity(
     prompt_tokens: int = 1,
     decode: str = "auto",
 ) -> list[PplResult]:
+    """Teacher-forced perplexity of every configuration. The budgeted ones run as rows of one cache, token by
+    token; the full cache's perplexity is the same sum over a causal forward of the text, which is computed
+    in chunks (a full cache row beside them would make every row attend over the whole text's slots)."""
     t0 = time.perf_counter()
-    policies = [c.policy for c in configs]
-    nll, cache = streaming_nll(model, ids, policies, positions, progress, None, prompt_tokens, decode=decode)
+    full = [g for g, c in enumerate(configs) if c.policy.capacity is None]
+    rest = [g for g, c in enumerate(configs) if c.policy.capacity is not None]
+    N = ids.shape[1]
+    nll: dict[int, torch.Tensor] = {}
+    kept: dict[int, float] = {}
+    if full:
+        whole = full_nll(model, ids, prompt_tokens)
+        for g in full:
+            nll[g], kept[g] = whole, float(N)
+    if progress is not None and full:
+        progress(0, N)
+    if rest:
+        policies = [configs[g].policy for g in rest]
+        part, cache = streaming_nll(model, ids, policies, positions, progress, None, prompt_tokens, decode=decode)
+        for g, row, stats in zip(rest, part, cache.group_stats(), strict=True):
+            nll[g], kept[g] = row, stats.kept
     seconds = time.perf_counter() - t0
-    stats = cache.group_stats()
-    return [
-        PplResult(c, nll[g], seconds, s.kept, prompt_tokens=prompt_tokens)
-        for g, (c, s) in enumerate(zip(configs, stats, strict=True))
-    ]
+    return [PplResult(c, nll[g], seconds, kept[g], prompt_tokens=prompt_tokens) for g, c in enumerate(configs)]
+
+
+@torch.inference_mode()
+def full_nll(model, ids: torch.Tensor, prompt_tokens: int = 1, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """NLL of tokens prompt_tokens..N-1 of ids (1, N) with every token attended (the full cache), from causal
+    forwards in chunks over a growing DynamicCache: what teacher-forcing through a full cache computes."""
+    from transformers import DynamicCache
+
+    from h2o_chat.measure.bench import attention
+
+    device = next(model.parameters()).device
+    x = ids.to(device)
+    cache = DynamicCache(config=model.config)
+    out = []
+    with attention(model, "sdpa"):
+        for s in range(0, x.shape[1], chunk):
+            logits = model(input_ids=x[:, s : s + chunk], past_key_values=cache, use_cache=True).logits[0]
+            out.append(F.cross_entropy(logits[:-1].float(), x[0, s + 1 : s + chunk], reduction="none"))
+            if s + chunk < x.shape[1]:  # the chunk's last position predicts the next chunk's first token
+                out.append(F.cross_entropy(logits[-1:].float(), x[0, s + chunk : s + chunk + 1], reduction="none"))
+    return torch.cat(out)[prompt_tokens - 1 :].cpu()
 
 
 # -- greedy continuations for many prompts x configurations --------------------------------------------------
@@ -255,9 +289,23 @@ def greedy_rows(
     progress: Progress = None,
     decode: str = "auto",
 ) -> list[list[list[int]]]:
-    """Greedy continuation of every prompt under every configuration, all as rows of one left-padded batch.
-    Returns out[c][p]: prompt p under configs[c], cut before the first stop token. `progress(done, total)`
-    counts the prompt's columns, then one per decode step."""
+    """Greedy continuation of every prompt under every configuration: the budgeted configurations as rows of one
+    left-padded batch, the full cache's (which must hold every token) as another. Returns out[c][p]: prompt p
+    under configs[c], cut before the first stop token. `progress(done, total)` counts the prompt's columns,
+    then one per decode step, over both batches."""
+    full = [g for g, c in enumerate(configs) if c.policy.capacity is None]
+    if full and len(full) < len(configs):
+        rest = [g for g in range(len(configs)) if g not in full]
+        out: dict[int, list[list[int]]] = {}
+        for k, part in enumerate((full, rest)):
+            share = None if progress is None else (lambda d, t, k=k: progress(k * t + d, 2 * t))
+            rows = greedy_rows(
+                *(model, tokenizer, prompts, [configs[g] for g in part], max_new_tokens, chunk_size, positions),
+                share,
+                decode,
+            )
+            out.update(zip(part, rows, strict=True))
+        return [out[g] for g in range(len(configs))]
     P = len(prompts)
     ids, mask = left_pad(list(prompts) * len(configs), tokenizer.pad_token_id or 0)
     cache = make_eval_cache(model, [c.policy for c in configs], rows=[P] * len(configs), positions=positions)
