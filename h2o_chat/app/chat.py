@@ -100,7 +100,7 @@ class ChatSession:
                 contextlib.closing(conv.send(text, progress=progress)) as stream,
             ):
                 for last in stream:
-                    view.token(last, conv.engine.describe(), conv.speeds(last))
+                    view.token(last, conv.engine.describe(), conv.speeds(last), conv.recall_summary())
                     if stop.is_set():
                         break
         except H2OChatError as e:  # e.g. a model that cannot read past its context: the session stays

@@ -67,6 +67,7 @@ class EvictionReport:
     preview: str
     tokens: int
     kept: float  # share of its tokens still cached, averaged over layers and heads
+    regained: float = 0.0  # share of its tokens the last re-read of the conversation brought back
 
 
 class Conversation:
@@ -102,6 +103,8 @@ class Conversation:
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self.warned: set[int] = set()
+        self.regained: dict[int, float] = {}  # message index -> share of it the last re-read brought back
+        self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
         self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
 
     # -- settings ---------------------------------------------------------------------------------
@@ -227,8 +230,16 @@ class Conversation:
             ends = [(len(self.messages), len(ids))]
         else:
             ids, ends = self._new_turn(user)
+        note = budget_note(len(ids), self.policy.budget, self.budget_hint)  # the new text's own length
+        before = None
+        self.reread_tokens, self.regained = 0, {}
+        if self._rereads(len(ids)) and not raw:
+            before = self._held_shares()
+            self.cache.clear()  # in place: memory stays budget + chunk, a captured decode step stays valid
+            self.fed, self.spans = 0, []
+            ids, ends = self._whole_conversation([*self.messages, user])
+            self.reread_tokens = len(ids)
         self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
-        note = budget_note(len(ids), self.policy.budget, self.budget_hint)
         if note:
             self.cache.notices.append(note)
         if progress is not None:
@@ -262,6 +273,8 @@ class Conversation:
                 last, count = r, count + 1
                 if count == 1:
                     self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
+                    if before is not None:
+                        self._tell_regained(before)
                 self._setup[2] = self.engine.setup_seconds
                 reply.append(r.text)
                 yield r
@@ -291,6 +304,47 @@ class Conversation:
             now - at_start,
         )
 
+    # -- re-reading the conversation (policies that re-read, e.g. reread) --------------------------------
+    def _rereads(self, new_tokens: int) -> bool:
+        """Whether this turn re-reads the transcript: the policy says so and the new text would overflow the
+        budget (until then appending loses nothing)."""
+        budget = self.policy.budget
+        return self.policy.rereads and self.fed > 0 and budget is not None and self.fed + new_tokens > budget
+
+    def _held_shares(self) -> dict[int, float]:
+        """Message index -> share of its tokens held now."""
+        shares: dict[int, list[int | float]] = {}
+        for span in self.spans:
+            size = span.end - span.start
+            held = self.cache.kept_fraction(span.start, span.end) * size
+            total = shares.setdefault(span.index, [0.0, 0])
+            total[0] += held
+            total[1] += size
+        return {i: held / size if size else 1.0 for i, (held, size) in shares.items()}
+
+    def recall_summary(self) -> str:
+        """For the panel: what this turn's re-read did ("" when it appended its new text)."""
+        if not self.reread_tokens:
+            return ""
+        back = len(self.regained)
+        return f"re-read {self.reread_tokens:,} tokens, {back} earlier message{'' if back == 1 else 's'} back"
+
+    def _tell_regained(self, before: dict[int, float]) -> None:
+        """After a re-read: which earlier messages hold more of their tokens than before it (the user is told;
+        /evicted shows how much), and those held whole again may be reported as evicted again later."""
+        after = self._held_shares()
+        self.regained = {i: after[i] - was for i, was in before.items() if i in after and after[i] - was >= 0.01}
+        for i in self.regained:
+            if after[i] >= 0.999:
+                self.warned.discard(i)
+        if self.regained:
+            n = len(self.regained)
+            self.cache.notices.append(
+                f"re-read the conversation ({self.reread_tokens:,} tokens) so that your message chose what to keep: "
+                f"{n} earlier message{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} back in the cache, in part or "
+                "whole; /evicted shows how much"
+            )
+
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:
         """For each message the cache has seen: how much of it is still held."""
@@ -305,6 +359,7 @@ class Conversation:
                     preview,
                     span.end - span.start,
                     self.cache.kept_fraction(span.start, span.end),
+                    self.regained.get(span.index, 0.0),
                 )
             )
         return out
