@@ -4,6 +4,7 @@ positions (or ranks), never more than the budget plus a chunk."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -11,10 +12,11 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from h2o_chat.app import cli
+from h2o_chat.app import cli, ui
 from h2o_chat.app.conversation import ChatSettings, Conversation
 from h2o_chat.app.messages import chat_ids
 from h2o_chat.engine import layer as layer_module
@@ -207,6 +209,30 @@ def test_a_reread_past_the_rolling_window_keeps_ranks(single_thread):
     ranked = rot.gather(-1, order)
     assert bool((ranked[..., 1:] > ranked[..., :-1]).all())  # ranks follow true positions
     assert int(rot.max()) < 2 * budget + 8 and int(s.held().max()) <= budget
+
+
+def test_a_reread_says_which_messages_came_back(single_thread):
+    loaded, rng = tiny_loaded(seed=2), random.Random(2)
+    settings = ChatSettings(max_new_tokens=4, sampler=Sampler(temperature=0), chunk_size=8)
+    conv = Conversation(loaded, make_policy("reread", 16, window=4), settings)
+    talk(conv, [words(rng, 10), words(rng, 12)])
+    conv.cache.pop_notices()
+    before = {r.index: r.kept for r in conv.evictions()}
+    talk(conv, [words(rng, 6)])
+    reports = {r.index: r for r in conv.evictions()}
+    assert conv.regained and all(reports[i].regained == conv.regained[i] > 0 for i in conv.regained)
+    assert all(reports[i].regained == 0 for i in reports if i not in conv.regained)
+    # measured when the re-read ends (the reply's steps may evict again): the share held then, less before
+    assert all(0 < conv.regained[i] <= 1 - before[i] for i in conv.regained)
+    notes = conv.cache.pop_notices()
+    assert any(f"{len(conv.regained)} earlier message is back in the cache" in n for n in notes)
+    assert conv.recall_summary() == f"re-read {conv.reread_tokens} tokens, 1 earlier message back"
+    console = Console(file=io.StringIO(), width=120, no_color=True)
+    console.print(ui.eviction_table(list(reports.values())))
+    table = console.file.getvalue()
+    assert "back" in table.splitlines()[0] and f"+{100 * next(iter(conv.regained.values())):.0f}%" in table
+    panel = ui.PanelView("tiny", "cpu", ui.TurnStats(recall=conv.recall_summary()))
+    assert conv.recall_summary() in dict(panel.rows(conv.cache.stats(), {"rss": 0}))["evicted"]
 
 
 def test_policies_that_do_not_reread_append(single_thread):
