@@ -520,7 +520,7 @@ def test_installed_command_in_a_pty(tmp_path):
         os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snap"])
+@pytest.mark.parametrize("policy", ["h2o", "snap", "reread"])
 def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_session_answers_on(
     embedded, tmp_path, monkeypatch, policy
 ):

@@ -115,12 +115,13 @@ class ChatView:
         label = reading_label(total, pending).replace("reading the prompt", what)
         self.stream.prefill(done, total, label, stats_fn)
 
-    def token(self, record, decode: str, speeds: tuple[float, float, float] | None = None) -> None:
-        """A piece of the reply; `speeds` (prompt tok/s, decode tok/s, setup seconds) leave a one-time setup out."""
+    def token(self, record, decode: str, speeds: tuple[float, float, float] | None = None, recall: str = "") -> None:
+        """A piece of the reply; `speeds` (prompt tok/s, decode tok/s, setup seconds) leave a one-time setup out;
+        `recall` says what re-reading the conversation did this turn."""
         if self.panel is not None:
             prompt_tps, decode_tps, _ = speeds or (record.prompt_tps, record.generation_tps, 0.0)
             self.panel.turn.prompt_tps, self.panel.turn.generation_tps = prompt_tps, decode_tps
-            self.panel.turn.decode = decode
+            self.panel.turn.decode, self.panel.turn.recall = decode, recall
         self.stream.update(record.text, record.cache.stats)
 
     def reply_ended(self, stopped: bool, last, fresh) -> None:

@@ -68,6 +68,7 @@ class EvictionReport:
     preview: str
     tokens: int
     kept: float  # share of its tokens still cached, averaged over layers and heads
+    regained: float = 0.0  # share of its tokens the last re-read of the conversation brought back
 
 
 class Conversation:
@@ -103,6 +104,8 @@ class Conversation:
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self.warned: set[int] = set()
+        self.regained: dict[int, float] = {}  # message index -> share of it the last re-read brought back
+        self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
         self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
 
     # -- settings ---------------------------------------------------------------------------------
@@ -228,14 +231,27 @@ class Conversation:
             ends = [(len(self.messages), len(ids))]
         else:
             ids, ends = self._new_turn(user)
-        self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
-        note = budget_note(len(ids), self.policy.budget, self.budget_hint)
-        if note:
-            self.cache.notices.append(note)
+        note = budget_note(len(ids), self.policy.budget, self.budget_hint)  # the new text's own length
+        rereading = self._rereads(len(ids)) and not raw
+        if rereading:  # the whole transcript is read again into the emptied cache
+            ids, ends = self._whole_conversation([*self.messages, user])
         # checked before anything changes: a prompt that cannot be read leaves the conversation as it was
         chunk, smaller = prefill_chunk(self.loaded.model, self.cache, 1, len(ids), self.settings.chunk_size)
+        self.reread_tokens, self.regained = (len(ids) if rereading else 0), {}
+        self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
+        if note:
+            self.cache.notices.append(note)
         if smaller:
             self.cache.notices.append(smaller)
+        # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
+        # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
+        before = self.cache.snapshot() if len(ids) > chunk else None
+        kept = (self.fed, list(self.spans))  # what a taken-back turn restores (a re-read renumbers the spans)
+        shares = None
+        if rereading:
+            shares = self._held_shares()
+            self.cache.clear()  # in place: memory stays budget + chunk, a captured decode step stays valid
+            self.fed, self.spans = 0, []
         if progress is not None:
             progress(0, self.reads(len(ids), chunk))
         self.messages.append(user)
@@ -247,9 +263,6 @@ class Conversation:
         carried = (self._unfed, self._fed_stop)  # what the last turn left for this one (restored if taken back)
         self._unfed = self._fed_stop = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
-        # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
-        # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
-        before = self.cache.snapshot() if len(ids) > chunk else None
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
@@ -271,13 +284,15 @@ class Conversation:
                 last, count = r, count + 1
                 if count == 1:
                     self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
+                    if shares is not None:
+                        self._tell_regained(shares)
                 self._setup[2] = self.engine.setup_seconds
                 reply.append(r.text)
                 yield r
         except PrefillInterrupted as e:
             if e.done >= e.total:  # the message was read whole: it stays, with an empty reply
                 return
-            self._take_back(user, before, len(ids), carried, e)
+            self._take_back(user, before, kept, carried, e)
             taken_back = True
             raise
         finally:
@@ -298,12 +313,12 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.spans.append(Span("assistant", reply_index, reply_start, self.fed))
 
-    def _take_back(self, user: dict, before: dict | None, tokens: int, carried, stopped: PrefillInterrupted) -> None:
-        """A message whose reading was stopped leaves no trace: the cache as it was before it, the message and
-        its spans gone. `stopped` says how far the reading got (for the user)."""
+    def _take_back(self, user: dict, before: dict | None, kept, carried, stopped: PrefillInterrupted) -> None:
+        """A message whose reading was stopped leaves no trace: the cache, the tokens fed and the spans as they
+        were before it (`before`, `kept`), the message gone. `stopped` says how far the reading got."""
         del self.messages[next(i for i, m in enumerate(self.messages) if m is user) :]
-        self.spans = [s for s in self.spans if s.index < len(self.messages)]
-        self.fed -= tokens
+        self.fed, self.spans = kept
+        self.reread_tokens, self.regained = 0, {}
         self._unfed, self._fed_stop = carried
         if before is not None:
             self.cache.restore(before)
@@ -323,6 +338,47 @@ class Conversation:
             now - at_start,
         )
 
+    # -- re-reading the conversation (policies that re-read, e.g. reread) --------------------------------
+    def _rereads(self, new_tokens: int) -> bool:
+        """Whether this turn re-reads the transcript: the policy says so and the new text would overflow the
+        budget (until then appending loses nothing)."""
+        budget = self.policy.budget
+        return self.policy.rereads and self.fed > 0 and budget is not None and self.fed + new_tokens > budget
+
+    def _held_shares(self) -> dict[int, float]:
+        """Message index -> share of its tokens held now."""
+        shares: dict[int, list[int | float]] = {}
+        for span in self.spans:
+            size = span.end - span.start
+            held = self.cache.kept_fraction(span.start, span.end) * size
+            total = shares.setdefault(span.index, [0.0, 0])
+            total[0] += held
+            total[1] += size
+        return {i: held / size if size else 1.0 for i, (held, size) in shares.items()}
+
+    def recall_summary(self) -> str:
+        """For the panel: what this turn's re-read did ("" when it appended its new text)."""
+        if not self.reread_tokens:
+            return ""
+        back = len(self.regained)
+        return f"re-read {self.reread_tokens:,} tokens, {back} earlier message{'' if back == 1 else 's'} back"
+
+    def _tell_regained(self, before: dict[int, float]) -> None:
+        """After a re-read: which earlier messages hold more of their tokens than before it (the user is told;
+        /evicted shows how much), and those held whole again may be reported as evicted again later."""
+        after = self._held_shares()
+        self.regained = {i: after[i] - was for i, was in before.items() if i in after and after[i] - was >= 0.01}
+        for i in self.regained:
+            if after[i] >= 0.999:
+                self.warned.discard(i)
+        if self.regained:
+            n = len(self.regained)
+            self.cache.notices.append(
+                f"re-read the conversation ({self.reread_tokens:,} tokens) so that your message chose what to keep: "
+                f"{n} earlier message{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} back in the cache, in part or "
+                "whole; /evicted shows how much"
+            )
+
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:
         """For each message the cache has seen: how much of it is still held."""
@@ -337,6 +393,7 @@ class Conversation:
                     preview,
                     span.end - span.start,
                     self.cache.kept_fraction(span.start, span.end),
+                    self.regained.get(span.index, 0.0),
                 )
             )
         return out

@@ -280,3 +280,64 @@ def agree_command(
             )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.agree_table(records), compared, None, None)
+
+
+@eval_app.command("recall", cls=Command)
+@grouped
+def recall_command(
+    text: Texts = None,
+    conversations: Annotated[int, typer.Option(help="Conversations (each with its own facts and passages).")] = 30,
+    turns: Annotated[int, typer.Option(help="User turns per conversation (at least 4; the last asks).")] = 10,
+    passage_tokens: Annotated[int, typer.Option(help="Tokens of text in each passage turn.")] = 120,
+    seed: Annotated[int, typer.Option(help="Seed for the facts, passages and wording.")] = 0,
+    answer_tokens: Annotated[int, typer.Option(help="Greedy tokens of answer.")] = 16,
+    group: Annotated[int, typer.Option(help="Conversations per batch (memory: rows = group x configurations).")] = 10,
+    chunk_size: ChunkSize = 512,
+    plot: Plot = None,
+    compared: Compared = Compared(),
+    models: ModelOptions = ModelOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
+) -> None:
+    """Multi-turn recall: facts stated early in a chat, unrelated turns, then a question for one fact; greedy hits
+    and the share of the full cache's likelihood gain on the answer, per policy and budget. Default texts: two
+    the policies were not tuned on (workshop, As You Like It)."""
+    with reported():
+        models.check()
+        for name, value in (
+            ("--conversations", conversations), ("--passage-tokens", passage_tokens),
+            ("--answer-tokens", answer_tokens), ("--group", group),
+        ):  # fmt: skip
+            check_positive(name, value)
+        check_positive("--chunk-size", chunk_size)
+        if turns < 4:
+            raise ConfigError(f"--turns must be at least 4 (two of facts, one between, the question), got {turns}")
+        from h2o_chat.measure import dialogues as dl
+        from h2o_chat.measure import recall as rc
+
+        specs, names = compared.plan(1000, knobs, plot)
+        if not compared.policy:
+            names = list(rc.DEFAULT_POLICIES)
+        from h2o_chat.measure import evaluate as ev
+        from h2o_chat.measure import plots
+
+        texts = (
+            {path.name: ev.read_text(path) for path in text}
+            if text
+            else {name: ev.read_text(shipped=name) for name in dl.RECALL_TEXTS}
+        )
+        loaded = models.load()
+        convs = dl.dialogues(loaded.tokenizer, texts, conversations, turns, passage_tokens, seed=seed)
+        mean = sum(d.tokens for d in convs) / len(convs)
+        status(
+            f"recall: {plural(len(convs), 'conversation')} of {turns} turns (~{mean:.0f} tokens) x full, "
+            f"{', '.join(names)} at {', '.join(map(str, specs))}"
+        )
+        with progress_bar(f"recall, {len(convs)} conversations") as bar:
+            records = rc.recall(
+                loaded.model, loaded.tokenizer, convs, names, specs, greedy_tokens=answer_tokens,
+                chunk_size=chunk_size, positions=compared.positions, group=group, progress=bar,
+                decode=models.decode, knobs=knobs.kwargs(),
+            )  # fmt: skip
+        sources = ", ".join(texts)
+        records = [{**r, "texts": sources, "model": loaded.spec.name} for r in records]
+        _emit(records, plots.recall_table(records), compared, plot, plots.recall_plot)

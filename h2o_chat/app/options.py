@@ -66,7 +66,8 @@ PolicyName = Annotated[
     typer.Option(
         "--policy",
         "-p",
-        help="snap (prompt kept by what its last queries attend to, then h2o) | h2o (the paper) | sink | recent | full",
+        help="snap (prompt kept by what its last queries attend to, then h2o) | reread (snap, and a new message "
+        "that overflows the budget re-reads the conversation) | h2o (the paper) | sink | recent | full",
     ),
 ]
 Sinks = Annotated[

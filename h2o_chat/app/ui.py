@@ -168,6 +168,7 @@ class TurnStats:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     decode: str = ""  # how decode steps run: eager or CUDA graph (captured)
+    recall: str = ""  # what re-reading the conversation did this turn, e.g. "re-read 1,204 tokens, 2 ... back"
 
 
 COMPACT_BELOW = 80  # columns: below this the panel is two plain lines
@@ -203,7 +204,7 @@ class PanelView:
             ("policy", describe_policy(stats)),
             ("tokens", f"{stats.seen} seen, {stats.kept:.0f} kept per layer and head"),
             ("positions", stats.positions),
-            ("evicted", f"{stats.evicted - self.turn.evicted_at_start:.0f} this turn, {stats.evicted:.0f} total"),
+            ("evicted", self._evicted(stats)),
             ("KV cache", describe_kv(stats)),
             ("memory", memory),
             (
@@ -213,6 +214,13 @@ class PanelView:
             ),
         ]
 
+    def _evicted(self, stats) -> str:
+        """Evictions this turn and in all; a turn that re-read the conversation emptied the cache first, so its
+        count starts from zero, and what came back is said."""
+        if self.turn.recall:
+            return f"{stats.evicted:.0f} total; {self.turn.recall}"
+        return f"{stats.evicted - self.turn.evicted_at_start:.0f} this turn, {stats.evicted:.0f} total"
+
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:
         """The summary for narrow terminals and NO_COLOR: the figures, most important first, filled into two
         lines of at most `width` columns; what does not fit is left out, never wrapped."""
@@ -221,7 +229,9 @@ class PanelView:
             policy,
             f"{stats.seen} seen, {stats.kept:.0f} kept",
             f"KV {human_bytes(stats.kv_bytes)} alloc, {human_bytes(stats.kv_used_bytes)} used",
-            f"{stats.evicted - self.turn.evicted_at_start:.0f} evicted ({stats.evicted:.0f} total)",
+            f"{stats.evicted - self.turn.evicted_at_start:.0f} evicted ({stats.evicted:.0f} total)"
+            if not self.turn.recall
+            else f"{stats.evicted:.0f} evicted; {self.turn.recall}",
             f"full cache {human_bytes(stats.full_kv_bytes)}",
             f"RSS {human_bytes(mem['rss'])}",
             f"{self.turn.prompt_tps:.0f}/{self.turn.generation_tps:.1f} tok/s",
@@ -388,11 +398,15 @@ def describe_device(loaded) -> str:
 def eviction_table(reports) -> Table:
     """/evicted: each message the cache has seen and how much of it is still held."""
     table = Table(box=None, pad_edge=False)
-    for col, justify in (("#", "right"), ("role", "left"), ("tokens", "right"), ("kept", "right"), ("message", "left")):
+    regained = any(r.regained for r in reports)  # the last re-read brought tokens back: say how many
+    columns = [("#", "right"), ("role", "left"), ("tokens", "right"), ("kept", "right")]
+    columns += [("back", "right")] if regained else []
+    for col, justify in (*columns, ("message", "left")):
         table.add_column(col, justify=justify)
     for r in reports:
         style = "" if r.kept >= 0.999 else ("yellow" if r.kept > 0.5 else "red")
-        table.add_row(str(r.index), r.role, str(r.tokens), f"{100 * r.kept:.0f}%", r.preview, style=style)
+        back = [f"+{100 * r.regained:.0f}%" if r.regained else ""] if regained else []
+        table.add_row(str(r.index), r.role, str(r.tokens), f"{100 * r.kept:.0f}%", *back, r.preview, style=style)
     return table
 
 

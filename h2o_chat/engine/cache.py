@@ -435,6 +435,17 @@ class H2OCache(Cache):
         self._switched[r] = self._rows[r].positions == "rolling" and self.rope is not None
 
     @_inference
+    def clear(self) -> None:
+        """Empty every row in place, storage kept (a captured step stays valid): the next prompt is read from
+        position 0, as into a new cache (a conversation re-reads its transcript)."""
+        if self.slots is None:
+            self.columns = 0
+            return
+        for r in range(self.slots.batch):
+            self.clear_row(r)
+        self.columns = 0
+
+    @_inference
     def snapshot(self) -> dict:
         """What the cache holds now, copied to the host: `restore` brings it back (e.g. when the user stops the
         reading of a long message, the conversation continues from before it)."""

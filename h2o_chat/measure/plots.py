@@ -84,6 +84,38 @@ def needle_table(records: list[dict]) -> Table:
     return f"needle retrieval: 4-digit code at each depth of a {n}-token prompt", header, rows
 
 
+def _recall_cells(r: dict) -> list[str]:
+    gain = "" if r["gain_kept"] is None else f"{r['gain_kept']:.2f}"
+    if r.get("gain_kept_90") and r["budget"] is not None:
+        gain += f" ({r['gain_kept_90'][0]:.2f}-{r['gain_kept_90'][1]:.2f})"
+    return [f"{r['hits']}/{r['conversations']}", gain]
+
+
+def recall_table(records: list[dict]) -> Table:
+    """Rows = policies (then the full cache, and the full cache without the fact), columns = per budget: greedy
+    hits and the share of the full cache's likelihood gain kept (90% bootstrap interval)."""
+    specs = _budget_columns(records)
+    header = ["policy"]
+    for spec in specs:
+        r = next(r for r in records if r["spec"] == spec)
+        header += [f"{spec} ({r['budget']}) hits", f"{spec} gain kept"]
+    rows = []
+    for policy in dict.fromkeys(r["policy"] for r in records if r["budget"] is not None):
+        cells = {r["spec"]: _recall_cells(r) for r in records if r["policy"] == policy}
+        rows.append([policy, *(c for s in specs for c in cells.get(s, ["", ""]))])
+    for r in records:
+        if r["budget"] is None:
+            name = "full (reference)" if r["policy"] == "full" else "full, fact left out"
+            rows.append([name, *_recall_cells(r) * len(specs)])
+    r0 = records[0]
+    title = (
+        f"multi-turn recall: {r0['conversations']} conversations of {r0['turns']} turns (~{r0['tokens']} tokens), "
+        "a fact stated in turn 1 or 2 and asked for in the last; greedy hits, and the share of the full cache's "
+        "likelihood gain on the answer kept (budget: mean tokens per layer and head)"
+    )
+    return title, header, rows
+
+
 def markdown(table: Table) -> str:
     title, header, rows = table
     lines = [
@@ -159,7 +191,39 @@ def needle_plot(records: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-TABLES = {"ppl": ppl_table, "needle": needle_table, "agree": agree_table}
+def recall_plot(records: list[dict], path: Path, title: str = "") -> None:
+    """Two panels against budget: the share of the full cache's likelihood gain kept, and greedy hits; one line
+    per policy, the full cache (and the full cache without the fact) as horizontal references."""
+    plt = _pyplot()
+    fig, (gain_ax, hits_ax) = plt.subplots(1, 2, figsize=(9.6, 4.0), dpi=120)
+    for policy in dict.fromkeys(r["policy"] for r in records if r["budget"] is not None):
+        mine = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["budget_pct"])
+        pct = [r["budget_pct"] for r in mine]
+        line = gain_ax.plot(pct, [r["gain_kept"] for r in mine], marker="o", label=policy)[0]
+        lows = [r["gain_kept_90"][0] if r.get("gain_kept_90") else r["gain_kept"] for r in mine]
+        highs = [r["gain_kept_90"][1] if r.get("gain_kept_90") else r["gain_kept"] for r in mine]
+        gain_ax.fill_between(pct, lows, highs, color=line.get_color(), alpha=0.12)
+        hits_ax.plot(pct, [r["hits"] for r in mine], marker="o", label=policy)
+    for r in records:
+        if r["budget"] is None:
+            style = {"color": "black", "linewidth": 1, "linestyle": "--" if r["policy"] == "full" else ":"}
+            label = "full cache" if r["policy"] == "full" else "full, fact left out"
+            hits_ax.axhline(r["hits"], label=label, **style)
+            gain_ax.axhline(1.0 if r["policy"] == "full" else 0.0, label=label, **style)
+    gain_ax.set_ylabel("share of the full cache's likelihood gain kept")
+    hits_ax.set_ylabel(f"greedy hits (of {records[0]['conversations']})")
+    for ax in (gain_ax, hits_ax):
+        ax.set_xlabel("KV budget (% of each conversation)")
+        ax.grid(alpha=0.3)
+    gain_ax.legend(fontsize=8)
+    r0 = records[0]
+    fig.suptitle(title or f"Multi-turn recall, {r0['conversations']} conversations of {r0['turns']} turns", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+TABLES = {"ppl": ppl_table, "needle": needle_table, "agree": agree_table, "recall": recall_table}
 
 
 def main(argv: list[str] | None = None) -> None:
