@@ -115,8 +115,9 @@ def test_measurement_loops_report_progress_to_the_last_token(single_thread):
     ev.greedy_rows(
         model, tok, [ids[0, :30].tolist()], ev.make_configs(["h2o"], budgets("16"), 30), 5, 8, progress=progress
     )
-    # the full cache runs as its own batch, then the budgeted rows: prompt columns, then one per step, twice
-    assert calls[-1] == (70, 70) and calls == sorted(calls) and {t for _, t in calls} == {70}
+    # the full cache runs as its own batch (1 row of 2), then the budgeted rows: each counts its share of a column
+    assert calls[-1] == (35, 35) and calls == sorted(calls) and {t for _, t in calls} == {35}
+    assert (17, 35) in calls  # half way when the full batch ends
     calls, progress = recorder()
     run_soak(model, torch.randint(4, 256, (1, 30)), soak_configs(8, 2), window=10, progress=progress)
     assert calls[-1] == (30, 30)
@@ -282,3 +283,28 @@ def test_ppl_after_a_compressed_prompt(embedded):
     with attention(model, "sdpa"), torch.inference_mode():  # the full cache: one forward over the whole text
         nll = F.cross_entropy(model(ids).logits[0, 63:-1].float(), ids[0, 64:], reduction="none")
     torch.testing.assert_close(results[0].nll, nll, atol=2e-3, rtol=2e-3)
+
+
+def test_a_long_evaluation_says_how_long_it_will_take(monkeypatch, capsys):
+    """Issue 21: once the first steps are timed, one line says the speed and the time left; the bar sees every
+    call; nothing is said twice."""
+    import time
+
+    from h2o_chat.app import evalcli
+
+    clock = iter(float(t) for t in range(0, 1000, 2))  # two seconds per call
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    seen = []
+    progress = evalcli.forecast(lambda d, t: seen.append((d, t)), "ppl", 9, "token")
+    for done in range(0, 641, 10):
+        progress(done, 640)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "left" in line]
+    # 2 s per 10 tokens after the first 10 (>= 640 // 64 = 10): 0.20 s per token, 630 tokens to go = 126 s
+    assert lines == ["h2o-chat: ppl: 0.20 s per token for 9 rows together; about 2 min left"]
+    assert seen == [(d, 640) for d in range(0, 641, 10)]
+    progress = evalcli.forecast(lambda d, t: None, "recall", None)
+    for done in range(0, 641, 10):
+        progress(done, 640)
+    assert [line for line in capsys.readouterr().err.splitlines() if "left" in line] == [
+        "h2o-chat: recall: about 2 min left"
+    ]

@@ -191,6 +191,13 @@ def test_soak_command_reports_memory_and_perplexity_per_window(monkeypatch, tmp_
     labels = ["absolute", "rolling", "absolute + 4 sinks", "rolling + 4 sinks", "auto + 4 sinks"]
     assert all(list(r["ppl"]) == labels and r["rss"] > 0 for r in records)
     assert records[-1]["positions"][4].startswith("auto: renumbered")  # auto renumbered past the 96-token context
+    # each row says how its own tokens are numbered: the absolute rows never renumber, the rolling rows always do
+    assert [p.split(",")[0] for p in records[-1]["positions"][:4]] == [
+        "absolute",
+        "rolling: renumbered by order among the held tokens",
+        "absolute",
+        "rolling: renumbered by order among the held tokens",
+    ]
     assert records[0]["kv_bytes"] == records[-1]["kv_bytes"]  # five fixed budgets: nothing grows
     bad = CliRunner().invoke(cli.app, ["soak", "--budget", "8", "--sinks", "8"])
     assert bad.exit_code == 2 and "sink" in bad.stderr

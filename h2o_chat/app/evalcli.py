@@ -90,9 +90,10 @@ class Compared:
         return specs, names
 
 
-def forecast(bar, label: str, rows: int, unit: str = "step"):
+def forecast(bar, label: str, rows: int | None, unit: str = "step"):
     """The progress callback `bar` plus one line once the first steps are timed: seconds per step for all rows
-    together, and the time the whole run will take at that speed (said up front, not discovered at the end)."""
+    together, and the time the whole run will take at that speed (said up front, not discovered at the end).
+    `rows` None: progress is not in steps of all rows together (recall counts token-rows): the time left only."""
     import time
 
     from h2o_chat.app.piped import duration
@@ -106,9 +107,8 @@ def forecast(bar, label: str, rows: int, unit: str = "step"):
         elif len(first) == 1 and done - first[0][1] >= max(8, total // 64):
             per = (now - first[0][0]) / (done - first[0][1])
             first.append(per)
-            status(
-                f"{label}: {per:.2f} s per {unit} for {rows} rows together; about {duration(per * (total - done))} left"
-            )
+            left = f"about {duration(per * (total - done))} left"
+            status(f"{label}: {per:.2f} s per {unit} for {rows} rows together; {left}" if rows else f"{label}: {left}")
         bar(done, total)
 
     return progress
@@ -335,7 +335,8 @@ def recall_command(
         with progress_bar(f"recall, {len(convs)} conversations") as bar:
             records = rc.recall(
                 loaded.model, loaded.tokenizer, convs, names, specs, greedy_tokens=answer_tokens,
-                chunk_size=chunk_size, positions=compared.positions, group=group, progress=bar,
+                chunk_size=chunk_size, positions=compared.positions, group=group,
+                progress=forecast(bar, "recall", None),
                 decode=models.decode, knobs=knobs.kwargs(),
             )  # fmt: skip
         sources = ", ".join(texts)

@@ -710,7 +710,7 @@ class H2OCache(Cache):
     def _stats(self, rows: slice, group: _Group | None = None) -> CacheStats:
         group = group or self.groups[0]
         policy = group.policy
-        label = self.positions_label(group)
+        label = self.positions_label(group, rows)
         s = self.slots
         if s is None:
             return CacheStats(
@@ -737,14 +737,17 @@ class H2OCache(Cache):
             positions=label,
         )
 
-    def positions_label(self, group: _Group | None = None) -> str:
-        """For the panel: how tokens are numbered now and why."""
+    def positions_label(self, group: _Group | None = None, rows: slice | None = None) -> str:
+        """For the panel: how tokens are numbered now and why (in `rows`, a group's rows: each row renumbers
+        on its own, so one row that passed the trained context says nothing of the others)."""
         group = group or self.groups[0]
-        now = "renumbered by order among the held tokens" if self.rolling else "absolute"
+        switched = self._switched[rows] if rows is not None and self._switched else None
+        rolling = any(switched) if switched is not None else self.rolling
+        now = "renumbered by order among the held tokens" if rolling else "absolute"
         trained = f"trained context {self.context}" if self.context else "trained context unknown"
         if group.positions != "auto":
             return f"{group.positions}: {now}, {trained}" if group.positions == "rolling" else f"{now}, {trained}"
-        return f"auto: {now}, {'passed the ' if self.rolling else ''}{trained}"
+        return f"auto: {now}, {'passed the ' if rolling else ''}{trained}"
 
     def kept_fraction(self, start: int, end: int, row: int = 0) -> float:
         """Share of positions [start, end) still held, averaged over layers and heads (for /evicted)."""

@@ -150,7 +150,7 @@ class CacheStats:
     kv_bytes: int  # bytes the key/value buffers occupy (allocated: the whole budget from the first token)
     kv_used_bytes: int  # bytes of the tokens held: tokens held x bytes per token, over layers, rows, heads
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
-    positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute (trained 8192)"
+    positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute, trained context 8192"
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}

@@ -292,13 +292,16 @@ def greedy_rows(
     """Greedy continuation of every prompt under every configuration: the budgeted configurations as rows of one
     left-padded batch, the full cache's (which must hold every token) as another. Returns out[c][p]: prompt p
     under configs[c], cut before the first stop token. `progress(done, total)` counts the prompt's columns,
-    then one per decode step, over both batches."""
+    then one per decode step; with two batches each column counts as its batch's share of the rows."""
     full = [g for g, c in enumerate(configs) if c.policy.capacity is None]
     if full and len(full) < len(configs):
         rest = [g for g in range(len(configs)) if g not in full]
         out: dict[int, list[list[int]]] = {}
-        for k, part in enumerate((full, rest)):
-            share = None if progress is None else (lambda d, t, k=k: progress(k * t + d, 2 * t))
+        W = len(configs)  # a column of a part advances the bar by that part's share of the rows
+        for part, before in ((full, 0), (rest, len(full))):
+            share = None
+            if progress is not None:
+                share = lambda d, t, w=len(part), b=before: progress((b * t + w * d) // W, t)  # noqa: E731
             rows = greedy_rows(
                 *(model, tokenizer, prompts, [configs[g] for g in part], max_new_tokens, chunk_size, positions),
                 share,
