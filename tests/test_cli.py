@@ -514,11 +514,16 @@ def test_a_setup_notice_starts_its_own_line_on_the_terminal(embedded, monkeypatc
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.setattr(sys, "stderr", screen)
     settings = ChatSettings(max_new_tokens=8, sampler=Sampler(0))
+    started = time.monotonic()
     record = run_piped(embedded, RunOptions(make_policy("h2o", 64), settings, json=False), "Count to five.")
+    wall = time.monotonic() - started
     lines = screen.getvalue().splitlines()
     assert "h2o-chat: capturing the decode step as a CUDA graph (once) ..." in lines  # a whole line
     assert record["setup_seconds"] >= 2.0
-    assert record["decode_tps"] > (record["generated_tokens"] - 1) / 2.0  # the 2 s are not in the speed
+    # the 2 s are not in the speed: the decode time the speed implies fits in the run's time less the 2 s (with
+    # them it would not, however slow the machine): a check of the accounting, not of the machine's speed
+    decode_time = (record["generated_tokens"] - 1) / record["decode_tps"]
+    assert decode_time + 2.0 <= wall + 0.05, (decode_time, wall)
     assert "one-time setup 2." in " ".join(screen.getvalue().split())  # the summary, wrapped to the terminal
 
 
