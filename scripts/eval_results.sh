@@ -7,23 +7,7 @@
 #   agreement:  ROUGE-L of 128 greedy tokens after 4 excerpts of 1000 tokens, 10/20/50% -> agree.json
 # and docs/results/results.md with the markdown tables. Extra arguments go to every eval command (e.g. --device).
 # On a busy 2-core machine OMP_NUM_THREADS=1 can be several times faster than torch's default.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=docs/results
-h2o=(${H2O_CHAT:-h2o-chat})
-mkdir -p "$out"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-run() {  # name, then the eval command's arguments; records the wall time
-    local name=$1 start=$SECONDS
-    shift
-    echo "== $name: ${h2o[*]} eval $*" >&2
-    "${h2o[@]}" eval "$@" --json > "$tmp/$name.json"
-    mv "$tmp/$name.json" "$out/$name.json"
-    echo "$((SECONDS - start))" > "$tmp/$name.seconds"
-    python -m h2o_chat.measure.plots "$name" "$out/$name.json" > "$tmp/$name.md"  # the markdown table, from the records
-}
+source "$(dirname "$0")/eval_run.sh"
 
 policies=(-p h2o -p snap -p sink -p recent)
 run ppl ppl --tokens 2048 -b 5% -b 10% -b 20% -b 50% "${policies[@]}" --plot "$out/ppl.png" "$@"

@@ -5,23 +5,7 @@
 #   ppl_workshop:  2048 tokens of workshop.txt teacher-forced, 10/20%, the same policies -> ppl_workshop.json
 #   recall_cost:   per-turn prompt seconds and per-step decode ms through the chat's Conversation -> recall_cost.json
 # Extra arguments go to both eval commands (e.g. --device). The runs take about an hour on 2 CPU cores.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=docs/results
-h2o=(${H2O_CHAT:-h2o-chat})
-mkdir -p "$out"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-run() {  # name, then the eval command's arguments; records the wall time
-    local name=$1 start=$SECONDS
-    shift
-    echo "== $name: ${h2o[*]} eval $*" >&2
-    "${h2o[@]}" eval "$@" --json > "$tmp/$name.json"
-    mv "$tmp/$name.json" "$out/$name.json"
-    echo "$((SECONDS - start))" > "$tmp/$name.seconds"
-    python -m h2o_chat.measure.plots "${name%%_*}" "$out/$name.json" > "$tmp/$name.md"
-}
+source "$(dirname "$0")/eval_run.sh"
 
 policies=(-p h2o -p snap -p reread)
 run recall recall --conversations 30 --turns 10 -b 10% -b 20% "${policies[@]}" --plot "$out/recall.png" "$@"

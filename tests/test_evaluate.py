@@ -92,6 +92,10 @@ def test_full_cache_nll_in_chunks_equals_one_pass(single_thread):
     for chunk in (8, 16, 52, 53, 512):
         torch.testing.assert_close(ev.full_nll(model, ids, chunk=chunk), whole, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ev.full_nll(model, ids, prompt_tokens=10, chunk=16), whole[9:], atol=1e-4, rtol=1e-4)
+    calls = []
+    (alone,) = ev.perplexity(model, ids, ev.make_configs([], [], 53), progress=lambda d, t: calls.append((d, t)))
+    assert alone.config.label == "full" and calls[-1] == (53, 53)  # a full-only run still ends its bar
+    torch.testing.assert_close(alone.nll, whole, atol=1e-4, rtol=1e-4)
     streamed, _ = ev.streaming_nll(model, ids, [make_policy("full")], prompt_tokens=10)
     torch.testing.assert_close(streamed[0], whole[9:], atol=1e-4, rtol=1e-4)
 

@@ -56,6 +56,7 @@ Policies = Annotated[
     ),
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")]
+AnswerTokens = Annotated[int, typer.Option(help="Greedy tokens of answer.")]
 Plot = Annotated[Path | None, typer.Option(help="Also draw a figure to this file (.png, .svg or .pdf).")]
 MarkdownOut = Annotated[Path | None, typer.Option("--markdown", help="Also write the table as markdown here.")]
 Texts = Annotated[
@@ -114,11 +115,12 @@ def forecast(bar, label: str, rows: int | None, unit: str = "step"):
     return progress
 
 
-def _texts(paths: list[Path] | None) -> dict[str, str]:
+def _texts(paths: list[Path] | None, shipped: tuple[str, ...] | None = None) -> dict[str, str]:
+    """The user's text files by name, or else the shipped texts (`shipped`, default: every shipped novel)."""
     from h2o_chat.measure import evaluate as ev
 
     if not paths:
-        return {name: ev.read_text(shipped=name) for name in ev.SHIPPED}
+        return {name: ev.read_text(shipped=name) for name in (shipped or ev.SHIPPED)}
     return {path.name: ev.read_text(path) for path in paths}
 
 
@@ -200,7 +202,7 @@ def needle_command(
         list[float] | None, typer.Option(help="Where the code goes, 0 (start) to 1 (end); repeat. Default: 0.1 0.5 0.9")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed for the random 4-digit codes.")] = 0,
-    answer_tokens: Annotated[int, typer.Option(help="Greedy tokens of answer.")] = 16,
+    answer_tokens: AnswerTokens = 16,
     chunk_size: ChunkSize = 512,
     plot: Plot = None,
     compared: Compared = Compared(),
@@ -290,7 +292,7 @@ def recall_command(
     turns: Annotated[int, typer.Option(help="User turns per conversation (at least 4; the last asks).")] = 10,
     passage_tokens: Annotated[int, typer.Option(help="Tokens of text in each passage turn.")] = 120,
     seed: Annotated[int, typer.Option(help="Seed for the facts, passages and wording.")] = 0,
-    answer_tokens: Annotated[int, typer.Option(help="Greedy tokens of answer.")] = 16,
+    answer_tokens: AnswerTokens = 16,
     group: Annotated[int, typer.Option(help="Conversations per batch (memory: rows = group x configurations).")] = 10,
     chunk_size: ChunkSize = 512,
     plot: Plot = None,
@@ -317,14 +319,9 @@ def recall_command(
         specs, names = compared.plan(1000, knobs, plot)
         if not compared.policy:
             names = list(rc.DEFAULT_POLICIES)
-        from h2o_chat.measure import evaluate as ev
         from h2o_chat.measure import plots
 
-        texts = (
-            {path.name: ev.read_text(path) for path in text}
-            if text
-            else {name: ev.read_text(shipped=name) for name in dl.RECALL_TEXTS}
-        )
+        texts = _texts(text, dl.RECALL_TEXTS)
         loaded = models.load()
         convs = dl.dialogues(loaded.tokenizer, texts, conversations, turns, passage_tokens, seed=seed)
         mean = sum(d.tokens for d in convs) / len(convs)

@@ -214,12 +214,13 @@ class PanelView:
             ),
         ]
 
-    def _evicted(self, stats) -> str:
+    def _evicted(self, stats, compact: bool = False) -> str:
         """Evictions this turn and in all; a turn that re-read the conversation emptied the cache first, so its
-        count starts from zero, and what came back is said."""
+        count starts from zero, and what came back is said. `compact`: the two-line summary's wording."""
+        total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
         if self.turn.recall:
-            return f"{stats.evicted:.0f} total; {self.turn.recall}"
-        return f"{stats.evicted - self.turn.evicted_at_start:.0f} this turn, {stats.evicted:.0f} total"
+            return f"{total} {'evicted' if compact else 'total'}; {self.turn.recall}"
+        return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total"
 
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:
         """The summary for narrow terminals and NO_COLOR: the figures, most important first, filled into two
@@ -229,9 +230,7 @@ class PanelView:
             policy,
             f"{stats.seen} seen, {stats.kept:.0f} kept",
             f"KV {human_bytes(stats.kv_bytes)} alloc, {human_bytes(stats.kv_used_bytes)} used",
-            f"{stats.evicted - self.turn.evicted_at_start:.0f} evicted ({stats.evicted:.0f} total)"
-            if not self.turn.recall
-            else f"{stats.evicted:.0f} evicted; {self.turn.recall}",
+            self._evicted(stats, compact=True),
             f"full cache {human_bytes(stats.full_kv_bytes)}",
             f"RSS {human_bytes(mem['rss'])}",
             f"{self.turn.prompt_tps:.0f}/{self.turn.generation_tps:.1f} tok/s",

@@ -438,10 +438,7 @@ class H2OCache(Cache):
     def clear(self) -> None:
         """Empty every row in place, storage kept (a captured step stays valid): the next prompt is read from
         position 0, as into a new cache (a conversation re-reads its transcript)."""
-        if self.slots is None:
-            self.columns = 0
-            return
-        for r in range(self.slots.batch):
+        for r in range(self.slots.batch if self.slots is not None else 0):
             self.clear_row(r)
         self.columns = 0
 

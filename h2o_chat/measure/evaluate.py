@@ -235,8 +235,7 @@ def perplexity(
     token; the full cache's perplexity is the same sum over a causal forward of the text, which is computed
     in chunks (a full cache row beside them would make every row attend over the whole text's slots)."""
     t0 = time.perf_counter()
-    full = [g for g, c in enumerate(configs) if c.policy.capacity is None]
-    rest = [g for g, c in enumerate(configs) if c.policy.capacity is not None]
+    full, rest = split_full(configs)
     N = ids.shape[1]
     nll: dict[int, torch.Tensor] = {}
     kept: dict[int, float] = {}
@@ -244,8 +243,8 @@ def perplexity(
         whole = full_nll(model, ids, prompt_tokens)
         for g in full:
             nll[g], kept[g] = whole, float(N)
-    if progress is not None and full:
-        progress(0, N)
+        if progress is not None:
+            progress(N if not rest else 0, N)  # done, or the budgeted rows' reading starts now
     if rest:
         policies = [configs[g].policy for g in rest]
         part, cache = streaming_nll(model, ids, policies, positions, progress, None, prompt_tokens, decode=decode)
@@ -253,6 +252,13 @@ def perplexity(
             nll[g], kept[g] = row, stats.kept
     seconds = time.perf_counter() - t0
     return [PplResult(c, nll[g], seconds, kept[g], prompt_tokens=prompt_tokens) for g, c in enumerate(configs)]
+
+
+def split_full(configs: Sequence[EvalConfig]) -> tuple[list[int], list[int]]:
+    """Indices of the full-cache configurations and of the budgeted ones: a full row in a batch would make every
+    row's storage hold the whole text, so evaluations run the full cache on its own."""
+    full = [g for g, c in enumerate(configs) if c.policy.capacity is None]
+    return full, [g for g in range(len(configs)) if g not in full]
 
 
 @torch.inference_mode()
@@ -293,9 +299,8 @@ def greedy_rows(
     left-padded batch, the full cache's (which must hold every token) as another. Returns out[c][p]: prompt p
     under configs[c], cut before the first stop token. `progress(done, total)` counts the prompt's columns,
     then one per decode step; with two batches each column counts as its batch's share of the rows."""
-    full = [g for g, c in enumerate(configs) if c.policy.capacity is None]
-    if full and len(full) < len(configs):
-        rest = [g for g in range(len(configs)) if g not in full]
+    full, rest = split_full(configs)
+    if full and rest:
         out: dict[int, list[list[int]]] = {}
         W = len(configs)  # a column of a part advances the bar by that part's share of the rows
         for part, before in ((full, 0), (rest, len(full))):
