@@ -19,7 +19,7 @@ from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 HELP = """\
 /help              this list
 /budget N          set the cache budget (tokens per layer); a smaller one evicts now
-/policy NAME       snap | reread | h2o | sink | recent | full
+/policy NAME       snap | reread | recall | h2o | sink | recent | full
 /set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
 /regen             answer the last message again (the conversation is re-read)
 /system TEXT       set the system prompt (the conversation is re-read on the next turn)

@@ -69,6 +69,7 @@ class EvictionReport:
     tokens: int
     kept: float  # share of its tokens still cached, averaged over layers and heads
     regained: float = 0.0  # share of its tokens the last re-read of the conversation brought back
+    recalled: float = 0.0  # share of what the last reply recalled from evicted tokens that came from it (recall)
 
 
 class Conversation:
@@ -105,6 +106,7 @@ class Conversation:
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self.warned: set[int] = set()
         self.regained: dict[int, float] = {}  # message index -> share of it the last re-read brought back
+        self.recalled: dict[int, float] = {}  # message index -> share of the last reply's recalls from it
         self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
         self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
 
@@ -312,6 +314,34 @@ class Conversation:
         self.fed += fed_reply
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.spans.append(Span("assistant", reply_index, reply_start, self.fed))
+        self._tell_recalled()
+
+    def _tell_recalled(self) -> None:
+        """The recall policy: which earlier messages the reply's steps brought tokens back from (the user is
+        told the main ones; /evicted shows every share)."""
+        store = self.cache.store
+        self.recalled = {}
+        if store is None:
+            return
+        counts = store.take_counts()
+        if counts.numel() == 0 or not counts.sum():
+            return
+        counts, total = counts[0], float(counts[0].sum())
+        for span in self.spans:
+            got = float(counts[span.start : span.end].sum()) / total
+            if got >= 0.005:
+                self.recalled[span.index] = self.recalled.get(span.index, 0.0) + got
+        top = sorted(self.recalled.items(), key=lambda kv: -kv[1])[:3]
+        if top and top[0][1] >= 0.05:
+            parts = [
+                f"{100 * share:.0f}% from message {i} ({self._preview(i, 24)!r})" for i, share in top if share >= 0.05
+            ]
+            self.cache.notices.append(
+                f"the reply brought evicted tokens back: {', '.join(parts)}; /evicted shows every message"
+            )
+
+    def _preview(self, index: int, width: int = 48) -> str:
+        return " ".join(self.messages[index]["content"].split())[:width]
 
     def _take_back(self, user: dict, before: dict | None, kept, carried, stopped: PrefillInterrupted) -> None:
         """A message whose reading was stopped leaves no trace: the cache, the tokens fed and the spans as they
@@ -384,8 +414,7 @@ class Conversation:
         """For each message the cache has seen: how much of it is still held."""
         out = []
         for span in self.spans:
-            content = self.messages[span.index]["content"]
-            preview = " ".join(content.split())[:48]
+            preview = self._preview(span.index)
             out.append(
                 EvictionReport(
                     span.role,
@@ -394,6 +423,7 @@ class Conversation:
                     span.end - span.start,
                     self.cache.kept_fraction(span.start, span.end),
                     self.regained.get(span.index, 0.0),
+                    self.recalled.get(span.index, 0.0),
                 )
             )
         return out

@@ -399,12 +399,15 @@ def eviction_table(reports) -> Table:
     table = Table(box=None, pad_edge=False)
     regained = any(r.regained for r in reports)  # the last re-read brought tokens back: say how many
     columns = [("#", "right"), ("role", "left"), ("tokens", "right"), ("kept", "right")]
+    recalled = any(r.recalled for r in reports)  # the last reply recalled evicted tokens (recall): from where
     columns += [("back", "right")] if regained else []
+    columns += [("recalled", "right")] if recalled else []
     for col, justify in (*columns, ("message", "left")):
         table.add_column(col, justify=justify)
     for r in reports:
         style = "" if r.kept >= 0.999 else ("yellow" if r.kept > 0.5 else "red")
         back = [f"+{100 * r.regained:.0f}%" if r.regained else ""] if regained else []
+        back += [f"{100 * r.recalled:.0f}%" if r.recalled else ""] if recalled else []
         table.add_row(str(r.index), r.role, str(r.tokens), f"{100 * r.kept:.0f}%", *back, r.preview, style=style)
     return table
 

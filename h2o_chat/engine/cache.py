@@ -34,9 +34,10 @@ from transformers.cache_utils import Cache
 
 from h2o_chat.engine import evict
 from h2o_chat.engine.layer import H2OLayer
-from h2o_chat.engine.policies import Policy, Rules
+from h2o_chat.engine.policies import Policy, Recall, Rules
 from h2o_chat.engine.rope import Rope, RopeUnsupported
 from h2o_chat.engine.slots import CacheStats, Slots
+from h2o_chat.engine.store import Store
 from h2o_chat.errors import CacheUsageError, ConfigError, ContextLimitError
 
 POSITIONS = ("auto", "absolute", "rolling")
@@ -201,11 +202,18 @@ class H2OCache(Cache):
                     "--positions rolling needs rotary position embeddings; this model has learned absolute "
                     f"positions (OPT), which cannot be re-assigned: it stops at its trained context ({context} tokens)"
                 )
+        for p, mode in zip(policies, modes, strict=True):
+            if isinstance(p, Recall) and mode == "rolling":
+                raise ConfigError(
+                    "the recall policy brings evicted tokens back at their true positions: use --positions "
+                    "absolute or auto (rolling renumbers the held tokens, which evicted ones cannot follow)"
+                )
         rows = rows or [None]
         self.groups = [_Group(p, n, m) for p, n, m in zip(policies, rows, modes, strict=True)]
         self.rope, self.context, self.rope_problem = rope, context, rope_problem
         self.slots: Slots | None = None
         self.rules: Rules | None = None
+        self.store: Store | None = None  # evicted tokens of rows that recall (`engine/store.py`)
         self.columns = 0  # token columns fed, padding included: what the model calls "seen"
         self.host_managed = False  # True when a decode engine begins and ends forwards itself
         self.version = 0  # bumps whenever storage is re-allocated (captured steps are then stale)
@@ -344,6 +352,25 @@ class H2OCache(Cache):
         self._row_columns = [self.columns] * B
         self._switched = [g.positions == "rolling" and self.rope is not None for g in self._rows]
         self._install(Slots.allocate(len(self.layers), key, value, self._capacity(self.columns)))
+        self._make_store()
+
+    def _make_store(self) -> None:
+        """A store of evicted tokens when some row recalls (one block size for the whole batch)."""
+        recalling = [g.policy for g in self._rows if isinstance(g.policy, Recall)]
+        if not recalling or self.slots is None:
+            self.store = None
+            return
+        blocks = {p.block for p in recalling}
+        if len(blocks) > 1:
+            raise ConfigError("rows of one batch recall in blocks of one size")
+        recalled = [g.policy.recalled if isinstance(g.policy, Recall) else 0 for g in self._rows]
+        s = self.slots
+        if self.store is not None and self.store.shape[1] == s.batch:
+            self.store.blocks_per_row = torch.tensor([r // blocks.copy().pop() for r in recalled])
+            self.store.rows_recall = self.store.blocks_per_row > 0
+            self.store.select = int(self.store.blocks_per_row.max())
+            return
+        self.store = Store(len(self.layers), s.keys[0], s.values[0], recalled, blocks.pop())
 
     def _install(self, slots: Slots) -> None:
         """New storage (and the rules sized for it): captured decode steps are stale (the version says so)."""
@@ -384,12 +411,15 @@ class H2OCache(Cache):
         self._row_columns = [self._row_columns[i] for i in picks]
         self.columns = max(self._row_columns, default=0)
         self._install(self.slots.rows(index))
+        if self.store is not None:
+            self.store.rows(index)
 
     # -- copies and rows ----------------------------------------------------------------------------
     def _twin(self, slots: Slots | None) -> H2OCache:
         twin = copy.copy(self)
         twin.layers = [H2OLayer(twin, i) for i in range(len(self.layers))]
         twin.slots, twin.forward, twin.probe, twin.observation, twin._skipped = slots, None, None, None, None
+        twin.store = None  # a copy (snap's probe) keeps nothing it evicts
         twin.groups = [copy.copy(g) for g in self.groups]
         twin._rows, twin._bound, twin._switched = list(self._rows), list(self._bound), list(self._switched)
         twin._warned = set(self._warned)
@@ -407,6 +437,8 @@ class H2OCache(Cache):
         """Row r as a cache of its own that shares this cache's storage: a prompt read into it lands in row r
         while the other rows keep theirs (continuous batching). Notes go to this cache. `absorb` takes its host
         bookkeeping back."""
+        if self.store is not None:
+            raise ConfigError("the recall policy cannot refill batch rows yet: use another policy for `batch`")
         view = self._twin(self.slots.row(r))
         view.rules = self.rules.rows(torch.tensor([r], device=self.slots.seen.device))
         view._rows, view._bound, view._switched = [self._rows[r]], [self._bound[r]], [self._switched[r]]
@@ -431,6 +463,8 @@ class H2OCache(Cache):
     def clear_row(self, r: int) -> None:
         """Empty row r for a new prompt; the other rows are untouched."""
         self.slots.clear_row(r)
+        if self.store is not None:
+            self.store.clear_row(r)
         self._bound[r], self._row_columns[r] = 0, 0
         self._switched[r] = self._rows[r].positions == "rolling" and self.rope is not None
 
@@ -440,6 +474,8 @@ class H2OCache(Cache):
         position 0, as into a new cache (a conversation re-reads its transcript)."""
         for r in range(self.slots.batch if self.slots is not None else 0):
             self.clear_row(r)
+        if self.store is not None:
+            self.store.clear()
         self.columns = 0
 
     @_inference
@@ -448,6 +484,7 @@ class H2OCache(Cache):
         reading of a long message, the conversation continues from before it)."""
         host = {k: list(getattr(self, k)) for k in ("_rows", "_bound", "_switched", "_row_columns")}
         state = {"columns": self.columns, "renumbered": self.renumbered, "host": host}
+        state["stored"] = None if self.store is None else self.store.count  # the store only grows: a count
         state["slots"] = None if self.slots is None else self.slots.copy("cpu")
         return state
 
@@ -458,6 +495,8 @@ class H2OCache(Cache):
         self.columns, self.renumbered = state["columns"], state["renumbered"]
         for k, v in state["host"].items():
             setattr(self, k, list(v))
+        if self.store is not None:
+            self.store.truncate(state.get("stored") or 0)
         saved = state["slots"]
         if saved is None:
             self.slots, self.rules = None, None
@@ -556,7 +595,7 @@ class H2OCache(Cache):
         if fwd is None:
             return
         if fwd.kind == "step":
-            evict.step(s, self.rules)
+            evict.step(s, self.rules, self.store)
             s.seen += 1
             s.next_rot += 1
             return
@@ -567,7 +606,7 @@ class H2OCache(Cache):
         priority = None
         if fwd.observation is not None and not fwd.fits:
             priority = fwd.observation.priority(self, new)
-        evict.chunk(s, new, self.rules, fwd.fits, priority)
+        evict.chunk(s, new, self.rules, fwd.fits, priority, self.store)
         added = fwd.real.sum(-1) if fwd.skipped is None else fwd.real.sum(-1) + fwd.skipped
         s.seen += added
         s.next_rot += added
@@ -648,6 +687,12 @@ class H2OCache(Cache):
                 f"passed the trained context ({self.context} tokens): from here the kept tokens are renumbered "
                 "by their order whenever positions would pass it, so generation can go on",
             )
+        if self.store is not None and self.store.count:
+            self.store.clear()
+            self._warn_once(
+                "store-renumbered",
+                "the evicted tokens kept for recall were dropped: their positions cannot follow the renumbering",
+            )
         selected = torch.zeros(s.batch, dtype=torch.bool, device=s.pos.device)
         selected[rows] = True
         big = torch.iinfo(s.pos.dtype).max
@@ -689,6 +734,7 @@ class H2OCache(Cache):
         else:  # the held tokens first (they fill the first slots already)
             keep = torch.arange(min(C, capacity), device=s.pos.device).expand(*s.pos.shape[:3], min(C, capacity))
         self._install(s.moved(keep, capacity))
+        self._make_store()
         self._bound = [min(b, capacity) if self._switched[r] else b for r, b in enumerate(self._bound)]
 
     # -- inspection -------------------------------------------------------------------------------

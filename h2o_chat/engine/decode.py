@@ -259,6 +259,9 @@ class Engine:
         key = (cache.version, self._tokens.shape[0], id(sampler), sampler and sampler.shape_key)
         if key != self._key:
             self._key, self._warmups, self._graph, self._out = key, 0, None, None
+        if self.mode == "graph" and cache.store is not None:  # its size changes every step: not capturable
+            self.cache.notices.append("decode steps run eagerly: the recall policy's store grows every step")
+            self.mode, self._graph = "eager", None
         if self.mode == "eager":
             return self._body()
         return self._graph_step()

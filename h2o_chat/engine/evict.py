@@ -22,6 +22,7 @@ import torch
 
 from h2o_chat.engine.policies import Rules
 from h2o_chat.engine.slots import Slots, per_slot
+from h2o_chat.engine.store import Store
 
 
 def order(priority: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
@@ -38,11 +39,14 @@ def tie(pos: torch.Tensor, new_from: int | None = None) -> torch.Tensor:
     return torch.where(pos >= 0, pos, empty)
 
 
-def step(slots: Slots, rules: Rules) -> None:
+def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     """Finish a decode step: the spare slot's token replaces each (layer, row, head)'s lowest-priority slot.
-    The spare holds the newest token, which every policy protects, so it is never its own victim."""
+    The spare holds the newest token, which every policy protects, so it is never its own victim. A `store`
+    (the recall policy's) keeps the victim."""
     prio = rules.priority(slots.score, slots.pos, slots.seen)  # newest = the spare's position
     victim = order(prio, tie(slots.pos)).argmin(dim=-1, keepdim=True)  # (L, B, H, 1)
+    if store is not None:
+        store.append(*(buf.gather(3, per_slot(victim, buf)) for buf in (slots.keys, slots.values, slots.pos)))
     spare = slots.capacity  # the spare slot comes right after the capacity
     for buf in slots.buffers():
         buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
@@ -76,21 +80,43 @@ def append_slots(slots: Slots, real: torch.Tensor) -> torch.Tensor:
     return torch.where(real, slots.held()[:, None] + real.cumsum(-1) - 1, slots.capacity)
 
 
-def chunk(slots: Slots, new: NewTokens, rules: Rules, fits: bool, priority: torch.Tensor | None = None) -> None:
+def chunk(
+    slots: Slots,
+    new: NewTokens,
+    rules: Rules,
+    fits: bool,
+    priority: torch.Tensor | None = None,
+    store: Store | None = None,
+) -> None:
     """Place a chunk's tokens. `fits` (host-known): every row has room for all of them, so they are appended.
-    Otherwise the T lowest of stored + new lose (`priority`, (L, B, H, C + T), overrides the rules': snap)."""
+    Otherwise the T lowest of stored + new lose (`priority`, (L, B, H, C + T), overrides the rules': snap); a
+    `store` keeps the losers (sorted by position, so a store block holds neighbours)."""
     L, B, H, T = new.score.shape
     if fits:
         target = append_slots(slots, new.pos >= 0)[None, :, None, :].expand(L, B, H, T)
     else:
-        target = _pair_freed_with_survivors(slots, new, rules, priority)
+        target = _pair_freed_with_survivors(slots, new, rules, priority, store)
     for buf, values in zip(slots.buffers(), new.buffers(torch.Size((L, B, H, T))), strict=True):
         if values is not None:
             buf.scatter_(3, per_slot(target, buf), values.to(buf.dtype))
     slots.clear_spare()
 
 
-def _pair_freed_with_survivors(slots: Slots, new: NewTokens, rules: Rules, priority) -> torch.Tensor:
+def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.Tensor, store: Store) -> None:
+    """The chunk's losers (L, B, H, T) among stored + new candidates, in position order, into the store."""
+    C = slots.capacity
+    lost_pos = pos.gather(-1, losers)
+    losers = losers.gather(-1, torch.where(lost_pos >= 0, lost_pos, torch.iinfo(pos.dtype).max).argsort(-1))
+    kv = []
+    for buf, fresh in ((slots.keys, new.keys), (slots.values, new.values)):
+        both = torch.cat((buf[:, :, :, :C], fresh.to(buf.dtype)), dim=3)
+        kv.append(both.gather(3, per_slot(losers, both)))
+    store.append(*kv, pos.gather(-1, losers))
+
+
+def _pair_freed_with_survivors(
+    slots: Slots, new: NewTokens, rules: Rules, priority, store: Store | None = None
+) -> torch.Tensor:
     """Per (layer, row, head): the T losers among C + T; the j-th surviving new token goes to the j-th freed
     slot (counts are equal: exactly T lose). Losing new tokens go to the spare slot. -> (L, B, H, T)"""
     C, (L, B, H, T) = slots.capacity, new.score.shape
@@ -99,6 +125,8 @@ def _pair_freed_with_survivors(slots: Slots, new: NewTokens, rules: Rules, prior
         newest = new.pos.max(-1).values.clamp(min=0).maximum(slots.seen - 1)  # (B,)
         priority = rules.priority(torch.cat((slots.score[..., :C], new.score), dim=-1), pos, newest, stored=C)
     losers = order(priority, tie(pos, new_from=C)).topk(T, dim=-1, largest=False, sorted=False).indices
+    if store is not None:
+        _keep_losers(slots, new, losers, pos, store)
     lost = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, losers, True)
     freed, survives = lost[..., :C], ~lost[..., C:]
     # freed slot indices in slot order, written at their ordinal (non-freed ones at a dump column T)

@@ -199,6 +199,62 @@ class Reread(Snap):
     rereads: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class Recall(Snap):
+    """snap, plus a store of every evicted token (keys, values, true positions) off the accelerator, from which
+    each decode step's own query brings back the `recalled` tokens it attends to most (ranked by their logit;
+    with `block` > 1 in blocks ranked by an upper bound from the block's per-channel key minimum and maximum,
+    as Quest does). The budget is the same memory: `budget - recalled` slots are held as snap holds
+    them, `recalled` are filled per step. A fact stated early in a chat is often not attended by the question
+    that asks for it (the embedded model attends to it only while writing the answer), so no choice made before
+    the answer can keep it at a small budget; a choice made per step can. See h2o_chat/engine/store.py."""
+
+    name: ClassVar[str] = "recall"
+    recalled: int = -1  # -1: a quarter of the budget, in whole blocks
+    # 1: every evicted key is ranked by its exact logit. Quest's 16-token blocks were measured too coarse here
+    # (the multi-turn recall evaluation on the tuning texts, 10% budget: likelihood gain kept 0.05 with blocks of
+    # 16, 0.40 with 4, 0.69 with 1): evicted tokens leave one or a few at a time, so a block mixes unrelated ones
+    block: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ConfigError(f"the recall block must be at least 1 token, got {self.block}")
+        if isinstance(self.budget, int) and self.recalled == -1:
+            object.__setattr__(self, "recalled", max(self.block, self.budget // 4 // self.block * self.block))
+        if isinstance(self.budget, int) and not 0 < self.recalled <= self.budget - 2:
+            raise ConfigError(
+                f"recall needs a budget of at least {self.recalled + 2} tokens (it recalls {self.recalled} per step "
+                f"in blocks of {self.block} and holds at least 2), got {self.budget}"
+            )
+        if self.recalled % self.block:
+            raise ConfigError(f"tokens recalled per step ({self.recalled}) must be whole blocks of {self.block}")
+        super().__post_init__()
+        if self.window >= self.capacity:
+            raise ConfigError(
+                f"the snap window ({self.window}) must be smaller than the {self.capacity} slots recall holds "
+                f"(budget {self.budget} - {self.recalled} recalled)"
+            )
+
+    @property
+    def capacity(self) -> int | None:
+        return self.budget - self.recalled
+
+    @property
+    def older(self) -> int:
+        held = self.budget - self.recalled
+        return min(round(held * self.heavy_ratio), held - 1)
+
+    @property
+    def recent(self) -> int:
+        return self.budget - self.recalled - self.older
+
+    def split(self) -> dict[str, int]:
+        return {**super().split(), "recalled": self.recalled}
+
+    def describe(self) -> str:
+        return f"{super().describe()}; {self.recalled} recalled per step from the evicted tokens"
+
+
 @dataclass
 class Rules:
     """Every batch row's policy as tensors on the device (rows may differ: evaluations compare policies and
@@ -274,7 +330,7 @@ def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap, Reread)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap, Reread, Recall)}
 
 
 def make_policy(
@@ -285,6 +341,8 @@ def make_policy(
     sinks: int | None = None,
     window: int | None = None,
     kernel: int | None = None,
+    recalled: int | None = None,
+    block: int | None = None,
 ) -> Policy:
     """Build a policy by name, validating the settings; unknown names raise ConfigError with a suggestion."""
     cls = POLICIES.get(name)
@@ -303,6 +361,8 @@ def make_policy(
         if window is None and budget:
             window = default_snap_window(budget)
         kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
+    if issubclass(cls, Recall):
+        kwargs.update({k: v for k, v in (("recalled", recalled), ("block", block)) if v is not None})
     return cls(**kwargs)
 
 
@@ -316,4 +376,6 @@ def with_budget(policy: Policy, budget: int) -> Policy:
     settings = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init and f.name != "budget"}
     if isinstance(policy, Snap) and policy.window == default_snap_window(policy.budget):
         del settings["window"]
+    if isinstance(policy, Recall) and policy.recalled == Recall(policy.budget, block=policy.block).recalled:
+        del settings["recalled"]
     return make_policy(policy.name, budget, **settings)

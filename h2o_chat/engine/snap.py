@@ -152,7 +152,7 @@ def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
     groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or B)]
     for g in groups:
         compress.append(g.policy.compresses_prompts)
-        budgets.append(g.policy.budget or 0)
+        budgets.append(g.policy.capacity or 0)
     compress = torch.tensor(compress, device=real.device)
     budgets = torch.tensor(budgets, device=real.device)
     return compress & (held.to(real.device) + real > budgets)
@@ -161,7 +161,7 @@ def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
 def columns_read(cache, tokens: int, chunk_size: int) -> int:
     """Columns a prompt of `tokens` will be read for in all, known on the host before reading it: snap reads
     an overflowing prompt's last chunk first, then the whole prompt (progress bars show both from the start)."""
-    budgets = [g.policy.budget for g in cache.groups if g.policy.compresses_prompts]
+    budgets = [g.policy.capacity for g in cache.groups if g.policy.compresses_prompts]
     if not budgets or min(min(budgets), cache.columns) + tokens <= min(budgets):
         return tokens
     return tokens + (min(tokens, max(chunk_size, *budgets)) if PROBE == "tail" else tokens)
@@ -192,7 +192,7 @@ def compress_prompt(
         raise ValueError("rows of one batch compress prompts with one pooling kernel")
     windows = torch.tensor([g.policy.window if isinstance(g.policy, Snap) else 1 for g in groups], device=mask.device)
     window = int(windows.max())
-    start = max(0, L - max(probe_tokens, *(p.budget for p in snaps))) if PROBE == "tail" else 0
+    start = max(0, L - max(probe_tokens, *(p.capacity for p in snaps))) if PROBE == "tail" else 0
 
     probe_cache = cache.fork()
     probe_cache.probe = Probe(probe_cache, window, cache.columns + L)

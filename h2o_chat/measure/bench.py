@@ -13,6 +13,8 @@ graph capture). Configurations:
 - h2o-rolling: the same with --positions rolling: held tokens renumbered by order whenever positions would
   pass twice the budget (what every step past the trained context runs)
 - h2o-nobound: h2o with a budget above the longest length (nothing evicted: the cost of scoring itself)
+- snap, recall: those policies at the given budget (recall: every step also ranks the evicted tokens in the
+  store and attends to the best of them; its cost grows with what the store holds)
 
 h2o-chat's configurations decode through `Engine` with the chosen `--decode` mode (auto: CUDA graphs on a GPU,
 eager on CPU). Ratios are computed from figures taken in the same run, never compared across runs.
@@ -34,8 +36,8 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 
-CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound")
-OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound")
+CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall")
+OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall")
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class _Run:
                 self.policy, self.budget = make_policy("full"), None
             else:
                 self.budget = total if config == "h2o-nobound" else budget
-                self.policy = make_policy("h2o", self.budget)
+                self.policy = make_policy(config if config in ("snap", "recall") else "h2o", self.budget)
             positions = "rolling" if config == "h2o-rolling" else "absolute"
             self.cache = H2OCache.for_model(model, self.policy, positions)
             self.cache.reserve(total)

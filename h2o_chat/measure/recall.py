@@ -37,7 +37,7 @@ from h2o_chat.engine.policies import POLICIES, make_policy
 from h2o_chat.measure.dialogues import Dialogue
 from h2o_chat.measure.evaluate import BudgetSpec, Progress, make_eval_cache
 
-DEFAULT_POLICIES = ("h2o", "snap", "reread")
+DEFAULT_POLICIES = ("h2o", "snap", "reread", "recall")
 
 
 # -- running conversations through the cache -----------------------------------------------------------------

@@ -1,0 +1,195 @@
+"""The store of evicted tokens behind the `recall` policy, and what each decode step brings back from it.
+
+Every token a row that recalls evicts -- in a decode step (`evict.step`) or a prompt chunk (`evict.chunk`) --
+is appended here with its key (as stored: rotated at its true position), value and true position, per layer,
+row and KV head, in eviction order (a chunk's losers sorted by position, so a block holds neighbours). The
+store lives off the accelerator (on the host; on CPU that is the same memory): what the accelerator holds stays
+the budget.
+
+A decode step (`recall`) ranks the stored tokens of each (row, KV head) by their attention logit under the
+step's query (the maximum over the group's query heads), takes the `recalled` best, and attends over the held
+slots plus those tokens. Recalled tokens are attended at their true positions and never enter the slots
+(nothing is duplicated; the held set evolves exactly as snap's); their attention mass is not accumulated.
+
+With `block` > 1 the store ranks blocks of `block` entries instead, by Quest's page summary: the per-channel
+minimum and maximum of the block's keys, from which sum_d max(q_d * min_d, q_d * max_d) bounds every logit in
+the block from above. It costs 2 / block of the exact ranking, but evicted tokens leave one or a few at a time,
+so a block mixes unrelated tokens and the bound is loose: measured, it keeps much less (see `Recall`).
+
+Costs per step and layer (exact ranking): one (G x D) @ (D x stored) product, a top-k and a gather of the
+recalled tokens -- the first half of attention over everything evicted, without its softmax or values: the
+step's cost grows with the store, slower than a full cache's. On CUDA the store stays on the host, so a step
+sends each layer's query down and the recalled tokens up (eager steps: the store grows every step, which a
+captured graph cannot follow).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GROW = 1024  # entries added when the store is full (then doubled)
+
+
+class Store:
+    """Per layer, row and KV head: evicted keys (L, B, H, N, D), values, true positions (-1: nothing), and the
+    block summaries. `recalled` (B,) tokens each row brings back per step (0: a row that does not recall)."""
+
+    def __init__(self, layers: int, key: torch.Tensor, value: torch.Tensor, recalled: list[int], block: int):
+        B, H, _, D = key.shape
+        self.block, self.device = block, torch.device("cpu")
+        self.shape = (layers, B, H)
+        self.dtype, self.D, self.Dv = key.dtype, D, value.shape[-1]
+        self.blocks_per_row = torch.tensor([r // block for r in recalled])  # (B,)
+        self.rows_recall = self.blocks_per_row > 0
+        self.select = int(self.blocks_per_row.max())  # blocks brought back per step (rows with fewer mask theirs)
+        self.count = 0  # entries appended (the same for every row and head: see `append`)
+        self._allocate(0)
+
+    def _allocate(self, n: int) -> None:
+        L, B, H = self.shape
+        nb = n // self.block if self.block > 1 else 0  # exact ranking reads the keys themselves
+        self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
+        self.values = torch.zeros(L, B, H, n, self.Dv, dtype=self.dtype)
+        self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
+        self.kmin = torch.zeros(L, B, H, nb, self.D)
+        self.kmax = torch.zeros(L, B, H, nb, self.D)
+        self.filled = torch.zeros(L, B, H, nb, dtype=torch.bool)  # a block holds at least one token
+        self.marks = torch.zeros(L, B, H, n + 1, dtype=torch.int32)  # times recalled since `take_counts` (+ a dump)
+
+    @property
+    def capacity(self) -> int:
+        return self.pos.shape[-1]
+
+    def nbytes(self) -> int:
+        """Host bytes held (keys, values, positions, summaries)."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.pos, self.kmin, self.kmax))
+
+    def tokens(self) -> int:
+        """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
+        return int((self.pos[0, 0, 0, : self.count] >= 0).sum()) if self.count else 0
+
+    def _grow(self, need: int) -> None:
+        size = max(need, 2 * self.capacity, _GROW)
+        size = -(-size // self.block) * self.block
+        old = (self.keys, self.values, self.pos, self.kmin, self.kmax, self.filled, self.marks)
+        self._allocate(size)
+        n, nb = self.count, min(old[3].shape[3], self.kmin.shape[3])
+        for new, t, k in zip(
+            (self.keys, self.values, self.pos, self.kmin, self.kmax, self.filled, self.marks), old,
+            (n, n, n, nb, nb, nb, n), strict=True,
+        ):  # fmt: skip
+            new[:, :, :, :k] = t[:, :, :, :k]
+
+    # -- writing ------------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+        """Evicted tokens (L, B, H, n, D), (L, B, H, n, Dv), true positions (L, B, H, n) (-1: an empty slot or
+        padding lost; nothing to keep). Rows that do not recall keep nothing."""
+        n = keys.shape[3]
+        if n == 0:
+            return
+        if self.count + n > self.capacity:
+            self._grow(self.count + n)
+        c0, c1 = self.count, self.count + n
+        pos = pos.to(self.device).masked_fill(~self.rows_recall[None, :, None, None], -1)
+        self.keys[:, :, :, c0:c1] = keys.to(self.device, self.dtype)
+        self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
+        self.pos[:, :, :, c0:c1] = pos
+        self.count = c1
+        self._summarise(c0 // self.block, -(-c1 // self.block))
+
+    def _summarise(self, b0: int, b1: int) -> None:
+        blk = self.block
+        if blk == 1:
+            return
+        k = self.keys[:, :, :, b0 * blk : b1 * blk].float().unflatten(3, (b1 - b0, blk))
+        held = (self.pos[:, :, :, b0 * blk : b1 * blk] >= 0).unflatten(3, (b1 - b0, blk))
+        filled = held.any(-1)
+        empty = ~filled[..., None]
+        self.kmin[:, :, :, b0:b1] = k.masked_fill(~held[..., None], torch.inf).amin(4).masked_fill(empty, 0)
+        self.kmax[:, :, :, b0:b1] = k.masked_fill(~held[..., None], -torch.inf).amax(4).masked_fill(empty, 0)
+        self.filled[:, :, :, b0:b1] = filled
+
+    def truncate(self, count: int) -> None:
+        """Forget what was appended after `count` entries (a snapshot restored)."""
+        if count >= self.count:
+            return
+        self.pos[:, :, :, count : self.count] = -1
+        self.count = count
+        if self.block > 1:
+            b0 = count // self.block
+            self.filled[:, :, :, b0:] = False
+            if count % self.block:
+                self._summarise(b0, b0 + 1)
+
+    def clear(self) -> None:
+        self.truncate(0)
+        self.marks.zero_()
+
+    def clear_row(self, r: int) -> None:
+        self.pos[:, r] = -1
+        self.filled[:, r] = False
+        self.marks[:, r] = 0
+
+    def rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (in that order)."""
+        index = index.to(self.device)
+        for name in ("keys", "values", "pos", "kmin", "kmax", "filled", "marks"):
+            setattr(self, name, getattr(self, name).index_select(1, index))
+        self.blocks_per_row = self.blocks_per_row.index_select(0, index)
+        self.rows_recall = self.blocks_per_row > 0
+        self.shape = (self.shape[0], len(index), self.shape[2])
+
+    # -- reading ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def bounds(self, i: int, query: torch.Tensor) -> torch.Tensor:
+        """Layer i's query (B, Hq, 1, D) -> per stored block (B, H, blocks): the largest logit of its keys (block
+        1), or an upper bound of it (Quest's summary); -inf for a block holding nothing. Unscaled (the order is
+        the same)."""
+        nb = -(-self.count // self.block)
+        B, H = self.shape[1:]
+        q = query.to(self.device).reshape(B, H, -1, self.D)  # query heads grouped by their KV head
+        if self.block == 1:
+            bound = (q.to(self.dtype) @ self.keys[i, :, :, :nb].transpose(-1, -2)).float().amax(2)
+            return bound.masked_fill(self.pos[i, :, :, :nb] < 0, -torch.inf)
+        q = q.float()
+        bound = q.clamp(min=0) @ self.kmax[i, :, :, :nb].transpose(-1, -2)
+        bound += q.clamp(max=0) @ self.kmin[i, :, :, :nb].transpose(-1, -2)  # (B, H, G, nb)
+        return bound.amax(2).masked_fill(~self.filled[i, :, :, :nb], -torch.inf)
+
+    @torch.inference_mode()
+    def recall(self, i: int, query: torch.Tensor):
+        """Layer i's decode query (B, Hq, 1, D) -> the recalled keys (B, H, R, D), values (B, H, R, Dv) and
+        whether each is a token (B, H, R), on the query's device; None when nothing is stored yet."""
+        nb = -(-self.count // self.block)
+        if nb == 0 or self.select == 0:
+            return None
+        L, B, H = self.shape
+        bound = self.bounds(i, query)
+        k = min(self.select, nb)
+        top = bound.topk(k, dim=-1)
+        wanted = (top.values > -torch.inf) & (torch.arange(k) < self.blocks_per_row[:, None, None])
+        blk = self.block
+        tok = (top.indices[..., None] * blk + torch.arange(blk)).flatten(-2)  # (B, H, k * blk)
+        N = self.capacity
+        flat = (tok + torch.arange(B * H).view(B, H, 1) * N).view(-1)  # one index_select per buffer
+        pos = self.pos[i].view(-1).index_select(0, flat).view(B, H, -1)
+        valid = (pos >= 0) & (wanted.repeat_interleave(blk, -1) if blk > 1 else wanted)
+        keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, -1, self.D)
+        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, -1, self.Dv)
+        self.marks[i].scatter_add_(-1, torch.where(valid, tok, self.capacity), valid.int())
+        dev = query.device
+        return keys.to(dev), values.to(dev), valid.to(dev)
+
+    @torch.inference_mode()
+    def take_counts(self) -> torch.Tensor:
+        """How often each true position was recalled (by any layer, head and step) since the last call, per row:
+        (B, positions) float over [0, max position recalled] (empty when nothing was); the counts are reset."""
+        counts = self.marks[..., : self.capacity].masked_fill(self.pos < 0, 0)
+        self.marks.zero_()
+        hit = counts > 0
+        if not bool(hit.any()):
+            return torch.zeros(self.shape[1], 0)
+        out = torch.zeros(self.shape[1], int(self.pos[hit].max()) + 1)
+        rows = torch.arange(self.shape[1])[None, :, None, None].expand_as(counts)
+        out.index_put_((rows[hit], self.pos[hit]), counts[hit].float(), accumulate=True)
+        return out

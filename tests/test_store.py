@@ -1,0 +1,177 @@
+"""The recall policy: every evicted token kept off the accelerator at its true position, each decode step's
+query bringing back the tokens it attends to most, the budget still the memory held, and the user told."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+from rich.console import Console
+from test_recall import talk, tiny_loaded, words
+
+from conftest import tiny_model
+from h2o_chat.app import ui
+from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.generate import Sampler
+from h2o_chat.engine.policies import Recall, make_policy, with_budget
+from h2o_chat.errors import ConfigError
+
+
+def _run(model, policy, ids, mask=None, chunk=8, steps=30, seed=0):
+    """Prefill ids (B, T) in chunks, then teacher-force `steps` random tokens; every step's logits."""
+    cache = H2OCache.for_model(model, policy)
+    engine = Engine(model, cache, "eager")
+    out = [engine.prefill(ids, mask, chunk).clone()]
+    forced = torch.randint(4, 200, (ids.shape[0], steps), generator=torch.Generator().manual_seed(seed))
+    for t in range(steps):
+        out.append(engine.decode(forced[:, t])[0].clone())
+    return torch.stack(out, 1), cache
+
+
+def test_recalling_every_evicted_token_reproduces_the_full_cache(single_thread):
+    """A prompt that fits, then steps that evict: when a step may recall as many tokens as were evicted, it
+    attends to every token at its true position exactly once, so its logits are the full cache's. A store that
+    lost a token, kept one twice or rotated one at another position would differ."""
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    policy = make_policy("recall", 48, recalled=32)  # 16 held, 32 recalled
+    assert policy.capacity == 16
+    full, _ = _run(model, make_policy("full"), ids)
+    recall, cache = _run(model, policy, ids)
+    assert cache.store.tokens() == 12 + 30 - 16  # every evicted token is kept
+    torch.testing.assert_close(recall, full, atol=2e-4, rtol=1e-4)
+    plain, _ = _run(model, make_policy("snap", 16), ids)  # the same held set without recall
+    assert not torch.allclose(plain[:, -1], full[:, -1], atol=1e-3)
+
+
+def test_the_store_holds_exactly_the_evicted_tokens_at_their_true_positions(single_thread):
+    """Long prompts (compressed by snap, padded rows) and steps: per layer, row and head the held and the stored
+    positions are disjoint and cover everything seen; layer 0's stored keys (which depend only on the token and
+    its position) equal the full cache's at the same positions."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(4, 200, (2, 90), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # a shorter, left-padded row
+    _, cache = _run(model, make_policy("recall", 40, recalled=8), ids, mask, chunk=16, steps=25)
+    _, full = _run(model, make_policy("full"), ids, mask, chunk=16, steps=25)
+    s, store = cache.slots, cache.store
+    L, B, H = s.pos.shape[:3]
+    for r in range(B):
+        real = int(mask[r].sum()) + 25
+        for i in range(L):
+            for h in range(H):
+                held = s.pos[i, r, h][s.pos[i, r, h] >= 0].tolist()
+                kept = store.pos[i, r, h, : store.count]
+                stored = kept[kept >= 0].tolist()
+                assert not set(held) & set(stored)
+                assert sorted(held + stored) == list(range(real))
+        fp = full.slots.pos[0, r, 0]
+        slot_of = {int(p): k for k, p in enumerate(fp.tolist()) if p >= 0}
+        for h in range(H):
+            kept = store.pos[0, r, h, : store.count]
+            for k in torch.nonzero(kept >= 0).flatten().tolist():
+                want = full.slots.keys[0, r, h, slot_of[int(kept[k])]]
+                torch.testing.assert_close(store.keys[0, r, h, k], want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_memory_held_is_the_budget_and_the_store_stays_off_the_accelerator(single_thread):
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(4, 200, (1, 64), generator=torch.Generator().manual_seed(3))
+    policy = make_policy("recall", 32)
+    assert policy.recalled == 8 and policy.capacity == 24 and sum(policy.split().values()) == 32
+    _, cache = _run(model, policy, ids, steps=40)
+    assert cache.slots.capacity == 24 and cache.stats().kept == 24  # held slots; 8 more per step, one layer at a time
+    assert cache.store.keys.device.type == "cpu" and cache.store.tokens() == 64 + 40 - 24
+    assert "8 recalled per step" in policy.describe()
+    assert with_budget(policy, 64).recalled == 16  # the default share follows the budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_memory_held_stays_flat_while_the_store_grows():
+    model = tiny_model("llama", seed=4).cuda()
+    cache = H2OCache.for_model(model, make_policy("recall", 64))
+    engine = Engine(model, cache, "auto")
+    tokens = engine.first_tokens(engine.prefill(torch.randint(4, 200, (1, 256), device="cuda")))
+    for _ in range(50):
+        tokens = engine.decode(tokens)[1]
+    torch.cuda.synchronize()
+    at_50 = torch.cuda.memory_allocated()
+    for _ in range(400):
+        tokens = engine.decode(tokens)[1]
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= at_50 and cache.store.keys.device.type == "cpu"
+    assert engine.mode == "eager" and cache.store.tokens() > 400
+
+
+def test_snapshot_and_restore_forget_what_was_stored_after_the_snapshot(single_thread):
+    model = tiny_model("llama", seed=5)
+    cache = H2OCache.for_model(model, make_policy("recall", 24, recalled=8))
+    engine = Engine(model, cache, "eager")
+    tokens = engine.first_tokens(engine.prefill(torch.randint(4, 200, (1, 40))))
+    saved, count, stored = cache.snapshot(), cache.store.count, cache.store.tokens()
+    for _ in range(10):
+        tokens = engine.decode(tokens)[1]
+    assert cache.store.tokens() == stored + 10
+    cache.restore(saved)
+    assert cache.store.count == count and cache.store.tokens() == stored
+    cache.clear()
+    assert cache.store.tokens() == 0
+
+
+def test_recall_refuses_what_it_cannot_do_in_one_clear_line():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="true positions"):
+        H2OCache.for_model(model, make_policy("recall", 64), "rolling")
+    with pytest.raises(ConfigError, match="at least"):
+        make_policy("recall", 20, recalled=20)
+    with pytest.raises(ConfigError, match="whole blocks"):
+        Recall(64, recalled=12, block=8)
+    cache = H2OCache.for_model(model, make_policy("recall", 32))
+    Engine(model, cache, "eager").prefill(torch.randint(4, 200, (2, 20)))
+    with pytest.raises(ConfigError, match="batch"):
+        cache.row(0)
+
+
+def test_quest_blocks_rank_by_an_upper_bound_of_every_logit_in_them(single_thread):
+    """With blocks, a block's score bounds each of its keys' logits from above, and a step brings back the
+    blocks with the highest scores, whole."""
+    model = tiny_model("llama", seed=6)
+    _, cache = _run(model, make_policy("recall", 48, recalled=16, block=4), torch.randint(4, 200, (1, 60)), steps=5)
+    store = cache.store
+    H, n, blk = store.shape[2], store.count, store.block
+    q = torch.randn(1, H * 2, 1, store.D)  # two query heads per KV head in the tiny model
+    bound = store.bounds(0, q)  # (1, H, blocks)
+    logits = (q.view(1, H, 2, store.D) @ store.keys[0, :, :, :n].transpose(-1, -2)).amax(2)
+    logits = logits.masked_fill(store.pos[0, :, :, :n] < 0, -torch.inf)
+    padded = torch.nn.functional.pad(logits, (0, bound.shape[-1] * blk - n), value=-torch.inf)
+    best_in_block = padded.unflatten(-1, (-1, blk)).amax(-1)
+    filled = best_in_block > -torch.inf
+    assert bool((bound[filled] >= best_in_block[filled] - 1e-4).all()) and bool(filled.any())
+    assert bool((bound[filled] > best_in_block[filled] + 1e-3).any())  # a bound, not the logit itself
+    keys, _, valid = store.recall(0, q)
+    top = bound.topk(4, dim=-1).indices  # 16 recalled = 4 blocks
+    for h in range(H):
+        want = store.keys[0, 0, h, (top[0, h, :, None] * blk + torch.arange(blk)).flatten()]
+        torch.testing.assert_close(keys[0, h], want)
+        assert bool(valid[0, h].any())
+
+
+def test_the_chat_says_which_messages_a_reply_recalled(single_thread):
+    loaded, rng = tiny_loaded(seed=2), random.Random(2)
+    settings = ChatSettings(max_new_tokens=6, sampler=Sampler(temperature=0), chunk_size=8)
+    conv = Conversation(loaded, make_policy("recall", 24, recalled=8, window=4), settings)
+    talk(conv, [words(rng, 12), words(rng, 12), words(rng, 6)])
+    assert conv.recalled and sum(conv.recalled.values()) <= 1 + 1e-6
+    reports = {r.index: r for r in conv.evictions()}
+    assert all(reports[i].recalled == conv.recalled[i] for i in conv.recalled)
+    top, share = max(conv.recalled.items(), key=lambda kv: kv[1])
+    notes = conv.cache.pop_notices()
+    if share >= 0.05:
+        assert any(f"{100 * share:.0f}% from message {top}" in n for n in notes)
+    console = Console(file=io.StringIO(), width=140, no_color=True)
+    console.print(ui.eviction_table(list(reports.values())))
+    assert "recalled" in console.file.getvalue().splitlines()[0]
