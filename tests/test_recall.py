@@ -250,13 +250,14 @@ def test_recall_command_json_table_and_plot(fast_load, tiny_folder, tmp_path, ca
     common = ["--model", str(tiny_folder), "--conversations", "3", "--turns", "4", "--passage-tokens", "20"]
     result = runner.invoke(
         cli.app,
-        ["eval", "recall", *common, "-b", "30%", "-p", "h2o", "-p", "reread", "--json", "--plot", str(png)]
+        ["eval", "recall", *common, "-b", "30%", "-p", "h2o", "-p", "reread", "-p", "recall", "--json"]
+        + ["--plot", str(png)]
         + ["--markdown", str(md), "--group", "2", "--snap-window", "4"],
     )
     assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["policy"], r["spec"]) for r in records] == [
-        ("full", None), ("without fact", None), ("h2o", "30%"), ("reread", "30%"),
+        ("full", None), ("without fact", None), ("h2o", "30%"), ("reread", "30%"), ("recall", "30%"),
     ]  # fmt: skip
     for r in records:
         assert r["conversations"] == 3 and r["turns"] == 4 and len(r["answers"]) == 3
