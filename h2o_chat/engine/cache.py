@@ -363,14 +363,13 @@ class H2OCache(Cache):
         blocks = {p.block for p in recalling}
         if len(blocks) > 1:
             raise ConfigError("rows of one batch recall in blocks of one size")
+        block = blocks.pop()
         recalled = [g.policy.recalled if isinstance(g.policy, Recall) else 0 for g in self._rows]
         s = self.slots
-        if self.store is not None and self.store.shape[1] == s.batch:
-            self.store.blocks_per_row = torch.tensor([r // blocks.copy().pop() for r in recalled])
-            self.store.rows_recall = self.store.blocks_per_row > 0
-            self.store.select = int(self.store.blocks_per_row.max())
+        if self.store is not None and self.store.shape[1] == s.batch and self.store.block == block:
+            self.store.set_recalled(recalled)  # a policy change: what was evicted stays recallable
             return
-        self.store = Store(len(self.layers), s.keys[0], s.values[0], recalled, blocks.pop())
+        self.store = Store(len(self.layers), s.keys[0], s.values[0], recalled, block)
 
     def _install(self, slots: Slots) -> None:
         """New storage (and the rules sized for it): captured decode steps are stale (the version says so)."""

@@ -39,11 +39,18 @@ class Store:
         self.block, self.device = block, torch.device("cpu")
         self.shape = (layers, B, H)
         self.dtype, self.D, self.Dv = key.dtype, D, value.shape[-1]
-        self.blocks_per_row = torch.tensor([r // block for r in recalled])  # (B,)
-        self.rows_recall = self.blocks_per_row > 0
-        self.select = int(self.blocks_per_row.max())  # blocks brought back per step (rows with fewer mask theirs)
+        self.set_recalled(recalled)
         self.count = 0  # entries appended (the same for every row and head: see `append`)
         self._allocate(0)
+
+    def set_recalled(self, recalled: list[int]) -> None:
+        """Tokens each row brings back per step (0: a row that does not recall); a policy change keeps the store."""
+        self._set_blocks(torch.tensor([r // self.block for r in recalled]))
+
+    def _set_blocks(self, blocks_per_row: torch.Tensor) -> None:
+        self.blocks_per_row = blocks_per_row  # (B,)
+        self.rows_recall = blocks_per_row > 0
+        self.select = int(blocks_per_row.max())  # blocks brought back per step (rows with fewer mask theirs)
 
     def _allocate(self, n: int) -> None:
         L, B, H = self.shape
@@ -135,8 +142,7 @@ class Store:
         index = index.to(self.device)
         for name in ("keys", "values", "pos", "kmin", "kmax", "filled", "marks"):
             setattr(self, name, getattr(self, name).index_select(1, index))
-        self.blocks_per_row = self.blocks_per_row.index_select(0, index)
-        self.rows_recall = self.blocks_per_row > 0
+        self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
 
     # -- reading ------------------------------------------------------------------------------------
