@@ -18,6 +18,7 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import Recall, make_policy, with_budget
+from h2o_chat.engine.store import Store
 from h2o_chat.errors import ConfigError
 
 
@@ -46,6 +47,33 @@ def test_recalling_every_evicted_token_reproduces_the_full_cache(single_thread):
     torch.testing.assert_close(recall, full, atol=2e-4, rtol=1e-4)
     plain, _ = _run(model, make_policy("snap", 16), ids)  # the same held set without recall
     assert not torch.allclose(plain[:, -1], full[:, -1], atol=1e-3)
+
+
+def test_prompt_chunks_recall_what_earlier_chunks_evicted(single_thread):
+    """A prompt longer than the held slots, read in chunks with a left-padded row: each chunk's queries recall
+    the evicted tokens too (once for the chunk), so when everything evicted can come back, the chunks' keys and
+    values, and so the last position's and every later step's logits, are the full cache's. Without recall in
+    the chunks (steps only) the keys read after the first eviction differ and so do the logits."""
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(4, 200, (2, 40), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    policy = make_policy("recall", 64, recalled=48, window=4)  # 16 held: chunks of 8 evict from the third on
+    full, _ = _run(model, make_policy("full"), ids, mask, chunk=8, steps=10)
+    recall, cache = _run(model, policy, ids, mask, chunk=8, steps=10)
+    assert cache.store.tokens() == 40 + 10 - 16
+    torch.testing.assert_close(recall, full, atol=2e-4, rtol=1e-4)
+    real = Store.recall
+
+    def steps_only(self, i, query, real_queries=None):
+        return None if real_queries is not None else real(self, i, query)
+
+    Store.recall = steps_only
+    try:
+        stepping, _ = _run(model, policy, ids, mask, chunk=8, steps=10)
+    finally:
+        Store.recall = real
+    assert not torch.allclose(stepping[:, 0], full[:, 0], atol=1e-3)
 
 
 def test_the_store_holds_exactly_the_evicted_tokens_at_their_true_positions(single_thread):

@@ -60,11 +60,13 @@ def fused_attention(
     query: torch.Tensor,  # (B, Hq, T, D)
     keys: torch.Tensor,  # (B, H, N, D)
     values: torch.Tensor,  # (B, H, N, Dv)
-    mask: torch.Tensor | None,  # (B, 1, T, N) additive, or None
+    mask: torch.Tensor | None,  # (B, 1 | H | Hq, T, N) additive, or None
     scaling: float,
 ) -> torch.Tensor:
     """PyTorch's fused attention (flash / memory-efficient kernels), grouped query heads included. (B, T, Hq, Dv)"""
     G = query.shape[1] // keys.shape[1]
+    if G > 1 and mask is not None and mask.shape[1] not in (1, query.shape[1]):
+        mask = mask.repeat_interleave(G, 1)  # a mask per KV head (recalled tokens) -> per query head
     if G > 1 and query.device.type == "cuda" and mask is not None:
         # with a mask CUDA runs the memory-efficient kernel, which wants as many KV heads as query heads
         keys, values, G = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1), 1
@@ -76,7 +78,7 @@ def attention_with_mass(
     query: torch.Tensor,  # (B, Hq, T, D)
     keys: torch.Tensor,  # (B, H, N, D): the stored slots attended, then the chunk's T keys
     values: torch.Tensor,  # (B, H, N, Dv)
-    mask: torch.Tensor,  # (B, 1, T, N) additive, query dtype: 0 where a query may look, -inf elsewhere
+    mask: torch.Tensor,  # (B, 1 or H, T, N) additive, query dtype: 0 where a query may look, -inf elsewhere
     scaling: float,
     mass: bool = True,
     fused: bool = False,

@@ -128,6 +128,14 @@ class Forward:
             self._mask = self._build_mask(dtype)
         return self._mask
 
+    def recalled_mask(self, mask: torch.Tensor, recalled: torch.Tensor) -> torch.Tensor:
+        """The chunk's mask (B, 1, T, N) with R recalled tokens in front, which every real query sees where
+        `recalled` (B, H, R) holds a token: (B, H, T, R + N), per KV head (what is recalled differs by head)."""
+        B, H, R = recalled.shape
+        seen = recalled[:, :, None, :] & self.real[:, None, :, None]  # (B, H, T, R)
+        front = torch.zeros(seen.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~seen, -torch.inf)
+        return torch.cat((front, mask.expand(-1, H, -1, -1)), dim=-1)
+
     def _build_mask(self, dtype: torch.dtype) -> torch.Tensor:
         real, T = self.real, self.columns
         dev = real.device

@@ -9,6 +9,9 @@ the hooks `prepare_model` puts on the model for `model.generate`), never inferre
 - a prompt chunk: attention over the filled slots and the chunk (PyTorch's fused kernel for the output where
   that is faster, see `attention.attention_with_mass`); the stored slots' mass is added to their scores and the
   chunk's tokens wait in the cache until the forward ends, when `evict.chunk` places every layer's at once.
+
+With the recall policy both also attend to the evicted tokens their queries want back (`engine/store.py`),
+placed after the slots in a step and before them in a chunk; those get no mass.
 """
 
 from __future__ import annotations
@@ -121,10 +124,15 @@ class H2OLayer(CacheLayerMixin):
         keys = torch.cat((slots.keys[i, :, :, :n], key), dim=2) if n else key
         values = torch.cat((slots.values[i, :, :, :n], value), dim=2) if n else value
         mask = fwd.mask(query.dtype)
+        got = cache.store.recall(i, query, fwd.real) if cache.store is not None else None
+        r = 0 if got is None else got[0].shape[2]
+        if got is not None:  # the recall policy: evicted tokens the chunk's queries want, before the slots
+            keys, values = torch.cat((got[0], keys), dim=2), torch.cat((got[1], values), dim=2)
+            mask = fwd.recalled_mask(mask, got[2])
         out, mass = attention_with_mass(query, keys, values, mask, scaling, fwd.track_mass, fwd.fused)
         if mass is not None and n:
-            slots.score[i, :, :, :n] += mass[..., :n]
-        fwd.stash(slots, i, key, value, None if mass is None else mass[..., n:])
+            slots.score[i, :, :, :n] += mass[..., r : r + n]
+        fwd.stash(slots, i, key, value, None if mass is None else mass[..., r + n :])
         if fwd.probe is not None:  # snap pass 1: remember the prompt's last queries
             fwd.probe.capture(i, query * scaling, fwd.rot_new, fwd.pos_new)
         if fwd.observation is not None:  # snap pass 2: score the chunk by the observation queries

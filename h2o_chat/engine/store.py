@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 _GROW = 1024  # entries added when the store is full (then doubled)
+_RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
 class Store:
@@ -147,30 +148,51 @@ class Store:
 
     # -- reading ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def bounds(self, i: int, query: torch.Tensor) -> torch.Tensor:
-        """Layer i's query (B, Hq, 1, D) -> per stored block (B, H, blocks): the largest logit of its keys (block
-        1), or an upper bound of it (Quest's summary); -inf for a block holding nothing. Unscaled (the order is
-        the same)."""
+    def bounds(self, i: int, query: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's queries (B, Hq, T, D) -> per stored block (B, H, blocks): the largest logit of its keys
+        under any of the real queries (`real` (B, T); every query when None), or an upper bound of it (Quest's
+        summary, block > 1); -inf for a block holding nothing. Unscaled (the order is the same). The (queries x
+        stored) logits are taken `_RANK_BLOCK` at a time: a long prompt chunk never holds them all at once."""
         nb = -(-self.count // self.block)
         B, H = self.shape[1:]
-        q = query.to(self.device).reshape(B, H, -1, self.D)  # query heads grouped by their KV head
+        T = query.shape[2]
+        q = query.to(self.device).reshape(B, H, -1, T, self.D)  # query heads grouped by their KV head
+        G = q.shape[2]
+        skip = None if real is None else ~real.to(self.device)[:, None, None, :, None]  # padding queries
         if self.block == 1:
-            bound = (q.to(self.dtype) @ self.keys[i, :, :, :nb].transpose(-1, -2)).float().amax(2)
-            return bound.masked_fill(self.pos[i, :, :, :nb] < 0, -torch.inf)
-        q = q.float()
-        bound = q.clamp(min=0) @ self.kmax[i, :, :, :nb].transpose(-1, -2)
-        bound += q.clamp(max=0) @ self.kmin[i, :, :, :nb].transpose(-1, -2)  # (B, H, G, nb)
-        return bound.amax(2).masked_fill(~self.filled[i, :, :, :nb], -torch.inf)
+            q, keys = q.to(self.dtype), self.keys[i, :, :, :nb].transpose(-1, -2)
+            empty = self.pos[i, :, :, :nb] < 0
+        else:
+            q, empty = q.float(), ~self.filled[i, :, :, :nb]
+        step = max(1, _RANK_BLOCK // max(1, B * H * G * nb))
+        bound = None
+        for s in range(0, T, step):
+            qs = q[:, :, :, s : s + step]
+            b = qs.shape[3]
+            qs = qs.flatten(2, 3)
+            if self.block == 1:
+                part = (qs @ keys).float()
+            else:
+                part = qs.clamp(min=0) @ self.kmax[i, :, :, :nb].transpose(-1, -2)
+                part += qs.clamp(max=0) @ self.kmin[i, :, :, :nb].transpose(-1, -2)
+            part = part.view(B, H, G, b, nb)
+            if skip is not None:
+                part.masked_fill_(skip[:, :, :, s : s + b], -torch.inf)
+            part = part.amax((2, 3))
+            bound = part if bound is None else torch.maximum(bound, part)
+        return bound.masked_fill(empty, -torch.inf)
 
     @torch.inference_mode()
-    def recall(self, i: int, query: torch.Tensor):
-        """Layer i's decode query (B, Hq, 1, D) -> the recalled keys (B, H, R, D), values (B, H, R, Dv) and
-        whether each is a token (B, H, R), on the query's device; None when nothing is stored yet."""
+    def recall(self, i: int, query: torch.Tensor, real: torch.Tensor | None = None):
+        """Layer i's queries (B, Hq, T, D) -> the recalled keys (B, H, R, D), values (B, H, R, Dv) and whether
+        each is a token (B, H, R), on the query's device; None when nothing is stored yet. A decode step (T = 1)
+        recalls what its query attends to most; a prompt chunk recalls once for all its real queries (`real`
+        (B, T)): the stored tokens with the largest logit under any of them."""
         nb = -(-self.count // self.block)
         if nb == 0 or self.select == 0:
             return None
-        L, B, H = self.shape
-        bound = self.bounds(i, query)
+        B, H = self.shape[1:]
+        bound = self.bounds(i, query, real)
         k = min(self.select, nb)
         top = bound.topk(k, dim=-1)
         wanted = (top.values > -torch.inf) & (torch.arange(k) < self.blocks_per_row[:, None, None])
