@@ -112,13 +112,10 @@ class H2OLayer(CacheLayerMixin):
         cache, i = self.cache, self.layer_idx
         slots, fwd = cache.slots, cache.forward
         if fwd.kind == "step":
-            keys, values, valid = slots.keys[i], slots.values[i], fwd.valid
+            # the recall policy: the tokens this query wants back from the evicted ones
             got = cache.store.recall(i, query) if cache.store is not None else None
-            if got is not None:  # the recall policy: the tokens this query wants back from the evicted ones
-                keys, values = torch.cat((keys, got[0]), dim=2), torch.cat((values, got[1]), dim=2)
-                valid = torch.cat((valid.expand(*got[2].shape[:2], -1), got[2]), dim=-1)
-            out, mass = attention_over_slots(query, keys, values, scaling, valid)
-            slots.score[i] += mass[..., : slots.keys.shape[3]]
+            out, mass = attention_over_slots(query, slots.keys[i], slots.values[i], scaling, fwd.valid, got)
+            slots.score[i] += mass
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them
         keys = torch.cat((slots.keys[i, :, :, :n], key), dim=2) if n else key

@@ -52,6 +52,7 @@ class Store:
         self.blocks_per_row = blocks_per_row  # (B,)
         self.rows_recall = blocks_per_row > 0
         self.select = int(blocks_per_row.max())  # blocks brought back per step (rows with fewer mask theirs)
+        self.uniform = bool((blocks_per_row == self.select).all())  # every row recalls as many
 
     def _allocate(self, n: int) -> None:
         L, B, H = self.shape
@@ -59,6 +60,7 @@ class Store:
         self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
         self.values = torch.zeros(L, B, H, n, self.Dv, dtype=self.dtype)
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
+        self.empty = torch.ones(L, B, H, n, dtype=torch.bool)  # pos < 0, kept beside it: a step reads it
         self.kmin = torch.zeros(L, B, H, nb, self.D)
         self.kmax = torch.zeros(L, B, H, nb, self.D)
         self.filled = torch.zeros(L, B, H, nb, dtype=torch.bool)  # a block holds at least one token
@@ -70,7 +72,8 @@ class Store:
 
     def nbytes(self) -> int:
         """Host bytes held (keys, values, positions, summaries)."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.pos, self.kmin, self.kmax))
+        held = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax)
+        return sum(t.numel() * t.element_size() for t in held)
 
     def tokens(self) -> int:
         """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
@@ -79,12 +82,12 @@ class Store:
     def _grow(self, need: int) -> None:
         size = max(need, 2 * self.capacity, _GROW)
         size = -(-size // self.block) * self.block
-        old = (self.keys, self.values, self.pos, self.kmin, self.kmax, self.filled, self.marks)
+        old = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks)
         self._allocate(size)
-        n, nb = self.count, min(old[3].shape[3], self.kmin.shape[3])
+        n, nb = self.count, min(old[4].shape[3], self.kmin.shape[3])
         for new, t, k in zip(
-            (self.keys, self.values, self.pos, self.kmin, self.kmax, self.filled, self.marks), old,
-            (n, n, n, nb, nb, nb, n), strict=True,
+            (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks), old,
+            (n, n, n, n, nb, nb, nb, n), strict=True,
         ):  # fmt: skip
             new[:, :, :, :k] = t[:, :, :, :k]
 
@@ -102,6 +105,7 @@ class Store:
         self.keys[:, :, :, c0:c1] = keys.to(self.device, self.dtype)
         self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
         self.pos[:, :, :, c0:c1] = pos
+        self.empty[:, :, :, c0:c1] = pos < 0
         self.count = c1
         self._summarise(c0 // self.block, -(-c1 // self.block))
 
@@ -122,6 +126,7 @@ class Store:
         if count >= self.count:
             return
         self.pos[:, :, :, count : self.count] = -1
+        self.empty[:, :, :, count : self.count] = True
         self.count = count
         if self.block > 1:
             b0 = count // self.block
@@ -135,13 +140,14 @@ class Store:
 
     def clear_row(self, r: int) -> None:
         self.pos[:, r] = -1
+        self.empty[:, r] = True
         self.filled[:, r] = False
         self.marks[:, r] = 0
 
     def rows(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (in that order)."""
         index = index.to(self.device)
-        for name in ("keys", "values", "pos", "kmin", "kmax", "filled", "marks"):
+        for name in ("keys", "values", "pos", "empty", "kmin", "kmax", "filled", "marks"):
             setattr(self, name, getattr(self, name).index_select(1, index))
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
@@ -161,7 +167,7 @@ class Store:
         skip = None if real is None else ~real.to(self.device)[:, None, None, :, None]  # padding queries
         if self.block == 1:
             q, keys = q.to(self.dtype), self.keys[i, :, :, :nb].transpose(-1, -2)
-            empty = self.pos[i, :, :, :nb] < 0
+            empty = self.empty[i, :, :, :nb]
         else:
             q, empty = q.float(), ~self.filled[i, :, :, :nb]
         step = max(1, _RANK_BLOCK // max(1, B * H * G * nb))
@@ -191,6 +197,8 @@ class Store:
         nb = -(-self.count // self.block)
         if nb == 0 or self.select == 0:
             return None
+        if real is None and self.block == 1 and query.shape[2] == 1:
+            return self._recall_step(i, query)
         B, H = self.shape[1:]
         bound = self.bounds(i, query, real)
         k = min(self.select, nb)
@@ -207,6 +215,28 @@ class Store:
         self.marks[i].scatter_add_(-1, torch.where(valid, tok, self.capacity), valid.int())
         dev = query.device
         return keys.to(dev), values.to(dev), valid.to(dev)
+
+    def _recall_step(self, i: int, query: torch.Tensor):
+        """`recall` for a decode step with exact ranking, in as few operations as it takes (it runs in every
+        layer of every step): one (G x D) @ (D x stored) product per (row, head), a top-k and two gathers.
+        Reading the stored keys is most of its cost (they do not stay in the processor's caches)."""
+        n, (_, B, H) = self.count, self.shape
+        BH, N, D = B * H, self.capacity, self.D
+        q = query.to(self.device, self.dtype).reshape(BH, -1, D)  # (BH, G, D): a group shares its KV head
+        keys = self.keys[i].view(BH, N, D)
+        bound = torch.bmm(q, keys[:, :n].transpose(1, 2)).amax(1)  # (BH, n)
+        bound.masked_fill_(self.empty[i].view(BH, N)[:, :n], -torch.inf)
+        k = min(self.select, n)
+        top = bound.topk(k, dim=-1, sorted=False)
+        valid = top.values > -torch.inf
+        if not self.uniform:  # rows that recall fewer (or none) mask the rest
+            valid &= torch.arange(k) < self.blocks_per_row.repeat_interleave(H)[:, None]
+        self.marks[i].view(BH, N + 1).scatter_add_(1, top.indices, valid.int())
+        flat = (top.indices + torch.arange(0, BH * N, N)[:, None]).view(-1)
+        keys = keys.view(-1, D).index_select(0, flat).view(B, H, k, D)
+        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, k, self.Dv)
+        dev = query.device
+        return keys.to(dev), values.to(dev), valid.view(B, H, k).to(dev)
 
     @torch.inference_mode()
     def take_counts(self) -> torch.Tensor:
