@@ -259,25 +259,27 @@ def test_bench_command_small(fast_load):
 
 
 def test_bench_prefill_times_every_reader_with_its_anchor(monkeypatch, tmp_path):
-    """bench --prefill: transformers in one pass and in chunks beside full, h2o and snap, in one run: seconds,
+    """bench --prefill: transformers in one pass and in chunks beside full, h2o, snap and recall, in one run: seconds,
     tokens/s, extra peak memory, operators per layer; h2o's reading costs far fewer than the old 166."""
     monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
     args = ["bench", "--prefill", "--shape", "llama-tiny", "--lengths", "300", "--chunk-size", "64", "-b", "32"]
     result = invoke([*args, "--json"])
     assert result.exit_code == 0, result.stderr
     records = {r["config"]: r for r in map(json.loads, result.stdout.splitlines())}
-    assert list(records) == ["transformers", "transformers-chunked", "full", "h2o", "snap"]
+    assert list(records) == ["transformers", "transformers-chunked", "full", "h2o", "snap", "recall"]
     assert all(r["seconds"] > 0 and r["tokens_per_second"] > 0 and r["extra_peak_bytes"] > 0 for r in records.values())
     assert records["transformers"]["chunk"] is None and records["h2o"]["chunk"] == 64
     base = records["transformers-chunked"]["ops_per_layer"]
     assert base > 0 and records["h2o"]["ops_per_layer"] <= 1.5 * base and records["full"]["ops_per_layer"] <= 1.2 * base
-    table = invoke(args)
-    assert table.exit_code == 0 and "h2o / transformers-chunked: tokens/s" in table.stdout
+    table = invoke([*args, "--configs", "transformers-chunked,recall"])  # --prefill's own configs
+    assert table.exit_code == 0, table.stderr
+    assert "recall / transformers-chunked: tokens/s" in table.stdout and "h2o /" not in table.stdout
 
 
 def test_bench_rejects_bad_lengths():
     assert_one_line_error(invoke(["bench", "--lengths", "512,abc"]), "--lengths")
     assert_one_line_error(invoke(["bench", "--configs", "h2o,fast"]), "unknown bench config")
+    assert_one_line_error(invoke(["bench", "--prefill", "--configs", "h2o,fast"]), "unknown --prefill config")
 
 
 def test_option_groups_are_declared_once_and_shared():

@@ -116,7 +116,7 @@ def bench_command(
 
         points = int_list(lengths, "--lengths")
         names = tuple(c.strip() for c in (configs or "dynamic,full,h2o,h2o-nobound").split(",") if c.strip())
-        unknown = [c for c in names if c not in bench.CONFIGS]
+        unknown = [] if prefill else [c for c in names if c not in bench.CONFIGS]  # --prefill checks its own
         if unknown:
             raise H2OChatError(f"unknown bench config {unknown[0]!r}; choose from {', '.join(bench.CONFIGS)}")
         for name, value in (

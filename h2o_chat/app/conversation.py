@@ -69,7 +69,7 @@ class EvictionReport:
     tokens: int
     kept: float  # share of its tokens still cached, averaged over layers and heads
     regained: float = 0.0  # share of its tokens the last re-read of the conversation brought back
-    recalled: float = 0.0  # share of what the last reply recalled from evicted tokens that came from it (recall)
+    recalled: float = 0.0  # share of what the last turn recalled from evicted tokens that came from it (recall)
 
 
 class Conversation:
@@ -106,7 +106,7 @@ class Conversation:
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self.warned: set[int] = set()
         self.regained: dict[int, float] = {}  # message index -> share of it the last re-read brought back
-        self.recalled: dict[int, float] = {}  # message index -> share of the last reply's recalls from it
+        self.recalled: dict[int, float] = {}  # message index -> share of the last turn's recalls from it
         self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
         self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
 
@@ -317,8 +317,8 @@ class Conversation:
         self._tell_recalled()
 
     def _tell_recalled(self) -> None:
-        """The recall policy: which earlier messages the reply's steps brought tokens back from (the user is
-        told the main ones; /evicted shows every share)."""
+        """The recall policy: which earlier messages the turn brought tokens back from, while reading the message
+        and writing the reply (the user is told the main ones; /evicted shows every share)."""
         store = self.cache.store
         self.recalled = {}
         if store is None:
@@ -337,7 +337,7 @@ class Conversation:
                 f"{100 * share:.0f}% from message {i} ({self._preview(i, 24)!r})" for i, share in top if share >= 0.05
             ]
             self.cache.notices.append(
-                f"the reply brought evicted tokens back: {', '.join(parts)}; /evicted shows every message"
+                f"this turn brought evicted tokens back: {', '.join(parts)}; /evicted shows every message"
             )
 
     def _preview(self, index: int, width: int = 48) -> str:

@@ -399,7 +399,7 @@ def eviction_table(reports) -> Table:
     table = Table(box=None, pad_edge=False)
     regained = any(r.regained for r in reports)  # the last re-read brought tokens back: say how many
     columns = [("#", "right"), ("role", "left"), ("tokens", "right"), ("kept", "right")]
-    recalled = any(r.recalled for r in reports)  # the last reply recalled evicted tokens (recall): from where
+    recalled = any(r.recalled for r in reports)  # the last turn recalled evicted tokens (recall): from where
     columns += [("back", "right")] if regained else []
     columns += [("recalled", "right")] if recalled else []
     for col, justify in (*columns, ("message", "left")):

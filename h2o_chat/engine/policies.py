@@ -202,18 +202,20 @@ class Reread(Snap):
 @dataclass(frozen=True)
 class Recall(Snap):
     """snap, plus a store of every evicted token (keys, values, true positions) off the accelerator, from which
-    each decode step's own query brings back the `recalled` tokens it attends to most (ranked by their logit;
-    with `block` > 1 in blocks ranked by an upper bound from the block's per-channel key minimum and maximum,
-    as Quest does). The budget is the same memory: `budget - recalled` slots are held as snap holds
-    them, `recalled` are filled per step. A fact stated early in a chat is often not attended by the question
-    that asks for it (the embedded model attends to it only while writing the answer), so no choice made before
-    the answer can keep it at a small budget; a choice made per step can. See h2o_chat/engine/store.py."""
+    each decode step's own query, and each prompt chunk's queries together, bring back the `recalled` tokens
+    they attend to most (ranked by their logit; with `block` > 1 in blocks ranked by an upper bound from the
+    block's per-channel key minimum and maximum, as Quest does). The budget is the same memory: `budget -
+    recalled` slots are held as snap holds them, `recalled` are filled per step (twice as many, transiently,
+    while a prompt chunk is read). A fact stated early in a chat is often not attended by the question that
+    asks for it (the embedded model attends to it only while writing the answer), so no choice made before the
+    answer can keep it at a small budget; a choice made per step can, once the question's own keys were read
+    with the fact recalled. See engine/store.py."""
 
     name: ClassVar[str] = "recall"
     recalled: int = -1  # -1: a quarter of the budget, in whole blocks
     # 1: every evicted key is ranked by its exact logit. Quest's 16-token blocks were measured too coarse here
-    # (the multi-turn recall evaluation on the tuning texts, 10% budget: likelihood gain kept 0.05 with blocks of
-    # 16, 0.40 with 4, 0.69 with 1): evicted tokens leave one or a few at a time, so a block mixes unrelated ones
+    # (the multi-turn recall evaluation on the tuning texts, 10% budget: likelihood gain kept 0.04 with blocks of
+    # 16, 0.47 with 4, 0.97 with 1): evicted tokens leave one or a few at a time, so a block mixes unrelated ones
     block: int = 1
 
     def __post_init__(self) -> None:
@@ -252,7 +254,7 @@ class Recall(Snap):
         return {**super().split(), "recalled": self.recalled}
 
     def describe(self) -> str:
-        return f"{super().describe()}; {self.recalled} recalled per step from the evicted tokens"
+        return f"{super().describe()}; {self.recalled} recalled per step and per prompt chunk from the evicted tokens"
 
 
 @dataclass

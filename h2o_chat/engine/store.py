@@ -1,26 +1,35 @@
-"""The store of evicted tokens behind the `recall` policy, and what each decode step brings back from it.
+"""The store of evicted tokens behind the `recall` policy, and what each step and prompt chunk brings back from it.
 
-Every token a row that recalls evicts -- in a decode step (`evict.step`) or a prompt chunk (`evict.chunk`) --
-is appended here with its key (as stored: rotated at its true position), value and true position, per layer,
-row and KV head, in eviction order (a chunk's losers sorted by position, so a block holds neighbours). The
-store lives off the accelerator (on the host; on CPU that is the same memory): what the accelerator holds stays
-the budget.
+Every token a row that recalls evicts -- in a decode step (`evict.step`) or a prompt chunk (`evict.chunk`) -- is
+appended here with its key (as stored: rotated at its true position), value and true position, per layer, row and KV
+head, in eviction order (a chunk's losers sorted by position, so a block holds neighbours). The store lives off the
+accelerator (on the host; on CPU that is the same memory): what the accelerator holds stays the budget.
 
-A decode step (`recall`) ranks the stored tokens of each (row, KV head) by their attention logit under the
-step's query (the maximum over the group's query heads), takes the `recalled` best, and attends over the held
-slots plus those tokens. Recalled tokens are attended at their true positions and never enter the slots
-(nothing is duplicated; the held set evolves exactly as snap's); their attention mass is not accumulated.
+A decode step (`recall`) ranks the stored tokens of each (row, KV head) by their attention logit under the step's
+query (the maximum over the group's query heads), takes the `recalled` best, and attends over the held slots plus
+those tokens. A prompt chunk (a user's message) recalls too, once for all its queries: twice `recalled` stored
+tokens, those with the largest logit under any of its real queries, attended by every query of the chunk beside the
+held slots (transient: the accelerator holds them while the chunk is read). Both are needed (measured on the
+multi-turn recall evaluation's tuning texts at a 10% budget: steps alone kept 0.69 of the likelihood gain, however
+many tokens they recalled, chunks alone 0.01, both 0.97, 1.00 when a chunk recalls twice as many as a step): the
+answer's own queries are the ones that look for an early fact, but the keys and values of the question, read as a
+chunk, must have been computed with the fact in view. Recalled tokens are attended at their true positions and never
+enter the slots (nothing is duplicated; the held set evolves exactly as snap's); their attention mass is not
+accumulated.
 
-With `block` > 1 the store ranks blocks of `block` entries instead, by Quest's page summary: the per-channel
-minimum and maximum of the block's keys, from which sum_d max(q_d * min_d, q_d * max_d) bounds every logit in
-the block from above. It costs 2 / block of the exact ranking, but evicted tokens leave one or a few at a time,
-so a block mixes unrelated tokens and the bound is loose: measured, it keeps much less (see `Recall`).
+With `block` > 1 the store ranks blocks of `block` entries instead, by Quest's page summary: the per-channel minimum
+and maximum of the block's keys, from which sum_d max(q_d * min_d, q_d * max_d) bounds every logit in the block from
+above. It costs 2 / block of the exact ranking, but evicted tokens leave one or a few at a time, so a block mixes
+unrelated tokens and the bound is loose: measured, it keeps much less (see `Recall`).
 
-Costs per step and layer (exact ranking): one (G x D) @ (D x stored) product, a top-k and a gather of the
-recalled tokens -- the first half of attention over everything evicted, without its softmax or values: the
-step's cost grows with the store, slower than a full cache's. On CUDA the store stays on the host, so a step
-sends each layer's query down and the recalled tokens up (eager steps: the store grows every step, which a
-captured graph cannot follow).
+Costs per step and layer (exact ranking): one (G x D) @ (D x stored) product, a top-k and a gather of the recalled
+tokens -- the first half of attention over everything evicted, without its softmax or values: the step's cost grows
+with the store, slower than a full cache's. Reading the stored keys is most of it (they do not stay in the
+processor's caches); SparQ's approximate first pass over 1/8 of the key channels was tried and measured no faster on
+CPU, the gathers it adds costing what it saves. A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks
+of queries: what a full cache's attention over the same tokens costs. On CUDA the store stays on the host, so a step
+sends each layer's query down and the recalled tokens up (eager steps: the store grows every step, which a captured
+graph cannot follow).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import torch
 
 _GROW = 1024  # entries added when the store is full (then doubled)
+_CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 _RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
@@ -201,9 +211,10 @@ class Store:
             return self._recall_step(i, query)
         B, H = self.shape[1:]
         bound = self.bounds(i, query, real)
-        k = min(self.select, nb)
+        many = 1 if real is None else _CHUNK_TIMES  # a chunk's queries are many and want different tokens
+        k = min(self.select * many, nb)
         top = bound.topk(k, dim=-1)
-        wanted = (top.values > -torch.inf) & (torch.arange(k) < self.blocks_per_row[:, None, None])
+        wanted = (top.values > -torch.inf) & (torch.arange(k) < many * self.blocks_per_row[:, None, None])
         blk = self.block
         tok = (top.indices[..., None] * blk + torch.arange(blk)).flatten(-2)  # (B, H, k * blk)
         N = self.capacity

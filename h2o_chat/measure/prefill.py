@@ -5,7 +5,8 @@ Rows, timed in interleaved rounds of one run (round 0 warms up; the median of th
 - transformers: the same model with SDPA and a DynamicCache, the prompt in one forward (what plain
   transformers does; memory grows with the prompt)
 - transformers-chunked: the same, in chunks of --chunk-size (what a memory-aware transformers user does)
-- full, h2o, snap: h2o-chat's engine prefill at the budget, in chunks (`full` reserves the prompt's slots)
+- full, h2o, snap, recall: h2o-chat's engine prefill at the budget, in chunks (`full` reserves the prompt's
+  slots; recall: each chunk also ranks the evicted tokens, kept in host memory, and attends to the best)
 
 Extra peak memory is measured in a separate, untimed read: on CUDA `max_memory_allocated` above what was
 allocated before the read; on CPU the largest sum of live allocations the profiler records during the read.
@@ -29,7 +30,8 @@ from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.measure.bench import attention
 
-PREFILL_CONFIGS = ("transformers", "transformers-chunked", "full", "h2o", "snap")
+PREFILL_CONFIGS = ("transformers", "transformers-chunked", "full", "h2o", "snap", "recall")
+_OURS = ("full", "h2o", "snap", "recall")
 
 
 @dataclass(frozen=True)
@@ -201,12 +203,12 @@ def ratios(records: list[PrefillRecord]) -> list[tuple[str, float]]:
     for anchor in ("transformers", "transformers-chunked"):
         if anchor not in by:
             continue
-        for ours in ("full", "h2o", "snap"):
+        for ours in _OURS:
             if ours in by:
                 out.append((f"{ours} / {anchor}: tokens/s", by[ours].tokens_per_second / by[anchor].tokens_per_second))
     if "transformers-chunked" in by:
         base = by["transformers-chunked"]
-        for ours in ("full", "h2o", "snap"):
+        for ours in _OURS:
             if ours in by and base.extra_peak_bytes:
                 out.append(
                     (f"{ours} / transformers-chunked: extra peak", by[ours].extra_peak_bytes / base.extra_peak_bytes)
