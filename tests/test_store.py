@@ -49,7 +49,7 @@ def test_recalling_every_evicted_token_reproduces_the_full_cache(single_thread):
     assert not torch.allclose(plain[:, -1], full[:, -1], atol=1e-3)
 
 
-def test_prompt_chunks_recall_what_earlier_chunks_evicted(single_thread):
+def test_prompt_chunks_recall_what_earlier_chunks_evicted(single_thread, monkeypatch):
     """A prompt longer than the held slots, read in chunks with a left-padded row: each chunk's queries recall
     the evicted tokens too (once for the chunk), so when everything evicted can come back, the chunks' keys and
     values, and so the last position's and every later step's logits, are the full cache's. Without recall in
@@ -68,11 +68,8 @@ def test_prompt_chunks_recall_what_earlier_chunks_evicted(single_thread):
     def steps_only(self, i, query, real_queries=None):
         return None if real_queries is not None else real(self, i, query)
 
-    Store.recall = steps_only
-    try:
-        stepping, _ = _run(model, policy, ids, mask, chunk=8, steps=10)
-    finally:
-        Store.recall = real
+    monkeypatch.setattr(Store, "recall", steps_only)
+    stepping, _ = _run(model, policy, ids, mask, chunk=8, steps=10)
     assert not torch.allclose(stepping[:, 0], full[:, 0], atol=1e-3)
 
 

@@ -74,7 +74,7 @@ class Store:
         self.kmin = torch.zeros(L, B, H, nb, self.D)
         self.kmax = torch.zeros(L, B, H, nb, self.D)
         self.filled = torch.zeros(L, B, H, nb, dtype=torch.bool)  # a block holds at least one token
-        self.marks = torch.zeros(L, B, H, n + 1, dtype=torch.int32)  # times recalled since `take_counts` (+ a dump)
+        self.marks = torch.zeros(L, B, H, n, dtype=torch.int32)  # times recalled since `take_counts`
 
     @property
     def capacity(self) -> int:
@@ -209,7 +209,6 @@ class Store:
             return None
         if real is None and self.block == 1 and query.shape[2] == 1:
             return self._recall_step(i, query)
-        B, H = self.shape[1:]
         bound = self.bounds(i, query, real)
         many = 1 if real is None else _CHUNK_TIMES  # a chunk's queries are many and want different tokens
         k = min(self.select * many, nb)
@@ -217,15 +216,8 @@ class Store:
         wanted = (top.values > -torch.inf) & (torch.arange(k) < many * self.blocks_per_row[:, None, None])
         blk = self.block
         tok = (top.indices[..., None] * blk + torch.arange(blk)).flatten(-2)  # (B, H, k * blk)
-        N = self.capacity
-        flat = (tok + torch.arange(B * H).view(B, H, 1) * N).view(-1)  # one index_select per buffer
-        pos = self.pos[i].view(-1).index_select(0, flat).view(B, H, -1)
-        valid = (pos >= 0) & (wanted.repeat_interleave(blk, -1) if blk > 1 else wanted)
-        keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, -1, self.D)
-        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, -1, self.Dv)
-        self.marks[i].scatter_add_(-1, torch.where(valid, tok, self.capacity), valid.int())
-        dev = query.device
-        return keys.to(dev), values.to(dev), valid.to(dev)
+        valid = ~self.empty[i].gather(-1, tok) & (wanted.repeat_interleave(blk, -1) if blk > 1 else wanted)
+        return self._bring(i, tok, valid, query.device)
 
     def _recall_step(self, i: int, query: torch.Tensor):
         """`recall` for a decode step with exact ranking, in as few operations as it takes (it runs in every
@@ -242,18 +234,24 @@ class Store:
         valid = top.values > -torch.inf
         if not self.uniform:  # rows that recall fewer (or none) mask the rest
             valid &= torch.arange(k) < self.blocks_per_row.repeat_interleave(H)[:, None]
-        self.marks[i].view(BH, N + 1).scatter_add_(1, top.indices, valid.int())
-        flat = (top.indices + torch.arange(0, BH * N, N)[:, None]).view(-1)
-        keys = keys.view(-1, D).index_select(0, flat).view(B, H, k, D)
-        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, k, self.Dv)
-        dev = query.device
-        return keys.to(dev), values.to(dev), valid.view(B, H, k).to(dev)
+        return self._bring(i, top.indices.view(B, H, k), valid.view(B, H, k), query.device)
+
+    def _bring(self, i: int, tok: torch.Tensor, valid: torch.Tensor, device: torch.device):
+        """Layer i's stored entries `tok` (B, H, R) -> their keys (B, H, R, D), values and `valid` (B, H, R), on
+        `device`; each valid one counted as recalled (`take_counts`)."""
+        B, H, R = tok.shape
+        N = self.capacity
+        self.marks[i].scatter_add_(-1, tok, valid.int())
+        flat = (tok + torch.arange(0, B * H * N, N).view(B, H, 1)).view(-1)  # one index_select per buffer
+        keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, R, self.D)
+        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, R, self.Dv)
+        return keys.to(device), values.to(device), valid.to(device)
 
     @torch.inference_mode()
     def take_counts(self) -> torch.Tensor:
         """How often each true position was recalled (by any layer, head and step) since the last call, per row:
         (B, positions) float over [0, max position recalled] (empty when nothing was); the counts are reset."""
-        counts = self.marks[..., : self.capacity].masked_fill(self.pos < 0, 0)
+        counts = self.marks.masked_fill(self.pos < 0, 0)
         self.marks.zero_()
         hit = counts > 0
         if not bool(hit.any()):
