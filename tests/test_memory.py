@@ -15,22 +15,39 @@ from h2o_chat.measure.prefill import cpu_peak_bytes
 from h2o_chat.models.memory import ModelShape, decode_bytes, fitting_chunk, prefill_bytes
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snap", "full", "sink"])
-@pytest.mark.parametrize("rows, length, chunk", [(1, 600, 64), (3, 300, 128)], ids=["long", "padded-batch"])
-def test_the_prefill_estimate_bounds_the_measured_peak(policy, rows, length, chunk):
+def _measured_and_estimated(policy: str, rows: int, length: int, chunk: int, count_recall: bool = True):
     model = tiny_model("llama", seed=30, layers=3)
     shape = ModelShape.of(model.config)
     budget = 48
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(1, 256, (length - 37 * r,), generator=g).tolist() for r in range(rows)]
     ids, mask = left_pad(prompts, 0)
-    cache = H2OCache.for_model(model, make_policy(policy, budget) if policy != "full" else make_policy("full"))
+    pol = make_policy(policy, budget) if policy != "full" else make_policy("full")
+    cache = H2OCache.for_model(model, pol)
     cache.reserve(length)
-    capacity = budget if policy != "full" else length
     measured = cpu_peak_bytes(lambda: Engine(model, cache, "eager").prefill(ids, mask, chunk_size=chunk))
-    mass = policy in ("h2o", "snap")  # the policies that rank by attention compute its mass too
-    estimate = prefill_bytes(shape, 4, rows, capacity, chunk, snap=policy == "snap", window=12, mass=mass)
+    mass = policy in ("h2o", "snap", "recall")  # the policies that rank by attention compute its mass too
+    snap = policy in ("snap", "recall")
+    recall = dict(recall=2 * pol.recalled, stored=length) if policy == "recall" and count_recall else {}
+    capacity = cache.slots.capacity  # recall holds budget - recalled slots
+    estimate = prefill_bytes(shape, 4, rows, capacity, chunk, snap=snap, window=12, mass=mass, **recall)
+    return measured, estimate
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap", "full", "sink", "recall"])
+@pytest.mark.parametrize("rows, length, chunk", [(1, 600, 64), (3, 300, 128)], ids=["long", "padded-batch"])
+def test_the_prefill_estimate_bounds_the_measured_peak(policy, rows, length, chunk):
+    measured, estimate = _measured_and_estimated(policy, rows, length, chunk)
     assert measured <= estimate < 4 * measured, (measured, estimate)
+
+
+def test_the_prefill_estimate_counts_what_recall_keeps_and_brings_back():
+    # on CPU the recall policy's store of evicted tokens is in the same memory, and grows with the prompt; a
+    # chunk's recalled tokens, per-head masks and ranking logits come on top: leaving them out underestimates
+    measured, estimate = _measured_and_estimated("recall", 1, 2000, 64)
+    assert measured <= estimate < 4 * measured, (measured, estimate)
+    measured, without = _measured_and_estimated("recall", 1, 2000, 64, count_recall=False)
+    assert without < measured / 2, (measured, without)
 
 
 def test_the_decode_estimate_bounds_the_measured_peak():
@@ -54,3 +71,20 @@ def test_a_prompt_that_does_not_fit_is_read_in_smaller_chunks_or_refused():
     assert 16 <= smaller < 512 and prefill_bytes(shape, 4, 1, 64, smaller) * 1.15 <= 0.6 * need
     with pytest.raises(DeviceError, match="lower --budget"):
         fitting_chunk(shape, 4, 1, 64, 512, available=1000)
+
+
+def test_a_recall_prompt_is_sized_with_its_store_on_cpu(monkeypatch):
+    """prefill_chunk counts the recall policy's store and chunk recall where they share the device's memory:
+    memory enough for snap's reading of a long prompt is not enough for recall's."""
+    from h2o_chat.models import memory
+
+    model = tiny_model("llama", seed=33, layers=3)
+    shape = ModelShape.of(model.config)
+    snap, recall = (H2OCache.for_model(model, make_policy(p, 48)) for p in ("snap", "recall"))
+    room = int(2 * memory.OVERHEAD * prefill_bytes(shape, 4, 1, 48, 512, snap=True))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: room)
+    assert memory.prefill_chunk(model, snap, 1, 20_000, 512) == (512, None)
+    with pytest.raises(DeviceError, match="lower --budget"):
+        memory.prefill_chunk(model, recall, 1, 20_000, 512)  # its store alone would outgrow the room
+    chunk, note = memory.prefill_chunk(model, recall, 1, 300, 512)
+    assert chunk == 512 and note is None  # a short prompt's store fits

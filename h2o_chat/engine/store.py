@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
-_GROW = 1024  # entries added when the store is full (then doubled)
-_CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
-_RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
+GROW = 1024  # entries added when the store is full (then doubled)
+CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
+RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
 class Store:
@@ -90,7 +90,7 @@ class Store:
         return int((self.pos[0, 0, 0, : self.count] >= 0).sum()) if self.count else 0
 
     def _grow(self, need: int) -> None:
-        size = max(need, 2 * self.capacity, _GROW)
+        size = max(need, 2 * self.capacity, GROW)
         size = -(-size // self.block) * self.block
         old = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks)
         self._allocate(size)
@@ -168,7 +168,7 @@ class Store:
         """Layer i's queries (B, Hq, T, D) -> per stored block (B, H, blocks): the largest logit of its keys
         under any of the real queries (`real` (B, T); every query when None), or an upper bound of it (Quest's
         summary, block > 1); -inf for a block holding nothing. Unscaled (the order is the same). The (queries x
-        stored) logits are taken `_RANK_BLOCK` at a time: a long prompt chunk never holds them all at once."""
+        stored) logits are taken `RANK_BLOCK` at a time: a long prompt chunk never holds them all at once."""
         nb = -(-self.count // self.block)
         B, H = self.shape[1:]
         T = query.shape[2]
@@ -180,7 +180,7 @@ class Store:
             empty = self.empty[i, :, :, :nb]
         else:
             q, empty = q.float(), ~self.filled[i, :, :, :nb]
-        step = max(1, _RANK_BLOCK // max(1, B * H * G * nb))
+        step = max(1, RANK_BLOCK // max(1, B * H * G * nb))
         bound = None
         for s in range(0, T, step):
             qs = q[:, :, :, s : s + step]
@@ -210,7 +210,7 @@ class Store:
         if real is None and self.block == 1 and query.shape[2] == 1:
             return self._recall_step(i, query)
         bound = self.bounds(i, query, real)
-        many = 1 if real is None else _CHUNK_TIMES  # a chunk's queries are many and want different tokens
+        many = 1 if real is None else CHUNK_TIMES  # a chunk's queries are many and want different tokens
         k = min(self.select * many, nb)
         top = bound.topk(k, dim=-1)
         wanted = (top.values > -torch.inf) & (torch.arange(k) < many * self.blocks_per_row[:, None, None])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o_chat.engine import store as recall_store
 from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in elements
 from h2o_chat.errors import DeviceError
 
@@ -198,6 +199,14 @@ def storage_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int
     return rows * (capacity + 1) * shape.kv_slot_bytes(elem)
 
 
+def store_bytes(shape: ModelShape, elem: int, rows: int, stored: int) -> int:
+    """The most the recall policy's store takes while it grows to `stored` tokens per row and KV head: keys,
+    values, positions, marks and empty flags of the old and the new buffers together while it doubles (at most
+    3 x stored entries, at least 1.5 x its first allocation)."""
+    per_entry = shape.layers * rows * shape.kv_heads * (2 * shape.head_dim * elem + 8 + 4 + 1)
+    return max(3 * stored, 3 * recall_store.GROW // 2) * per_entry
+
+
 def prefill_bytes(
     shape: ModelShape,
     elem: int,
@@ -207,14 +216,21 @@ def prefill_bytes(
     snap: bool = False,
     window: int = 16,
     mass: bool = True,
+    recall: int = 0,
+    stored: int | None = None,
 ) -> int:
     """Peak bytes beyond the weights while a prompt is read in chunks of `chunk` columns: the storage, every
     layer's keys and values of the chunk (placed together when the forward ends), one layer's attention
     (keys of slots and chunk together, the mask, one block of the mass's logits and fp32 probabilities) and
     activations, and the last logits. Snap's probe reads into a second storage, and its observation logits
     (per slot and window query) live beside the slots. `mass`: the policy tracks attention mass (h2o, snap);
-    the others read with the fused kernel alone."""
-    B, T, N = rows, chunk, capacity + chunk
+    the others read with the fused kernel alone.
+
+    `recall`: tokens a chunk brings back from the recall policy's store (per row and KV head), attended before
+    the slots with a mask per KV head (repeated per query head for the fused kernel). `stored`: evicted tokens
+    the store holds once the prompt is read, when the store lives in this memory (CPU; on CUDA it is on the host:
+    None): the store itself while it grows, and one block of the ranking's logits."""
+    B, T, N = rows, chunk, capacity + chunk + recall
     L, H, Hq, D = shape.layers, shape.kv_heads, shape.heads, shape.head_dim
     stash = L * B * H * T * (2 * D * elem + 4)
     layer_keys = B * H * N * 2 * D * elem
@@ -223,6 +239,13 @@ def prefill_bytes(
     activations = B * T * (4 * shape.hidden + 3 * shape.intermediate + 2 * (Hq + 2 * H) * D) * elem
     logits = B * shape.vocab * 4 * 2
     total = storage_bytes(shape, elem, B, capacity) + stash + layer_keys + mask + block + activations + logits
+    if recall:
+        total += B * H * recall * 2 * D * elem  # the recalled keys and values, before they join the slots'
+        total += B * (H + Hq) * T * N * elem + B * H * T * recall * (elem + 1)  # per-head masks, their front
+    if stored is not None:
+        n = max(stored, 1)
+        ranking = min(B * Hq * T * n, recall_store.RANK_BLOCK) * 4 + 3 * B * H * n * 4  # one block, the bounds
+        total += store_bytes(shape, elem, B, stored) + ranking
     if snap:
         G = Hq // H
         total += storage_bytes(shape, elem, B, capacity)  # the probe's copy (pass 1)
@@ -263,18 +286,22 @@ def fitting_chunk(
     window: int = 16,
     mass: bool = True,
     smallest: int = 16,
+    recall: int = 0,
+    stored: int | None = None,
 ) -> int:
     """The largest chunk, `chunk` or a smaller power of two, whose prefill fits in `available` bytes (plus the
     `held` bytes the cache's storage already occupies, which the estimate counts); DeviceError when even
     `smallest` does not fit."""
     size = chunk
     while size >= smallest or size == chunk:
-        if OVERHEAD * prefill_bytes(shape, elem, rows, capacity, size, snap, window, mass) <= available + held:
+        need = prefill_bytes(shape, elem, rows, capacity, size, snap, window, mass, recall, stored)
+        if OVERHEAD * need <= available + held:
             return size
         size //= 2
-    need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, min(chunk, smallest), snap, window, mass)
+    smallest = min(chunk, smallest)
+    need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, smallest, snap, window, mass, recall, stored)
     raise DeviceError(
-        f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {min(chunk, smallest)} tokens, "
+        f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {smallest} tokens, "
         f"but {gb(available + held)} is available; lower --budget (or /budget) or the number of rows"
     )
 
@@ -289,6 +316,13 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
     elem = torch.tensor([], dtype=dtype).element_size()
     policies = [g.policy for g in cache.groups]
     snap = next((p for p in policies if p.compresses_prompts), None)
+    recalled = max((getattr(p, "recalled", 0) for p in policies), default=0)  # the recall policy's rows
+    store = cache.store
+    held = cache.storage_bytes()
+    stored = None  # on CUDA the store lives on the host: not this device's memory
+    if recalled and device.type == "cpu":
+        stored = (store.count if store is not None else 0) + tokens  # at most every token read is evicted
+        held += store.nbytes() if store is not None else 0
     size = fitting_chunk(
         ModelShape.of(model.config),
         elem,
@@ -296,10 +330,12 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
         cache.capacity_for(tokens),
         min(chunk, max(1, tokens)),
         available_bytes(device),
-        held=cache.storage_bytes(),
+        held=held,
         snap=snap is not None,
         window=getattr(snap, "window", 16),
         mass=any(p.by_score for p in policies),
+        recall=recall_store.CHUNK_TIMES * recalled,
+        stored=stored,
     )
     if size >= min(chunk, tokens):
         return chunk, None
