@@ -113,6 +113,12 @@ def test_the_memory_held_is_the_budget_and_the_store_stays_off_the_accelerator(s
     assert cache.store.keys.device.type == "cpu" and cache.store.tokens() == 64 + 40 - 24
     assert "8 recalled per step" in policy.describe()
     assert with_budget(policy, 64).recalled == 16  # the default share follows the budget
+    # the panel says what the store holds off the accelerator, beside the budget's KV bytes
+    stats = cache.stats()
+    assert stats.store_bytes == cache.store.nbytes() >= cache.store.keys.numel() * 2 * 4  # keys and values
+    assert f"evicted tokens kept for recall {ui.human_bytes(stats.store_bytes)} (host memory)" in ui.describe_kv(stats)
+    _, plain = _run(model, make_policy("snap", 32), ids, steps=4)
+    assert plain.stats().store_bytes == 0 and "recall" not in ui.describe_kv(plain.stats())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -66,6 +66,8 @@ def describe_kv(stats) -> str:
     )
     if stats.full_kv_bytes and stats.kv_bytes < stats.full_kv_bytes:
         kv += f" ({100 * stats.kv_bytes / stats.full_kv_bytes:.0f}% allocated)"
+    if stats.store_bytes:  # recall: what it keeps of the evicted tokens grows with the conversation, off the GPU
+        kv += f"; evicted tokens kept for recall {human_bytes(stats.store_bytes)} (host memory)"
     return kv
 
 

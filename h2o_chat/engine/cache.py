@@ -785,6 +785,7 @@ class H2OCache(Cache):
             kv_used_bytes=int(kept.sum()) * slot_bytes,
             full_kv_bytes=int(seen.sum()) * slot_bytes * s.keys.shape[0] * s.keys.shape[2],
             positions=label,
+            store_bytes=0 if self.store is None else self.store.nbytes() * len(seen) // s.batch,
         )
 
     def positions_label(self, group: _Group | None = None, rows: slice | None = None) -> str:

@@ -151,6 +151,7 @@ class CacheStats:
     kv_used_bytes: int  # bytes of the tokens held: tokens held x bytes per token, over layers, rows, heads
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute, trained context 8192"
+    store_bytes: int = 0  # the recall policy's store of evicted tokens (off the accelerator: host memory)
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
@@ -173,6 +174,7 @@ class CacheStats:
             kv_used_bytes=sum(p.kv_used_bytes for p in parts),
             full_kv_bytes=sum(p.full_kv_bytes for p in parts),
             positions=first.positions,
+            store_bytes=sum(p.store_bytes for p in parts),
         )
 
 
