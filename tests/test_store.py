@@ -206,3 +206,30 @@ def test_the_chat_says_which_messages_a_reply_recalled(single_thread):
     console = Console(file=io.StringIO(), width=140, no_color=True)
     console.print(ui.eviction_table(list(reports.values())))
     assert "recalled" in console.file.getvalue().splitlines()[0]
+
+
+def test_a_store_the_host_cannot_hold_stops_growing_and_says_so_once(single_thread, monkeypatch):
+    """The store lives in host memory and grows with the chat: when growing would leave the host less than
+    `HOST_RESERVE`, later evictions are not kept (generation goes on, as snap with the same slots) and the cache
+    says so once."""
+    from h2o_chat.engine import store as st
+
+    model = tiny_model("llama", seed=7)
+    ids = torch.randint(4, 200, (1, 40), generator=torch.Generator().manual_seed(7))
+    policy = make_policy("recall", 16)
+    _, cache = _run(model, policy, ids, steps=10)
+    assert not cache.store.full and cache.store.tokens() == 40 + 10 - cache.slots.capacity
+    assert not any("stopped growing" in n for n in cache.pop_notices())
+    room = cache.store.nbytes()  # what the first allocation took: enough for it, not for the doubling after it
+    monkeypatch.setattr(st, "host_available", lambda: st.HOST_RESERVE + room)
+    _, cache = _run(model, policy, ids, steps=10)
+    assert cache.store.tokens() == 40 + 10 - cache.slots.capacity and not cache.store.full  # the first buffer
+    forced = torch.randint(4, 200, (1, 1100), generator=torch.Generator().manual_seed(8))
+    engine = Engine(model, cache, "eager")
+    notes = []
+    for t in range(forced.shape[1]):
+        engine.decode(forced[:, t])
+        notes += cache.pop_notices()
+    assert cache.store.full and cache.store.count == cache.store.capacity  # it filled, then stopped
+    assert [n for n in notes if "stopped growing" in n] == [notes[0]] and "cannot be recalled" in notes[0]
+    assert cache.stats().kept == cache.slots.capacity  # the held slots go on as before

@@ -483,6 +483,7 @@ class H2OCache(Cache):
             self.clear_row(r)
         if self.store is not None:
             self.store.clear()
+            self._warned.discard("store-full")  # an emptied store may fill again: say so again
         self.columns = 0
 
     @_inference
@@ -605,6 +606,7 @@ class H2OCache(Cache):
             evict.step(s, self.rules, self.store)
             s.seen += 1
             s.next_rot += 1
+            self._store_full_note()
             return
         if fwd.score is None:  # nothing reached the attention (an empty model?)
             return
@@ -617,6 +619,15 @@ class H2OCache(Cache):
         added = fwd.real.sum(-1) if fwd.skipped is None else fwd.real.sum(-1) + fwd.skipped
         s.seen += added
         s.next_rot += added
+        self._store_full_note()
+
+    def _store_full_note(self) -> None:
+        if self.store is not None and self.store.full:
+            self._warn_once(
+                "store-full",
+                f"the store of evicted tokens for recall stopped growing at {self.store.nbytes() / 1e6:,.0f} MB: "
+                "the host's memory is nearly used up; tokens evicted from now on cannot be recalled",
+            )
 
     @_inference
     def skip(self, real: torch.Tensor, columns: int) -> None:

@@ -37,8 +37,16 @@ from __future__ import annotations
 import torch
 
 GROW = 1024  # entries added when the store is full (then doubled)
+HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing rather than take it
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
+
+
+def host_available() -> int:
+    """Bytes the host can still give this process (psutil's available: free plus reclaimable)."""
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 class Store:
@@ -52,6 +60,7 @@ class Store:
         self.dtype, self.D, self.Dv = key.dtype, D, value.shape[-1]
         self.set_recalled(recalled)
         self.count = 0  # entries appended (the same for every row and head: see `append`)
+        self.full = False  # it stopped growing: the host had no memory to spare; later evictions are not kept
         self._allocate(0)
 
     def set_recalled(self, recalled: list[int]) -> None:
@@ -81,17 +90,28 @@ class Store:
         return self.pos.shape[-1]
 
     def nbytes(self) -> int:
-        """Host bytes held (keys, values, positions, summaries)."""
-        held = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax)
+        """Host bytes held (keys, values, positions, marks, summaries)."""
+        held = (self.keys, self.values, self.pos, self.empty, self.marks, self.kmin, self.kmax, self.filled)
         return sum(t.numel() * t.element_size() for t in held)
+
+    def _entry_bytes(self) -> float:
+        L, B, H = self.shape
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        blocks = (2 * self.D * 4 + 1) / self.block if self.block > 1 else 0
+        return L * B * H * ((self.D + self.Dv) * elem + 8 + 1 + 4 + blocks)
 
     def tokens(self) -> int:
         """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
         return int((self.pos[0, 0, 0, : self.count] >= 0).sum()) if self.count else 0
 
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int) -> bool:
+        """Room for `need` entries; False (and `full`) when the host cannot give it and keep `HOST_RESERVE`
+        free (the old and the new buffers are held together while the entries are copied)."""
         size = max(need, 2 * self.capacity, GROW)
         size = -(-size // self.block) * self.block
+        if size * self._entry_bytes() + HOST_RESERVE > host_available():
+            self.full = True
+            return False
         old = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks)
         self._allocate(size)
         n, nb = self.count, min(old[4].shape[3], self.kmin.shape[3])
@@ -100,16 +120,17 @@ class Store:
             (n, n, n, n, nb, nb, nb, n), strict=True,
         ):  # fmt: skip
             new[:, :, :, :k] = t[:, :, :, :k]
+        return True
 
     # -- writing ------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
         """Evicted tokens (L, B, H, n, D), (L, B, H, n, Dv), true positions (L, B, H, n) (-1: an empty slot or
         padding lost; nothing to keep). Rows that do not recall keep nothing."""
         n = keys.shape[3]
-        if n == 0:
+        if n == 0 or self.full:
             return
-        if self.count + n > self.capacity:
-            self._grow(self.count + n)
+        if self.count + n > self.capacity and not self._grow(self.count + n):
+            return  # the host has no room: these and later evictions are not kept (the cache says so once)
         c0, c1 = self.count, self.count + n
         pos = pos.to(self.device).masked_fill(~self.rows_recall[None, :, None, None], -1)
         self.keys[:, :, :, c0:c1] = keys.to(self.device, self.dtype)
@@ -147,6 +168,7 @@ class Store:
     def clear(self) -> None:
         self.truncate(0)
         self.marks.zero_()
+        self.full = False
 
     def clear_row(self, r: int) -> None:
         self.pos[:, r] = -1
