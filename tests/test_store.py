@@ -233,3 +233,26 @@ def test_a_store_the_host_cannot_hold_stops_growing_and_says_so_once(single_thre
     assert cache.store.full and cache.store.count == cache.store.capacity  # it filled, then stopped
     assert [n for n in notes if "stopped growing" in n] == [notes[0]] and "cannot be recalled" in notes[0]
     assert cache.stats().kept == cache.slots.capacity  # the held slots go on as before
+
+
+def test_recall_scores_decay_before_each_step_adds_its_mass(single_thread):
+    """recall's held scores are multiplied by `decay` before a decode step adds its attention mass (the plain sum
+    favours old tokens); with nothing evicted the mass is the same either way, so the scores are exactly
+    decay x before + the undecayed step's increase. h2o keeps the paper's plain sum."""
+    model = tiny_model("llama", seed=9)
+    ids = torch.randint(4, 200, (1, 10), generator=torch.Generator().manual_seed(9))
+    scores = {}
+    for decay in (0.5, 1.0):
+        cache = H2OCache.for_model(model, make_policy("recall", 64, decay=decay))
+        engine = Engine(model, cache, "eager")
+        engine.prefill(ids, None, 8)
+        before = cache.slots.score[:, :, :, :10].clone()
+        engine.decode(torch.tensor([7]))
+        scores[decay] = (before, cache.slots.score[:, :, :, :10].clone())
+    before, plain = scores[1.0]
+    torch.testing.assert_close(scores[0.5][0], before)
+    torch.testing.assert_close(scores[0.5][1], 0.5 * before + (plain - before))
+    assert make_policy("recall", 64).decay == 0.99 and "decay x0.99" in make_policy("recall", 64).describe()
+    assert not hasattr(make_policy("h2o", 64), "decay")
+    with pytest.raises(ConfigError, match="decay must be in"):
+        make_policy("recall", 64, decay=1.5)

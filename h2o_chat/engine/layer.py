@@ -115,6 +115,8 @@ class H2OLayer(CacheLayerMixin):
             # the recall policy: the tokens this query wants back from the evicted ones
             got = cache.store.recall(i, query) if cache.store is not None else None
             out, mass = attention_over_slots(query, slots.keys[i], slots.values[i], scaling, fwd.valid, got)
+            if cache.rules.any_decay:  # recall: older mass counts less
+                slots.score[i].mul_(cache.rules.decay)
             slots.score[i] += mass
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them
