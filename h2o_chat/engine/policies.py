@@ -290,16 +290,17 @@ class Rules:
             return torch.tensor(values, dtype=dtype, device=device)
 
         limits = [p.capacity or capacity for p in policies]
+        decays = [getattr(p, "decay", 1.0) for p in policies]  # recall's; the others keep a plain sum
         return cls(
             by_score=column([p.by_score for p in policies], torch.bool),
             recent=column([p.protected_recent for p in policies]),
             sinks=column([p.protected_sinks for p in policies]),
             limit=column(limits),
-            decay=column([getattr(p, "decay", 1.0) for p in policies], torch.float32)[:, None, None],
+            decay=column(decays, torch.float32)[:, None, None],
             uniform=len(set(policies)) == 1 and len(set(limits)) == 1,
             all_by_score=all(p.by_score for p in policies),
             any_protected_sinks=any(p.protected_sinks for p in policies),
-            any_decay=any(getattr(p, "decay", 1.0) != 1.0 for p in policies),
+            any_decay=any(d != 1.0 for d in decays),
         )
 
     def rows(self, index: torch.Tensor) -> Rules:

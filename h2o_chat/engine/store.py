@@ -42,6 +42,13 @@ CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
+def entry_bytes(layers: int, rows: int, kv_heads: int, key_dim: int, value_dim: int, elem: int, block: int = 1):
+    """Host bytes one store entry takes over every layer, row and KV head: its key and value, position (8),
+    empty flag (1) and recall count (4), and with blocks its share of the block summaries."""
+    blocks = (2 * key_dim * 4 + 1) / block if block > 1 else 0
+    return layers * rows * kv_heads * ((key_dim + value_dim) * elem + 8 + 1 + 4 + blocks)
+
+
 def host_available() -> int:
     """Bytes the host can still give this process (psutil's available: free plus reclaimable)."""
     import psutil
@@ -94,12 +101,6 @@ class Store:
         held = (self.keys, self.values, self.pos, self.empty, self.marks, self.kmin, self.kmax, self.filled)
         return sum(t.numel() * t.element_size() for t in held)
 
-    def _entry_bytes(self) -> float:
-        L, B, H = self.shape
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        blocks = (2 * self.D * 4 + 1) / self.block if self.block > 1 else 0
-        return L * B * H * ((self.D + self.Dv) * elem + 8 + 1 + 4 + blocks)
-
     def tokens(self) -> int:
         """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
         return int((self.pos[0, 0, 0, : self.count] >= 0).sum()) if self.count else 0
@@ -109,7 +110,8 @@ class Store:
         free (the old and the new buffers are held together while the entries are copied)."""
         size = max(need, 2 * self.capacity, GROW)
         size = -(-size // self.block) * self.block
-        if size * self._entry_bytes() + HOST_RESERVE > host_available():
+        entry = entry_bytes(*self.shape, self.D, self.Dv, self.keys.element_size(), self.block)
+        if size * entry + HOST_RESERVE > host_available():
             self.full = True
             return False
         old = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks)

@@ -203,8 +203,8 @@ def store_bytes(shape: ModelShape, elem: int, rows: int, stored: int) -> int:
     """The most the recall policy's store takes while it grows to `stored` tokens per row and KV head: keys,
     values, positions, marks and empty flags of the old and the new buffers together while it doubles (at most
     3 x stored entries, at least 1.5 x its first allocation)."""
-    per_entry = shape.layers * rows * shape.kv_heads * (2 * shape.head_dim * elem + 8 + 4 + 1)
-    return max(3 * stored, 3 * recall_store.GROW // 2) * per_entry
+    per_entry = recall_store.entry_bytes(shape.layers, rows, shape.kv_heads, shape.head_dim, shape.head_dim, elem)
+    return int(max(3 * stored, 3 * recall_store.GROW // 2) * per_entry)
 
 
 def prefill_bytes(
