@@ -161,6 +161,7 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         (["--threads", "0"], "hi", ["--threads must be a positive integer"]),
         (["--stop", ""], "hi", ["--stop needs some text"]),
         (["--decode", "fast"], "hi", ["--decode must be one of auto, eager, graph, got 'fast'"]),
+        (["--kv-quant", "4bit"], "hi", ["--kv-quant must be none or 8bit, got '4bit'"]),
         (["--decode", "graph", "--device", "cpu"], "hi", ["--decode graph captures CUDA graphs"]),
         # issue 22.13: what is wrong with --budget 1 for snap is the budget, not the window
         (["-b", "1"], "hi", ["error: snap needs a budget of at least 2", "got 1"]),

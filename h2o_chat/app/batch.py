@@ -193,6 +193,7 @@ def generate_batch(
     positions: str = "auto",
     decode: str = "auto",
     rows: int = 8,
+    kv_quant: str = "none",
 ) -> Iterator[dict]:
     """Continuous batching: keep `rows` batch rows busy until every item is done, yielding each item's record as
     soon as it finishes. The first `rows` prompts are read together; then a row that finishes takes the next
@@ -202,7 +203,7 @@ def generate_batch(
     model, tok = loaded.model, loaded.tokenizer
     stops = stop_token_ids(tok, model)
     R = min(rows, len(items))
-    cache = H2OCache.for_model(model, policy, positions, loaded.context)
+    cache = H2OCache.for_model(model, policy, positions, loaded.context, kv_quant=kv_quant)
     cache.reserve(max(len(it.ids) for it in items) + max(it.max_new_tokens for it in items))  # a full cache, once
     engine = Engine(model, cache, decode)
     # the sampler's shape (which operations a step runs) must serve every item, not only the first rows
@@ -298,6 +299,7 @@ def run_batch(
     positions: str = "auto",
     decode: str = "auto",
     on_skip: Callable[[str], None] | None = None,
+    kv_quant: str = "none",
 ) -> Summary:
     """Generate every well-formed line not yet in the output. Malformed and duplicate lines are passed to
     `on_skip` before anything is generated (a long run should not hide them until its end)."""
@@ -327,7 +329,9 @@ def run_batch(
     with out:
         for budget, policy in sorted(policies.items(), key=lambda kv: kv[0] or 0):
             group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
-            records = generate_batch(loaded, group, policy, top_p, seed, chunk_size, positions, decode, rows=batch_size)
+            records = generate_batch(
+                loaded, group, policy, top_p, seed, chunk_size, positions, decode, rows=batch_size, kv_quant=kv_quant
+            )
             for record in records:
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 out.flush()  # a killed run keeps every finished row

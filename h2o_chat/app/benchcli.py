@@ -75,7 +75,7 @@ def bench_command(
         typer.Option(
             help="Comma-separated: dynamic (transformers DynamicCache), static (StaticCache), static-compiled "
             "(StaticCache + torch.compile), full, h2o, h2o-rolling (positions renumbered), h2o-nobound (budget above "
-            "every length). Default: "
+            "every length), snap, recall; h2o-8bit, snap-8bit, recall-8bit (keys and values held in int8). Default: "
             "dynamic, full, h2o, h2o-nobound, plus static-compiled on CUDA (compiling on a CPU takes minutes).",
             show_default=False,
         ),

@@ -124,6 +124,7 @@ def main_command(
                 chunk_size=cache.chunk_size,
                 system=system,
                 positions=cache.positions,
+                kv_quant=cache.kv_quant,
                 sampler=sampling.sampler(),
                 decode=models.decode,
                 stop=tuple(stop or ()),
@@ -246,6 +247,7 @@ def batch_command(
             chunk_size=cache.chunk_size,
             on_record=lambda r: status(f"{r['id']}: {plural(r['generated_tokens'], 'token')}"),
             positions=cache.positions,
+            kv_quant=cache.kv_quant,
             decode=models.decode,
             on_skip=lambda problem: status(f"skipped {problem}"),
         )

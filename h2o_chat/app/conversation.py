@@ -47,6 +47,7 @@ class ChatSettings:
     chunk_size: int = DEFAULT_CHUNK
     system: str | None = None
     positions: str = "auto"
+    kv_quant: str = "none"  # "8bit": held keys and values in int8 (`engine/quant.py`)
     decode: str = "auto"  # how decode steps run: auto | eager | graph (see h2o_chat.engine)
     stop: tuple[str, ...] = ()  # stop strings (--stop): the reply ends before the first one
 
@@ -91,7 +92,10 @@ class Conversation:
         self._restart()
 
     def _new_cache(self, policy: Policy) -> H2OCache:
-        cache = H2OCache.for_model(self.loaded.model, policy, self.settings.positions, self.loaded.context)
+        settings = self.settings
+        cache = H2OCache.for_model(
+            self.loaded.model, policy, settings.positions, self.loaded.context, kv_quant=settings.kv_quant
+        )
         self.engine = Engine(self.loaded.model, cache, self.settings.decode)
         self.engine.on_setup = self._on_setup
         return cache

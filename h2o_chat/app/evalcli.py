@@ -19,9 +19,11 @@ from h2o_chat.app.options import (
     ChunkSize,
     Command,
     Group,
+    KvQuant,
     ModelOptions,
     PolicyKnobs,
     Positions,
+    check_kv_quant,
     check_positions,
     check_positive,
     grouped,
@@ -71,6 +73,7 @@ class Compared:
     budget: Budgets = None
     policy: Policies = None
     positions: Positions = "absolute"
+    kv_quant: KvQuant = "none"
     json_out: JsonOut = False
     markdown_path: MarkdownOut = None
     PANEL: ClassVar[str] = "Compared"
@@ -83,6 +86,7 @@ class Compared:
         names = list(self.policy or ev.DEFAULT_POLICIES)
         ev.make_configs(names, specs, n, **knobs.kwargs())  # unknown policies, impossible budgets
         check_positions(self.positions)
+        check_kv_quant(self.kv_quant)
         if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
             raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
         for path in (plot, self.markdown_path):
@@ -127,6 +131,7 @@ def _texts(paths: list[Path] | None, shipped: tuple[str, ...] | None = None) -> 
 def _emit(records: list[dict], table, compared: Compared, plot: Path | None, draw: Callable | None):
     from h2o_chat.measure import plots
 
+    records[:] = [{**r, "kv_quant": compared.kv_quant} for r in records]
     if compared.json_out:
         for record in records:
             typer.echo(json.dumps(record, ensure_ascii=False))
@@ -187,6 +192,7 @@ def ppl_command(
                 forecast(bar, "ppl", len(configs), "token"),
                 prompt_tokens,
                 decode=models.decode,
+                kv_quant=compared.kv_quant,
             )
         source = text.name if text else "alice.txt"
         records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
@@ -241,6 +247,7 @@ def needle_command(
                 compared.positions,
                 forecast(bar, "needle", len(trials) * len(configs), "column"),
                 models.decode,
+                compared.kv_quant,
             )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.needle_table(records), compared, plot, plots.needle_plot)
@@ -279,6 +286,7 @@ def agree_command(
                 *(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, compared.positions),
                 forecast(bar, "agree", len(items) * len(configs), "column"),
                 decode=models.decode,
+                kv_quant=compared.kv_quant,
             )
         records = [{**r, "model": loaded.spec.name} for r in records]
         _emit(records, plots.agree_table(records), compared, None, None)
@@ -334,7 +342,7 @@ def recall_command(
                 loaded.model, loaded.tokenizer, convs, names, specs, greedy_tokens=answer_tokens,
                 chunk_size=chunk_size, positions=compared.positions, group=group,
                 progress=forecast(bar, "recall", None),
-                decode=models.decode, knobs=knobs.kwargs(),
+                decode=models.decode, knobs=knobs.kwargs(), kv_quant=compared.kv_quant,
             )  # fmt: skip
         sources = ", ".join(texts)
         records = [{**r, "texts": sources, "model": loaded.spec.name} for r in records]

@@ -95,6 +95,13 @@ Positions = Annotated[
         "true positions (the paper) | rolling: tokens numbered by their rank among the held tokens (StreamingLLM)."
     ),
 ]
+KvQuant = Annotated[
+    str,
+    typer.Option(
+        help="none: the held keys and values in the model's dtype | 8bit: in int8 with a scale per token "
+        "(half the bytes of float16, a quarter of float32: twice or four times the budget in the same memory).",
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Decode = Annotated[
     str,
@@ -199,10 +206,12 @@ class CacheOptions:
     policy: PolicyName = DEFAULT_POLICY
     chunk_size: ChunkSize = 512
     positions: Positions = "auto"
+    kv_quant: KvQuant = "none"
 
     def check(self) -> None:
         check_positive("--chunk-size", self.chunk_size)
         check_positions(self.positions)
+        check_kv_quant(self.kv_quant)
 
     def build(self, knobs: PolicyKnobs, budget: int | None = None):
         """The policy at this budget (or another, e.g. a batch line's own)."""
@@ -330,6 +339,12 @@ def build_policy(policy: str, budget: int, knobs: dict):
     from h2o_chat.engine.policies import make_policy
 
     return make_policy(policy, budget, **knobs)
+
+
+def check_kv_quant(value: str) -> str:
+    from h2o_chat.engine.quant import check_mode  # torch: only once a command runs, never for --help
+
+    return check_mode(value)
 
 
 def check_positions(value: str) -> str:

@@ -60,8 +60,9 @@ def describe_kv(stats) -> str:
     """What the KV cache allocated (the whole budget, from the first token), what the held tokens use, and
     what a full cache would hold for the same tokens: e.g. '22.5 MB allocated, 2.0 MB in use; a full cache
     would hold 2.0 MB'. Allocated alone beside the full figure made H2O look worse than no eviction."""
+    held = " in 8 bits" if stats.kv_quant == "8bit" else ""
     kv = (
-        f"{human_bytes(stats.kv_bytes)} allocated, {human_bytes(stats.kv_used_bytes)} in use; "
+        f"{human_bytes(stats.kv_bytes)} allocated{held}, {human_bytes(stats.kv_used_bytes)} in use; "
         f"a full cache would hold {human_bytes(stats.full_kv_bytes)}"
     )
     if stats.full_kv_bytes and stats.kv_bytes < stats.full_kv_bytes:

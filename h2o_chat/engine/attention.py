@@ -46,24 +46,35 @@ def attention_over_slots(
     scaling: float,
     valid: torch.Tensor,  # (B, 1, S) bool: slots holding a token (the same for every head)
     recalled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
 
     `recalled`: keys (B, H, R, D), values and validity (B, H, R) of evicted tokens attended too (the recall
     policy), in the same softmax; they get no mass. Their logits join the slots' (not their keys: a copy of
-    every slot per layer and step is what concatenating keys would cost)."""
+    every slot per layer and step is what concatenating keys would cost).
+
+    `scales`: 8-bit storage (`quant.py`): keys and values are int8 and these (B, H, S, 1) their per-token
+    scales, applied to the logits and to the probabilities (the stored tokens are never rebuilt)."""
     B, Hq, T, D = query.shape
     H, S = keys.shape[1], keys.shape[2]
     qg = (query * scaling).reshape(B, H, (Hq // H) * T, D)  # query heads of a group share their KV head
-    logits = (qg @ keys.transpose(-1, -2)).float().masked_fill_(~valid[:, :, None, :], -torch.inf)  # (B, H, G, S)
+    logits = (qg @ keys.to(qg.dtype).transpose(-1, -2)).float()  # (B, H, G, S)
+    if scales is not None:
+        logits *= scales[0].transpose(-1, -2)
+    logits.masked_fill_(~valid[:, :, None, :], -torch.inf)
     if recalled is not None:
         more = (qg @ recalled[0].transpose(-1, -2)).float().masked_fill_(~recalled[2][:, :, None, :], -torch.inf)
         logits = torch.cat((logits, more), dim=-1)
     probs = logits.softmax(dim=-1)
-    out = probs[..., :S].to(values.dtype) @ values  # (B, H, G, Dv)
+    held = probs[..., :S]
+    if scales is None:
+        out = held.to(values.dtype) @ values  # (B, H, G, Dv)
+    else:
+        out = (held * scales[1].transpose(-1, -2)).to(query.dtype) @ values.to(query.dtype)
     if recalled is not None:
-        out += probs[..., S:].to(values.dtype) @ recalled[1]
-    return out.reshape(B, Hq, T, -1).transpose(1, 2), probs[..., :S].sum(dim=-2)
+        out += probs[..., S:].to(out.dtype) @ recalled[1]
+    return out.reshape(B, Hq, T, -1).transpose(1, 2), held.sum(dim=-2)
 
 
 def fused_attention(

@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache
 from h2o_chat.engine import evict
 from h2o_chat.engine.layer import H2OLayer
 from h2o_chat.engine.policies import Policy, Recall, Rules
+from h2o_chat.engine.quant import check_mode
 from h2o_chat.engine.rope import Rope, RopeUnsupported
 from h2o_chat.engine.slots import CacheStats, Slots
 from h2o_chat.engine.store import Store
@@ -160,9 +161,7 @@ class Forward:
         if mass is not None:
             self.score[i] = mass
         if self.fits:
-            where = self.target[:, None, :, None]
-            slots.keys[i].scatter_(2, where.expand(B, H, T, key.shape[-1]), key)
-            slots.values[i].scatter_(2, where.expand(B, H, T, value.shape[-1]), value)
+            slots.scatter(i, self.target[:, None, :, None], key, value)
             return
         self.keys[i] = key
         self.values[i] = value
@@ -195,8 +194,10 @@ class H2OCache(Cache):
         context: int | None = None,
         rope_problem: str | None = None,
         rows: list[int] | None = None,
+        kv_quant: str = "none",
     ):
         super().__init__(layers=[H2OLayer(self, i) for i in range(num_layers)])
+        self.kv_quant = check_mode(kv_quant)  # how the held keys and values are stored (`quant.py`)
         policies = [policy] if isinstance(policy, Policy) else list(policy)
         modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
         if rows is None and len(policies) > 1:
@@ -247,12 +248,14 @@ class H2OCache(Cache):
         positions: str | list[str] = "absolute",
         context: int | None = None,
         rows: list[int] | None = None,
+        kv_quant: str = "none",
     ) -> H2OCache:
         """`positions`: absolute (keys keep their true positions, the paper's default), rolling (renumbered by
         order among the held tokens whenever they would pass a window of twice the budget) or auto (true
         positions within the trained context, renumbered when they would pass it). Several policies: `rows[g]`
-        consecutive batch rows follow `policy[g]` (and `positions[g]` when a list)."""
-        return cls(policy, positions=positions, rows=rows, **model_facts(model, context))
+        consecutive batch rows follow `policy[g]` (and `positions[g]` when a list). `kv_quant`: "8bit" stores the held
+        keys and values in int8 with a scale per token (`quant.py`)."""
+        return cls(policy, positions=positions, rows=rows, kv_quant=kv_quant, **model_facts(model, context))
 
     # -- description --------------------------------------------------------------------------------
     @property
@@ -317,8 +320,9 @@ class H2OCache(Cache):
         if fwd.kind == "chunk":  # the layer's attention stashes the chunk; end() places it
             return key_states, value_states
         spare = slots.capacity  # a decode step: the new token goes into the spare slot; shapes never change
-        slots.keys[layer_idx, :, :, spare] = key_states[:, :, 0]
-        slots.values[layer_idx, :, :, spare] = value_states[:, :, 0]
+        slots.write((layer_idx, slice(None), slice(None), spare), key_states[:, :, 0], value_states[:, :, 0])
+        if slots.quantized:  # attend() reads the layer's slots (int8 and scales), the new token's included
+            return key_states, value_states
         return slots.keys[layer_idx], slots.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -359,7 +363,7 @@ class H2OCache(Cache):
         self._bound = [self.columns] * B  # before_forward has counted this forward's columns
         self._row_columns = [self.columns] * B
         self._switched = [g.positions == "rolling" and self.rope is not None for g in self._rows]
-        self._install(Slots.allocate(len(self.layers), key, value, self._capacity(self.columns)))
+        self._install(Slots.allocate(len(self.layers), key, value, self._capacity(self.columns), self.kv_quant))
         self._make_store()
 
     def _make_store(self) -> None:
@@ -377,7 +381,8 @@ class H2OCache(Cache):
         if self.store is not None and self.store.shape[1] == s.batch and self.store.block == block:
             self.store.set_recalled(recalled)  # a policy change: what was evicted stays recallable
             return
-        self.store = Store(len(self.layers), s.keys[0], s.values[0], recalled, block)
+        first = (0, slice(None), slice(None), slice(0, 1))  # a template: shapes and the model's dtype
+        self.store = Store(len(self.layers), s.read("keys", first), s.read("values", first), recalled, block)
 
     def _install(self, slots: Slots) -> None:
         """New storage (and the rules sized for it): captured decode steps are stale (the version says so)."""
@@ -722,7 +727,7 @@ class H2OCache(Cache):
                 -1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
             )
             change = torch.where(held & selected[:, None, None], rank - rot, 0)
-            s.keys[i] = self.rope.rotate_by(s.keys[i], change)
+            s.write((i,), self.rope.rotate_by(s.read("keys", (i,)), change))
             rot.copy_(torch.where(selected[:, None, None], torch.where(held, rank, -1), rot))
         s.next_rot.copy_(torch.where(selected, s.held(), s.next_rot))
         for r in rows:
@@ -779,7 +784,8 @@ class H2OCache(Cache):
             )
         pos = s.pos[:, rows, :, : s.capacity]
         kept = (pos >= 0).sum(-1)  # (L, b, H)
-        slot_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * s.keys.element_size()  # K+V of one token, one slot
+        slot_bytes = s.token_bytes()  # K+V of one token in one slot, as stored
+        full_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * torch.empty(0, dtype=s.dtype).element_size()
         slots_allocated = s.keys.shape[0] * pos.shape[1] * s.keys.shape[2] * s.keys.shape[3]
         seen = s.seen[rows]
         return CacheStats(
@@ -794,9 +800,10 @@ class H2OCache(Cache):
             evicted=float((seen[None, :, None] - kept).float().mean()),  # every real token seen is held or gone
             kv_bytes=slots_allocated * slot_bytes,
             kv_used_bytes=int(kept.sum()) * slot_bytes,
-            full_kv_bytes=int(seen.sum()) * slot_bytes * s.keys.shape[0] * s.keys.shape[2],
+            full_kv_bytes=int(seen.sum()) * full_bytes * s.keys.shape[0] * s.keys.shape[2],
             positions=label,
             store_bytes=0 if self.store is None else self.store.nbytes() * len(seen) // s.batch,
+            kv_quant="8bit" if s.quantized else "none",
         )
 
     def positions_label(self, group: _Group | None = None, rows: slice | None = None) -> str:

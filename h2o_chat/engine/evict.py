@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_chat.engine.policies import Rules
+from h2o_chat.engine.quant import quantize
 from h2o_chat.engine.slots import Slots, per_slot
 from h2o_chat.engine.store import Store
 
@@ -46,7 +47,7 @@ def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     prio = rules.priority(slots.score, slots.pos, slots.seen)  # newest = the spare's position
     victim = order(prio, tie(slots.pos)).argmin(dim=-1, keepdim=True)  # (L, B, H, 1)
     if store is not None:
-        store.append(*(buf.gather(3, per_slot(victim, buf)) for buf in (slots.keys, slots.values, slots.pos)))
+        store.append(*slots.gather_kv(victim), slots.pos.gather(3, victim))
     spare = slots.capacity  # the spare slot comes right after the capacity
     for buf in slots.buffers():
         buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
@@ -57,21 +58,27 @@ def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
 class NewTokens:
     """A prompt chunk's tokens for every layer, waiting to be placed: T columns per row."""
 
-    keys: torch.Tensor | None  # (L, B, H, T, D); None: already written into the slots (appended, see `append`)
+    keys: torch.Tensor | None  # (L, B, H, T, D) model dtype; None: already in the slots (appended, see `append`)
     values: torch.Tensor | None  # (L, B, H, T, Dv)
     pos: torch.Tensor  # (B, T) true positions, -1 = padding
     rot: torch.Tensor  # (B, T) positions the keys were rotated at
     score: torch.Tensor  # (L, B, H, T) fp32 mass received within the chunk (zeros when not tracked)
     extra: list[torch.Tensor] = field(default_factory=list)  # per-slot side buffers (snap's), (L, B, H, T, ...)
 
-    def buffers(self, shape: torch.Size) -> list[torch.Tensor]:
-        """In `Slots.buffers()` order, every one (L, B, H, T, ...)."""
+    def buffers(self, shape: torch.Size, quantized: bool = False) -> list[torch.Tensor | None]:
+        """In `Slots.buffers()` order, every one (L, B, H, T, ...); keys and values quantized with their scales
+        for 8-bit storage."""
         L, B, H, T = shape
 
         def spread(t: torch.Tensor) -> torch.Tensor:
             return t[None, :, None, :].expand(L, B, H, T)
 
-        return [self.keys, self.values, spread(self.pos), spread(self.rot), self.score, *self.extra]
+        kv, scales = [self.keys, self.values], []
+        if quantized:
+            scales = [None, None]
+            if self.keys is not None:
+                (kv[0], scales[0]), (kv[1], scales[1]) = quantize(self.keys), quantize(self.values)
+        return [*kv, spread(self.pos), spread(self.rot), self.score, *scales, *self.extra]
 
 
 def append_slots(slots: Slots, real: torch.Tensor) -> torch.Tensor:
@@ -96,7 +103,7 @@ def chunk(
         target = append_slots(slots, new.pos >= 0)[None, :, None, :].expand(L, B, H, T)
     else:
         target = _pair_freed_with_survivors(slots, new, rules, priority, store)
-    for buf, values in zip(slots.buffers(), new.buffers(torch.Size((L, B, H, T))), strict=True):
+    for buf, values in zip(slots.buffers(), new.buffers(torch.Size((L, B, H, T)), slots.quantized), strict=True):
         if values is not None:
             buf.scatter_(3, per_slot(target, buf), values.to(buf.dtype))
     slots.clear_spare()
@@ -108,8 +115,8 @@ def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.
     lost_pos = pos.gather(-1, losers)
     losers = losers.gather(-1, torch.where(lost_pos >= 0, lost_pos, torch.iinfo(pos.dtype).max).argsort(-1))
     kv = []
-    for buf, fresh in ((slots.keys, new.keys), (slots.values, new.values)):
-        both = torch.cat((buf[:, :, :, :C], fresh.to(buf.dtype)), dim=3)
+    for which, fresh in (("keys", new.keys), ("values", new.values)):
+        both = torch.cat((slots.read(which, (slice(None), slice(None), slice(None), slice(0, C))), fresh), dim=3)
         kv.append(both.gather(3, per_slot(losers, both)))
     store.append(*kv, pos.gather(-1, losers))
 

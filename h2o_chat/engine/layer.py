@@ -49,7 +49,7 @@ class H2OLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self.cache.slots is None else self.cache.slots.keys[self.layer_idx]
+        return None if self.cache.slots is None else self.cache.slots.read("keys", (self.layer_idx,))
 
     @keys.setter
     def keys(self, value) -> None:
@@ -57,7 +57,7 @@ class H2OLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self.cache.slots is None else self.cache.slots.values[self.layer_idx]
+        return None if self.cache.slots is None else self.cache.slots.read("values", (self.layer_idx,))
 
     @values.setter
     def values(self, value) -> None:
@@ -114,14 +114,16 @@ class H2OLayer(CacheLayerMixin):
         if fwd.kind == "step":
             # the recall policy: the tokens this query wants back from the evicted ones
             got = cache.store.recall(i, query) if cache.store is not None else None
-            out, mass = attention_over_slots(query, slots.keys[i], slots.values[i], scaling, fwd.valid, got)
+            scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
+            out, mass = attention_over_slots(query, slots.keys[i], slots.values[i], scaling, fwd.valid, got, scales)
             if cache.rules.any_decay:  # recall: older mass counts less
                 slots.score[i].mul_(cache.rules.decay)
             slots.score[i] += mass
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them
-        keys = torch.cat((slots.keys[i, :, :, :n], key), dim=2) if n else key
-        values = torch.cat((slots.values[i, :, :, :n], value), dim=2) if n else value
+        stored = (i, slice(None), slice(None), slice(0, n))
+        keys = torch.cat((slots.read("keys", stored), key), dim=2) if n else key
+        values = torch.cat((slots.read("values", stored), value), dim=2) if n else value
         mask = fwd.mask(query.dtype)
         got = cache.store.recall(i, query, fwd.real) if cache.store is not None else None
         r = 0 if got is None else got[0].shape[2]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
+
 
 def mark_static(*tensors: torch.Tensor) -> None:
     """Tensors a captured step reads and writes in place: they keep their address from step to step."""
@@ -35,7 +37,10 @@ def per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Slots:
-    """Every layer's slot storage, allocated once. S = capacity + 1: the last slot is the spare."""
+    """Every layer's slot storage, allocated once. S = capacity + 1: the last slot is the spare.
+
+    With 8-bit storage (`quant.py`) keys and values are int8 and `kscale`/`vscale` (L, B, H, S, 1) hold each
+    token's scale; `dtype` is the model's, what `read` gives back."""
 
     keys: torch.Tensor  # (L, B, H, S, D)
     values: torch.Tensor  # (L, B, H, S, Dv)
@@ -44,7 +49,14 @@ class Slots:
     score: torch.Tensor  # (L, B, H, S) fp32
     seen: torch.Tensor  # (B,) real tokens per row
     next_rot: torch.Tensor  # (B,) the position the next token's key is rotated at
+    kscale: torch.Tensor | None = None  # (L, B, H, S, 1) float16: 8-bit storage only
+    vscale: torch.Tensor | None = None
+    dtype: torch.dtype | None = None  # the model's: keys and values as attention reads them
     extra: list[torch.Tensor] = field(default_factory=list)  # side buffers moved with the slots (snap's)
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = self.keys.dtype
 
     @property
     def capacity(self) -> int:
@@ -55,23 +67,87 @@ class Slots:
     def batch(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def quantized(self) -> bool:
+        return self.kscale is not None
+
     @classmethod
-    def allocate(cls, layers: int, key: torch.Tensor, value: torch.Tensor, capacity: int) -> Slots:
+    def allocate(cls, layers: int, key: torch.Tensor, value: torch.Tensor, capacity: int, quant: str = "none"):
         B, H, _, D = key.shape
         L, S, dev = layers, capacity + 1, key.device
+        scales = {}
+        if quant == "8bit":
+            scales = {
+                "kscale": torch.zeros(L, B, H, S, 1, dtype=SCALE_DTYPE, device=dev),
+                "vscale": torch.zeros(L, B, H, S, 1, dtype=SCALE_DTYPE, device=dev),
+            }
+        stored = torch.int8 if scales else key.dtype
         return cls(
-            keys=key.new_zeros(L, B, H, S, D),
-            values=value.new_zeros(L, B, H, S, value.shape[-1]),
+            keys=torch.zeros(L, B, H, S, D, dtype=stored, device=dev),
+            values=torch.zeros(L, B, H, S, value.shape[-1], dtype=stored, device=dev),
             pos=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
             rot=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
             score=torch.zeros(L, B, H, S, dtype=torch.float32, device=dev),
             seen=torch.zeros(B, dtype=torch.long, device=dev),
             next_rot=torch.zeros(B, dtype=torch.long, device=dev),
+            dtype=key.dtype,
+            **scales,
         )
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The per-slot tensors (L, B, H, S, ...) of the storage itself (not the side buffers)."""
+        scales = [self.kscale, self.vscale] if self.quantized else []
+        return [self.keys, self.values, self.pos, self.rot, self.score, *scales]
 
     def buffers(self) -> list[torch.Tensor]:
         """The per-slot tensors that move together when a token changes slot."""
-        return [self.keys, self.values, self.pos, self.rot, self.score, *self.extra]
+        return [*self.slot_tensors(), *self.extra]
+
+    def _with(self, tensors: list[torch.Tensor], seen: torch.Tensor, next_rot: torch.Tensor) -> Slots:
+        """Storage like this one made of `tensors` (in `slot_tensors` order)."""
+        keys, values, pos, rot, score, *scales = tensors
+        kscale, vscale = scales if scales else (None, None)
+        return Slots(keys, values, pos, rot, score, seen, next_rot, kscale, vscale, self.dtype)
+
+    # -- keys and values as the model's dtype ------------------------------------------------------------
+    def read(self, which: str, index: tuple = ()) -> torch.Tensor:
+        """Keys or values ("keys" | "values") at `index` (over L, B, H, S), in the model's dtype."""
+        t = getattr(self, which)[index]
+        if not self.quantized:
+            return t
+        return dequantize(t, getattr(self, which[0] + "scale")[index], self.dtype)
+
+    def write(self, index: tuple, key: torch.Tensor, value: torch.Tensor | None = None) -> None:
+        """Store keys and values (model dtype, shaped as the index selects; no value: keys only) at `index`
+        (over L, B, H, S)."""
+        for which, x in (("keys", key), ("values", value)):
+            if x is None:
+                continue
+            if self.quantized:
+                getattr(self, which)[index], getattr(self, which[0] + "scale")[index] = quantize(x)
+            else:
+                getattr(self, which)[index] = x
+
+    def scatter(self, layer: int, where: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Layer `layer`'s keys and values (B, H, T, D) into the slots `where` (B, 1 or H, T, 1)."""
+        pairs = [(self.keys, key), (self.values, value)]
+        if self.quantized:
+            (qk, sk), (qv, sv) = quantize(key), quantize(value)
+            pairs = [(self.keys, qk), (self.values, qv), (self.kscale, sk), (self.vscale, sv)]
+        for buf, x in pairs:
+            buf[layer].scatter_(2, where.expand(x.shape), x)
+
+    def gather_kv(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the slots `index` (L, B, H, k), in the model's dtype: (L, B, H, k, D) each."""
+        out = []
+        for which in ("keys", "values"):
+            buf = getattr(self, which)
+            t = buf.gather(3, per_slot(index, buf))
+            if self.quantized:
+                scale = getattr(self, which[0] + "scale")
+                t = dequantize(t, scale.gather(3, per_slot(index, scale)), self.dtype)
+            out.append(t)
+        return out[0], out[1]
 
     def valid(self) -> torch.Tensor:
         """(B, S) bool: slots holding a token, the same in every layer and head (see the module's layout)."""
@@ -94,24 +170,24 @@ class Slots:
             out[:, :, :, :k] = t.gather(3, per_slot(keep, t))
             return out
 
-        return Slots(
-            move(self.keys, 0), move(self.values, 0), move(self.pos, -1), move(self.rot, -1), move(self.score, 0),
-            self.seen, self.next_rot,
-        )  # fmt: skip
+        fills = {id(self.pos): -1, id(self.rot): -1}
+        moved = [move(t, fills.get(id(t), 0)) for t in self.slot_tensors()]
+        return self._with(moved, self.seen, self.next_rot)
 
     def mark_static(self) -> None:
         """Fixed addresses for a captured step, which writes into these in place."""
-        mark_static(self.keys, self.values, self.pos, self.rot, self.score, self.seen, self.next_rot)
+        mark_static(*self.slot_tensors(), self.seen, self.next_rot)
 
     def rows(self, index: torch.Tensor) -> Slots:
         index = index.to(self.seen.device)
-        pick = [t.index_select(1, index) for t in (self.keys, self.values, self.pos, self.rot, self.score)]
-        return Slots(*pick, self.seen.index_select(0, index), self.next_rot.index_select(0, index))
+        pick = [t.index_select(1, index) for t in self.slot_tensors()]
+        return self._with(pick, self.seen.index_select(0, index), self.next_rot.index_select(0, index))
 
     def row(self, r: int) -> Slots:
         """Row r as storage of its own that shares this storage's memory (writes land in row r)."""
-        pick = [t[:, r : r + 1] for t in (self.keys, self.values, self.pos, self.rot, self.score)]
-        return Slots(*pick, self.seen[r : r + 1], self.next_rot[r : r + 1])
+        return self._with(
+            [t[:, r : r + 1] for t in self.slot_tensors()], self.seen[r : r + 1], self.next_rot[r : r + 1]
+        )
 
     def clear_row(self, r: int) -> None:
         """Empty row r (a new prompt takes it)."""
@@ -123,15 +199,24 @@ class Slots:
 
     def copy(self, device: torch.device | str | None = None) -> Slots:
         """An independent copy (on `device`, e.g. the host, or where it is)."""
-        fields = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"]
-        return Slots(*[t.to(device, copy=True) if device else t.clone() for t in fields])
+
+        def dup(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, copy=True) if device else t.clone()
+
+        return self._with([dup(t) for t in self.slot_tensors()], dup(self.seen), dup(self.next_rot))
 
     def load(self, other: Slots) -> None:
         """Overwrite this storage in place (same shapes) with `other`'s contents: addresses stay, so a captured
         decode step stays valid."""
-        for f in dataclasses.fields(self):
-            if f.name != "extra":
-                getattr(self, f.name).copy_(getattr(other, f.name))
+        for mine, theirs in zip(self.slot_tensors(), other.slot_tensors(), strict=True):
+            mine.copy_(theirs)
+        self.seen.copy_(other.seen)
+        self.next_rot.copy_(other.next_rot)
+
+    def token_bytes(self) -> int:
+        """Stored bytes of one token's key and value in one slot (one layer, row and KV head), scales included."""
+        per = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+        return per + (2 * self.kscale.element_size() if self.quantized else 0)
 
 
 @dataclass(frozen=True)
@@ -152,6 +237,7 @@ class CacheStats:
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute, trained context 8192"
     store_bytes: int = 0  # the recall policy's store of evicted tokens (off the accelerator: host memory)
+    kv_quant: str = "none"  # "8bit": held keys and values in int8 with a scale per token
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
@@ -175,6 +261,7 @@ class CacheStats:
             full_kv_bytes=sum(p.full_kv_bytes for p in parts),
             positions=first.positions,
             store_bytes=sum(p.store_bytes for p in parts),
+            kv_quant=first.kv_quant,
         )
 
 

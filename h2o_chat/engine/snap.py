@@ -81,12 +81,14 @@ class Observation:
         L, B, H = s.keys.shape[:3]
         W = probe.q[0].shape[2]  # the window, or the whole prompt when it is shorter
         G = probe.q[0].shape[1] // H
-        self.q = [q.reshape(B, H, G * W, -1).to(s.keys.dtype) for q in probe.q]
+        self.q = [q.reshape(B, H, G * W, -1).to(s.dtype) for q in probe.q]
         self.q_pos = probe.pos.repeat(1, G)  # (B, G*W): query rows ordered (group head, window step)
         in_window = torch.arange(W, device=self.rows.device) >= W - self.windows[:, None]  # (B, W): a row's own
         self.q_ok = ((probe.pos >= 0) & in_window).repeat(1, G)  # padding queries of a short row observe nothing
         self.protect_from = probe.pos.max(-1).values - self.windows + 1  # (B,): the window itself is kept
-        held = torch.stack([self._logits(i, s.keys[i], s.pos[i], s.rot[i]) for i in range(L)])  # (L, B, H, Q, S)
+        held = torch.stack(
+            [self._logits(i, s.read("keys", (i,)), s.pos[i], s.rot[i]) for i in range(L)]
+        )  # (L, B, H, Q, S)
         self.lse = held.logsumexp(-1)  # (L, B, H, Q)
         s.extra = [held.transpose(-1, -2).contiguous()]  # (L, B, H, S, Q), moved with the slots
 

@@ -15,6 +15,7 @@ graph capture). Configurations:
 - h2o-nobound: h2o with a budget above the longest length (nothing evicted: the cost of scoring itself)
 - snap, recall: those policies at the given budget (recall: every step also ranks the evicted tokens in the
   store and attends to the best of them; its cost grows with what the store holds)
+- h2o-8bit, snap-8bit, recall-8bit: the same with the held keys and values in int8 (`--kv-quant 8bit`)
 
 h2o-chat's configurations decode through `Engine` with the chosen `--decode` mode (auto: CUDA graphs on a GPU,
 eager on CPU). Ratios are computed from figures taken in the same run, never compared across runs.
@@ -36,8 +37,11 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 
-CONFIGS = ("dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall")
-OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall")
+QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")
+CONFIGS = (
+    "dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED,
+)  # fmt: skip
+OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,11 @@ class _Run:
                 self.policy, self.budget = make_policy("full"), None
             else:
                 self.budget = total if config == "h2o-nobound" else budget
-                self.policy = make_policy(config if config in ("snap", "recall") else "h2o", self.budget)
+                name = config.removesuffix("-8bit")
+                self.policy = make_policy(name if name in ("snap", "recall") else "h2o", self.budget)
             positions = "rolling" if config == "h2o-rolling" else "absolute"
-            self.cache = H2OCache.for_model(model, self.policy, positions)
+            quant = "8bit" if config in QUANTIZED else "none"
+            self.cache = H2OCache.for_model(model, self.policy, positions, kv_quant=quant)
             self.cache.reserve(total)
             self.engine = Engine(model, self.cache, decode)
             self.decode = self.engine.mode

@@ -117,12 +117,16 @@ def make_eval_cache(
     rows: Sequence[int] | None = None,
     positions: str | Sequence[str] = "absolute",
     context: int | None = None,
+    kv_quant: str = "none",
 ) -> H2OCache:
     """The one place evaluation caches are built: policy g serves `rows[g]` consecutive batch rows (default 1),
-    numbering tokens by `positions` (one mode for all, or one per policy)."""
+    numbering tokens by `positions` (one mode for all, or one per policy). `kv_quant` stores the held keys and
+    values in 8 bits (`engine/quant.py`); a cache of full-cache rows only, the reference, stays unquantized."""
     modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
     rows = list(rows) if rows else [1] * len(policies)
-    return H2OCache.for_model(model, list(policies), modes, context, rows)
+    if all(p.capacity is None for p in policies):
+        kv_quant = "none"
+    return H2OCache.for_model(model, list(policies), modes, context, rows, kv_quant)
 
 
 # -- texts and prompts ---------------------------------------------------------------------------------------
@@ -199,13 +203,14 @@ def streaming_nll(
     prompt_tokens: int = 1,
     context: int | None = None,
     decode: str = "auto",
+    kv_quant: str = "none",
 ) -> tuple[torch.Tensor, H2OCache]:
     """Teacher-force ids (1, N) through one cache row per policy. The first `prompt_tokens` are one prefill (a
     prompt: chunked, and compressed by policies that compress prompts), then one decode step per token.
     Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache)` runs after
     token t is predicted (the soak samples memory there). `context` overrides the trained context."""
     G, N, P = len(policies), ids.shape[1], prompt_tokens
-    cache = make_eval_cache(model, policies, positions=positions, context=context)
+    cache = make_eval_cache(model, policies, positions=positions, context=context, kv_quant=kv_quant)
     cache.reserve(N)  # the full cache's rows allocate once
     engine = Engine(model, cache, decode)
     x = ids.to(engine.device).expand(G, -1)  # (G, N)
@@ -230,6 +235,7 @@ def perplexity(
     progress: Progress = None,
     prompt_tokens: int = 1,
     decode: str = "auto",
+    kv_quant: str = "none",
 ) -> list[PplResult]:
     """Teacher-forced perplexity of every configuration. The budgeted ones run as rows of one cache, token by
     token; the full cache's perplexity is the same sum over a causal forward of the text, which is computed
@@ -247,7 +253,9 @@ def perplexity(
             progress(N if not rest else 0, N)  # done, or the budgeted rows' reading starts now
     if rest:
         policies = [configs[g].policy for g in rest]
-        part, cache = streaming_nll(model, ids, policies, positions, progress, None, prompt_tokens, decode=decode)
+        part, cache = streaming_nll(
+            model, ids, policies, positions, progress, None, prompt_tokens, decode=decode, kv_quant=kv_quant
+        )
         for g, row, stats in zip(rest, part, cache.group_stats(), strict=True):
             nll[g], kept[g] = row, stats.kept
     seconds = time.perf_counter() - t0
@@ -294,6 +302,7 @@ def greedy_rows(
     positions: str = "absolute",
     progress: Progress = None,
     decode: str = "auto",
+    kv_quant: str = "none",
 ) -> list[list[list[int]]]:
     """Greedy continuation of every prompt under every configuration: the budgeted configurations as rows of one
     left-padded batch, the full cache's (which must hold every token) as another. Returns out[c][p]: prompt p
@@ -311,12 +320,14 @@ def greedy_rows(
                 *(model, tokenizer, prompts, [configs[g] for g in part], max_new_tokens, chunk_size, positions),
                 share,
                 decode,
+                kv_quant,
             )
             out.update(zip(part, rows, strict=True))
         return [out[g] for g in range(len(configs))]
     P = len(prompts)
     ids, mask = left_pad(list(prompts) * len(configs), tokenizer.pad_token_id or 0)
-    cache = make_eval_cache(model, [c.policy for c in configs], rows=[P] * len(configs), positions=positions)
+    policies = [c.policy for c in configs]
+    cache = make_eval_cache(model, policies, rows=[P] * len(configs), positions=positions, kv_quant=kv_quant)
     cache.reserve(ids.shape[1] + max_new_tokens)
     engine = Engine(model, cache, decode)
     stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=engine.device)

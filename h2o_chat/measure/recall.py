@@ -99,7 +99,7 @@ def _score(engine: Engine, logits: torch.Tensor, rows: Sequence[Dialogue], greed
 def _turn_by_turn(model, turns: list[list[list[int]]], replies, rows, policies, opts, meter) -> _Scores:
     """Rows (one policy each) read their user turns one by one, appending to the cache, with the fixed replies
     teacher-forced through decode steps in between -- the chat's path -- then the answer is scored."""
-    cache = make_eval_cache(model, policies, positions=opts.positions)
+    cache = make_eval_cache(model, policies, positions=opts.positions, kv_quant=opts.kv_quant)
     columns = sum(max(len(row[t]) for row in turns) for t in range(len(turns[0])))  # left padding included
     columns += sum(map(len, replies[0])) + max(len(r.answer) for r in rows) + opts.greedy_tokens
     cache.reserve(columns)  # the full cache allocates once
@@ -121,7 +121,7 @@ def _turn_by_turn(model, turns: list[list[list[int]]], replies, rows, policies, 
 def _reread(model, transcripts: list[list[int]], rows, policies, opts, meter) -> _Scores:
     """Rows of a policy that re-reads the conversation: the final turn empties the cache and reads the
     transcript as one prompt (snap: the question's queries choose what to keep); earlier turns leave nothing."""
-    cache = make_eval_cache(model, policies, positions=opts.positions)
+    cache = make_eval_cache(model, policies, positions=opts.positions, kv_quant=opts.kv_quant)
     engine = Engine(model, cache, opts.decode)
     ids, mask = left_pad(transcripts, opts.pad)
     B = len(rows)
@@ -138,6 +138,7 @@ class _Options:
     greedy_tokens: int
     stops: frozenset
     pad: int
+    kv_quant: str = "none"
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def recall(
     progress: Progress = None,
     decode: str = "auto",
     knobs: dict | None = None,
+    kv_quant: str = "none",
 ) -> list[dict]:
     """Run every conversation under the full cache (with and without the asked fact) and every (policy,
     budget), `group` conversations per batch; one record per configuration (see `summarise`)."""
@@ -178,7 +180,7 @@ def recall(
     rereads = [c for c in configs if c.rereads]
     opts = _Options(
         chunk_size, positions, decode, greedy_tokens, frozenset(stop_token_ids(tokenizer, model)),
-        tokenizer.pad_token_id or 0,
+        tokenizer.pad_token_id or 0, kv_quant,
     )  # fmt: skip
     transcripts = [d.transcript(tokenizer) for d in convs] if rereads else []
     steps = greedy_tokens + max(len(d.answer) for d in convs)

@@ -67,10 +67,13 @@ def needle(
     positions: str = "absolute",
     progress: Progress = None,
     decode: str = "auto",
+    kv_quant: str = "none",
 ) -> list[dict]:
     """Accuracy per configuration and depth: a trial is correct when its 4 digits appear in the greedy answer."""
     prompts = [t.ids for t in trials]
-    outs = greedy_rows(model, tokenizer, prompts, configs, answer_tokens, chunk_size, positions, progress, decode)
+    outs = greedy_rows(
+        model, tokenizer, prompts, configs, answer_tokens, chunk_size, positions, progress, decode, kv_quant
+    )
     records = []
     for config, answers in zip(configs, outs, strict=True):
         for depth in dict.fromkeys(t.depth for t in trials):
@@ -151,12 +154,15 @@ def agreement(
     positions: str = "absolute",
     progress: Progress = None,
     decode: str = "auto",
+    kv_quant: str = "none",
 ) -> list[dict]:
     """ROUGE-L F1 of each configuration's continuation against the full cache's (configs[0] is the reference)."""
     if configs[0].policy.budget is not None:
         raise ConfigError("agreement needs the full cache as the first configuration")
     rows = [ids for _, ids in prompts]
-    outs = greedy_rows(model, tokenizer, rows, configs, max_new_tokens, chunk_size, positions, progress, decode)
+    outs = greedy_rows(
+        model, tokenizer, rows, configs, max_new_tokens, chunk_size, positions, progress, decode, kv_quant
+    )
     records = []
     for config, rows in zip(configs, outs, strict=True):
         scores = [rouge_l(row, ref) for row, ref in zip(rows, outs[0], strict=True)]

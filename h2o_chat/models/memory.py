@@ -310,7 +310,7 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
     """The chunk to read a prompt of `tokens` into `cache` with: `chunk`, or a smaller one that fits this device's
     free memory (with a note saying so); DeviceError, one line, when even a small one does not fit."""
     device = next(model.parameters()).device
-    dtype = cache.slots.keys.dtype if cache.slots is not None else next(model.parameters()).dtype
+    dtype = cache.slots.dtype if cache.slots is not None else next(model.parameters()).dtype
     if not dtype.is_floating_point:  # quantized weights compute in half precision
         dtype = torch.float16
     elem = torch.tensor([], dtype=dtype).element_size()
