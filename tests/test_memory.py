@@ -3,6 +3,8 @@ prompts that would not fit bound what the profiler measures (every allocation, i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,20 +12,26 @@ from conftest import tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.quant import bytes_per_element
 from h2o_chat.errors import DeviceError
 from h2o_chat.measure.prefill import cpu_peak_bytes
-from h2o_chat.models.memory import ModelShape, decode_bytes, fitting_chunk, prefill_bytes
+from h2o_chat.models import memory
+from h2o_chat.models.memory import ModelShape, decode_bytes, fitting_chunk, prefill_bytes, storage_bytes
 
 
-def _measured_and_estimated(policy: str, rows: int, length: int, chunk: int, count_recall: bool = True):
+def _measured_and_estimated(
+    policy: str, rows: int, length: int, chunk: int, count_recall: bool = True, kv_quant: str = "none"
+):
     model = tiny_model("llama", seed=30, layers=3)
     shape = ModelShape.of(model.config)
+    if kv_quant != "none":
+        shape = dataclasses.replace(shape, kv_elem=bytes_per_element(kv_quant, torch.float32, shape.head_dim))
     budget = 48
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(1, 256, (length - 37 * r,), generator=g).tolist() for r in range(rows)]
     ids, mask = left_pad(prompts, 0)
     pol = make_policy(policy, budget) if policy != "full" else make_policy("full")
-    cache = H2OCache.for_model(model, pol)
+    cache = H2OCache.for_model(model, pol, kv_quant=kv_quant)
     cache.reserve(length)
     measured = cpu_peak_bytes(lambda: Engine(model, cache, "eager").prefill(ids, mask, chunk_size=chunk))
     mass = policy in ("h2o", "snap", "recall")  # the policies that rank by attention compute its mass too
@@ -39,6 +47,27 @@ def _measured_and_estimated(policy: str, rows: int, length: int, chunk: int, cou
 def test_the_prefill_estimate_bounds_the_measured_peak(policy, rows, length, chunk):
     measured, estimate = _measured_and_estimated(policy, rows, length, chunk)
     assert measured <= estimate < 4 * measured, (measured, estimate)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap", "recall"])
+def test_an_8bit_cache_is_estimated_as_it_is_stored(policy):
+    """int8 slots (and a float16 scale per token) count a quarter of fp32's bytes; the peak stays bounded."""
+    measured, estimate = _measured_and_estimated(policy, 1, 600, 64, kv_quant="8bit")
+    assert measured <= estimate < 4 * measured, (measured, estimate)
+    shape = ModelShape.of(tiny_model("llama", layers=3).config)
+    narrow = dataclasses.replace(shape, kv_elem=bytes_per_element("8bit", torch.float32, shape.head_dim))
+    assert storage_bytes(narrow, 4, 1, 48) < 0.5 * storage_bytes(shape, 4, 1, 48)
+
+
+def test_a_budget_that_fits_only_in_8_bits_is_refused_unquantized_and_taken_in_8_bits(monkeypatch):
+    config = tiny_model("llama", layers=3).config
+    per_token = memory.Footprint(0, 0, 3, 2, 16).kv_bytes(1, torch.float32)
+    monkeypatch.setattr(memory, "available_memory", lambda: int(memory.OVERHEAD * per_token * 500))
+    with pytest.raises(DeviceError, match="--budget 1000: a 1000-token KV cache needs .*--budget 499 fits"):
+        memory.check_budget(config, torch.float32, torch.device("cpu"), 1000)
+    memory.check_budget(config, torch.float32, torch.device("cpu"), 1000, kv_quant="8bit")  # ~0.27x the bytes
+    with pytest.raises(DeviceError, match="a 2500-token KV cache in 8 bits needs .*--budget 1777 fits"):
+        memory.check_budget(config, torch.float32, torch.device("cpu"), 2500, kv_quant="8bit")
 
 
 def test_the_prefill_estimate_counts_what_recall_keeps_and_brings_back():

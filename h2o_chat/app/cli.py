@@ -133,7 +133,7 @@ def main_command(
             json=json_out,
             raw=raw,
         )
-        loaded = models.load(kv_tokens=policy.budget)
+        loaded = models.load(kv_tokens=policy.budget, kv_quant=cache.kv_quant)
         if interactive:
             from h2o_chat.app.chat import run_interactive
 
@@ -216,13 +216,13 @@ def batch_command(
         if output.exists() and output.samefile(input_path):  # a symlink or a hard link of it too
             raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
         cache.build(knobs)  # fail before loading weights
-        loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size)
+        loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
 
         def policy_for(line_budget: int | None):
             """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
             policy = cache.build(knobs, line_budget)
             if policy.budget is not None and policy.budget != cache.budget:  # the default one was checked above
-                loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"')
+                loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)
             return policy
 
         defaults = Defaults(

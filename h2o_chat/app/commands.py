@@ -83,7 +83,7 @@ class SlashCommands:
         else:
             policy = make_policy(name, budget, heavy_ratio=self.heavy_ratio)
         if policy.budget is not None and policy.budget != old.budget:  # as --budget is checked before loading
-            self.conv.loaded.check_budget(policy.budget, flag="/budget")
+            self.conv.loaded.check_budget(policy.budget, flag="/budget", kv_quant=self.conv.settings.kv_quant)
         before = self.conv.cache.stats().evicted
         self.conv.set_policy(policy)
         if policy.budget is not None:

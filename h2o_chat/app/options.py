@@ -173,11 +173,12 @@ class ModelOptions:
 
             torch.set_num_threads(self.threads)
 
-    def load(self, kv_tokens: int | None = None, kv_rows: int = 1):
+    def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none"):
         self.use_threads()
         return load_model(
-            self.model, self.models_file, self.device, self.dtype, self.quantize, self.download, kv_tokens, kv_rows
-        )
+            self.model, self.models_file, self.device, self.dtype, self.quantize, self.download, kv_tokens, kv_rows,
+            kv_quant,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -311,8 +312,12 @@ def status(message: str) -> None:
     typer.echo(f"h2o-chat: {message}", err=True)
 
 
-def load_model(model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None, kv_rows: int = 1):
-    """Resolve the name and load; `kv_tokens` (the budget) for each of `kv_rows` rows sizes the memory check."""
+def load_model(
+    model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None, kv_rows: int = 1,
+    kv_quant: str = "none",
+):  # fmt: skip
+    """Resolve the name and load; `kv_tokens` (the budget) for each of `kv_rows` rows, stored as `kv_quant`
+    says, sizes the memory check."""
     from h2o_chat.models.loading import load
 
     spec = load_registry(models_file).resolve(model)
@@ -325,6 +330,7 @@ def load_model(model, models_file, device, dtype, quantize, download, kv_tokens:
         status=status,
         kv_tokens=kv_tokens,
         kv_rows=kv_rows,
+        kv_quant=kv_quant,
     )
 
 

@@ -8,6 +8,7 @@ copy well under a second.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -46,13 +47,13 @@ class Loaded:
         """Trained context in tokens (models.toml, else the config)."""
         return self.spec.context or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def check_budget(self, kv_tokens: int, rows: int = 1, flag: str = "--budget") -> None:
+    def check_budget(self, kv_tokens: int, rows: int = 1, flag: str = "--budget", kv_quant: str = "none") -> None:
         """Raise a DeviceError (saying which `flag` value would fit) when a KV cache of `kv_tokens` for each of
         `rows` rows does not fit in the memory free now: a budget changed after loading gets the check that
         --budget got before it."""
         from h2o_chat.models.memory import check_budget
 
-        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag)
+        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag, kv_quant)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -281,6 +282,7 @@ def load(
     status: Status = None,
     kv_tokens: int | None = None,
     kv_rows: int = 1,
+    kv_quant: str = "none",
 ) -> Loaded:
     """Load model and tokenizer, with attention routed through h2o-chat. First check that the weights plus a
     cache of `kv_tokens` for each of `kv_rows` rows fit in free GPU memory, or on CPU in the machine's
@@ -298,13 +300,12 @@ def load(
         from h2o_chat.models.memory import check_fits, footprint, free_gpu_bytes
 
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
-        check_fits(
-            spec.name, footprint(config), torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows
-        )
+        fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
+        check_fits(spec.name, fp, torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows)
     elif kv_tokens:
         from h2o_chat.models.memory import check_fits_in_memory
 
-        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows)
+        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows, kv_quant)
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
     if quant != "none":

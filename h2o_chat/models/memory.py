@@ -9,12 +9,14 @@ stores one byte per weight plus per-row scales.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from h2o_chat.engine import store as recall_store
 from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in elements
+from h2o_chat.engine.quant import bytes_per_element
 from h2o_chat.errors import DeviceError
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -29,6 +31,7 @@ class Footprint:
     layers: int
     kv_heads: int
     head_dim: int
+    kv_quant: str = "none"  # "8bit": the cache holds keys and values in int8 with a scale per token
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none") -> int:
         per = _DTYPE_BYTES[dtype]
@@ -36,8 +39,9 @@ class Footprint:
         return int(self.linear_params * linear + self.other_params * per)
 
     def kv_bytes(self, tokens: int, dtype: torch.dtype, batch: int = 1) -> int:
-        """Keys and values for `tokens` per row in every layer."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * tokens * batch * _DTYPE_BYTES[dtype]
+        """Keys and values for `tokens` per row in every layer, as the cache stores them."""
+        elem = bytes_per_element(self.kv_quant, dtype, self.head_dim)
+        return int(2 * self.layers * self.kv_heads * self.head_dim * tokens * batch * elem)
 
     def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1) -> int:
         return int(OVERHEAD * (self.weight_bytes(dtype, quantize) + self.kv_bytes(kv_tokens, dtype, batch)))
@@ -100,7 +104,7 @@ def check_fits(
             options.append(f"--budget {budget} fits" + (f" with {rows} rows (--batch-size)" if rows > 1 else ""))
     where = "on this GPU" if gpu else "in this machine's memory"
     hint = "; ".join(options) if options else f"no setting fits {where}: try a smaller model"
-    cache = f"a {kv_tokens}-token KV cache" + (f" for each of {rows} rows" if rows > 1 else "")
+    cache = _cache_words(kv_tokens, rows, fp.kv_quant)
     has = f"the GPU has {gb(free_bytes)} free" if gpu else f"this machine has {gb(free_bytes)} of memory available"
     raise DeviceError(
         f"{name} with {str(dtype).removeprefix('torch.')} weights (quantize {quantize}) and {cache} "
@@ -108,24 +112,37 @@ def check_fits(
     )
 
 
-def check_fits_in_memory(name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1) -> None:
+def _cache_words(kv_tokens: int, rows: int, kv_quant: str) -> str:
+    bits = " in 8 bits" if kv_quant == "8bit" else ""
+    return f"a {kv_tokens}-token KV cache{bits}" + (f" for each of {rows} rows" if rows > 1 else "")
+
+
+def check_fits_in_memory(
+    name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1, kv_quant: str = "none"
+) -> None:
     """On CPU: the KV cache is allocated whole at the first token, so a budget beyond this machine's memory
     fails there with "can't allocate"; say before loading which budget would fit."""
     available = available_memory()
-    shape = _kv_shape(config)
-    kv = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * kv_tokens * rows * _DTYPE_BYTES[dtype]
+    kv = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant).kv_bytes(kv_tokens, dtype, rows)
     if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
         return
-    check_fits(name, footprint(config), dtype, "none", kv_tokens, available, rows=rows, gpu=False)
+    fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
+    check_fits(name, fp, dtype, "none", kv_tokens, available, rows=rows, gpu=False)
 
 
 def check_budget(
-    config, dtype: torch.dtype, device: torch.device, kv_tokens: int, rows: int = 1, flag: str = "--budget"
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_tokens: int,
+    rows: int = 1,
+    flag: str = "--budget",
+    kv_quant: str = "none",
 ) -> None:
     """With the weights already loaded (a budget changed in the chat, a batch line's own budget): the same
     check as before loading, for the KV cache alone against what is free now -- raise a DeviceError saying
     which `flag` value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
-    fp = Footprint(linear_params=0, other_params=0, **_kv_shape(config))
+    fp = Footprint(linear_params=0, other_params=0, **_kv_shape(config), kv_quant=kv_quant)
     gpu = device.type == "cuda"
     free = free_gpu_bytes() if gpu else available_memory()
     need = fp.total_bytes(dtype, "none", kv_tokens, rows)
@@ -133,7 +150,7 @@ def check_budget(
         return
     fits = int(free / (OVERHEAD * fp.kv_bytes(1, dtype, rows)))
     has = f"the GPU has {gb(free)} free" if gpu else f"this machine has {gb(free)} of memory available"
-    cache = f"a {kv_tokens}-token KV cache" + (f" for each of {rows} rows" if rows > 1 else "")
+    cache = _cache_words(kv_tokens, rows, kv_quant)
     raise DeviceError(f"{flag} {kv_tokens}: {cache} needs ~{gb(need)}, but {has}; {flag} {fits} fits")
 
 
@@ -176,6 +193,7 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    kv_elem: float | None = None  # bytes per stored key/value element when not the compute dtype's (8-bit)
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -190,8 +208,10 @@ class ModelShape:
         )  # fmt: skip
 
     def kv_slot_bytes(self, elem: int) -> int:
-        """Keys and values of one token in every layer and KV head, plus its position, rotation and score."""
-        return self.layers * self.kv_heads * (2 * self.head_dim * elem + 8 + 8 + 4)
+        """Keys and values of one token in every layer and KV head (as stored: `kv_elem` bytes per element when
+        set, 8-bit storage), plus its position, rotation and score."""
+        stored = self.kv_elem or elem
+        return int(self.layers * self.kv_heads * (2 * self.head_dim * stored + 8 + 8 + 4))
 
 
 def storage_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
@@ -314,6 +334,9 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
     if not dtype.is_floating_point:  # quantized weights compute in half precision
         dtype = torch.float16
     elem = torch.tensor([], dtype=dtype).element_size()
+    shape = ModelShape.of(model.config)
+    if cache.kv_quant != "none":  # the slots are stored narrower than the model computes
+        shape = dataclasses.replace(shape, kv_elem=bytes_per_element(cache.kv_quant, dtype, shape.head_dim))
     policies = [g.policy for g in cache.groups]
     snap = next((p for p in policies if p.compresses_prompts), None)
     recalled = max((getattr(p, "recalled", 0) for p in policies), default=0)  # the recall policy's rows
@@ -324,7 +347,7 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
         stored = (store.count if store is not None else 0) + tokens  # at most every token read is evicted
         held += store.nbytes() if store is not None else 0
     size = fitting_chunk(
-        ModelShape.of(model.config),
+        shape,
         elem,
         rows,
         cache.capacity_for(tokens),
