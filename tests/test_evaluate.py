@@ -206,6 +206,19 @@ def test_ppl_command_json_table_plot_and_markdown(fast_load, tmp_path, capsys):
     assert table.exit_code == 0 and "full (reference)" in table.stdout and "6 (75%)" in table.stdout
 
 
+def test_ppl_with_8bit_storage_says_so_and_scores_like_float(fast_load):
+    runs = {}
+    for quant in ("none", "8bit"):
+        result = invoke("ppl", "--tokens", "40", "-b", "16", "-p", "h2o", "--kv-quant", quant, "--json")
+        assert result.exit_code == 0, result.stderr
+        runs[quant] = {r["policy"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert runs["8bit"]["h2o"]["kv_quant"] == "8bit" and runs["none"]["h2o"]["kv_quant"] == "none"
+    assert runs["8bit"]["full"]["ppl"] == runs["none"]["full"]["ppl"]  # the reference is never quantized
+    assert runs["8bit"]["h2o"]["ppl"] == pytest.approx(runs["none"]["h2o"]["ppl"], rel=0.05)
+    table = invoke("ppl", "--tokens", "8", "-b", "6", "-p", "recent", "--kv-quant", "8bit")
+    assert table.exit_code == 0 and "budgeted rows hold keys and values in 8 bits" in table.stdout
+
+
 def test_needle_and_agree_commands_end_to_end_on_a_tiny_model(fast_load, tiny_folder, tmp_path):
     heat = tmp_path / "needle.png"
     common = ["--model", str(tiny_folder), "-b", "50%", "-p", "h2o", "-p", "sink", "--json"]

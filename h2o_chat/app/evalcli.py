@@ -132,6 +132,13 @@ def _emit(records: list[dict], table, compared: Compared, plot: Path | None, dra
     from h2o_chat.measure import plots
 
     records[:] = [{**r, "kv_quant": compared.kv_quant} for r in records]
+    if compared.kv_quant != "none":  # the budgeted rows' storage; the full cache, the reference, is not quantized
+        title, header, rows = table
+        table = (
+            f"{title}; budgeted rows hold keys and values in {compared.kv_quant.replace('bit', ' bits')}",
+            header,
+            rows,
+        )
     if compared.json_out:
         for record in records:
             typer.echo(json.dumps(record, ensure_ascii=False))

@@ -120,13 +120,20 @@ class Slots:
     def write(self, index: tuple, key: torch.Tensor, value: torch.Tensor | None = None) -> None:
         """Store keys and values (model dtype, shaped as the index selects; no value: keys only) at `index`
         (over L, B, H, S)."""
-        for which, x in (("keys", key), ("values", value)):
-            if x is None:
-                continue
-            if self.quantized:
-                getattr(self, which)[index], getattr(self, which[0] + "scale")[index] = quantize(x)
-            else:
-                getattr(self, which)[index] = x
+        if not self.quantized:
+            self.keys[index] = key
+            if value is not None:
+                self.values[index] = value
+            return
+        if value is None:
+            self.keys[index], self.kscale[index] = quantize(key)
+            return
+        if key.shape == value.shape:  # both in one pass: a decode step writes one token per layer
+            q, scale = quantize(torch.stack((key, value)))
+            (qk, qv), (sk, sv) = q, scale
+        else:
+            (qk, sk), (qv, sv) = quantize(key), quantize(value)
+        self.keys[index], self.kscale[index], self.values[index], self.vscale[index] = qk, sk, qv, sv
 
     def scatter(self, layer: int, where: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Layer `layer`'s keys and values (B, H, T, D) into the slots `where` (B, 1 or H, T, 1)."""

@@ -138,13 +138,19 @@ def _pyplot():
     return plt
 
 
+def _label(policy: str, records: list[dict]) -> str:
+    """A policy's legend entry: with the storage when its keys and values were held in 8 bits (--kv-quant)."""
+    quant = next((r.get("kv_quant") for r in records if r["policy"] == policy), None)
+    return f"{policy}, 8-bit KV" if quant == "8bit" else policy
+
+
 def ppl_plot(records: list[dict], path: Path, title: str = "") -> None:
     """Perplexity against budget (log x), one line per policy; the full cache as a horizontal reference."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for policy in dict.fromkeys(r["policy"] for r in records if r["budget"] is not None):
         points = sorted((r["budget"], r["ppl"]) for r in records if r["policy"] == policy)
-        ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+        ax.plot(*zip(*points, strict=True), marker="o", label=_label(policy, records))
     budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
     for r in records:
         if r["budget"] is None:
@@ -199,11 +205,11 @@ def recall_plot(records: list[dict], path: Path, title: str = "") -> None:
     for policy in dict.fromkeys(r["policy"] for r in records if r["budget"] is not None):
         mine = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["budget_pct"])
         pct = [r["budget_pct"] for r in mine]
-        line = gain_ax.plot(pct, [r["gain_kept"] for r in mine], marker="o", label=policy)[0]
+        line = gain_ax.plot(pct, [r["gain_kept"] for r in mine], marker="o", label=_label(policy, records))[0]
         lows = [r["gain_kept_90"][0] if r.get("gain_kept_90") else r["gain_kept"] for r in mine]
         highs = [r["gain_kept_90"][1] if r.get("gain_kept_90") else r["gain_kept"] for r in mine]
         gain_ax.fill_between(pct, lows, highs, color=line.get_color(), alpha=0.12)
-        hits_ax.plot(pct, [r["hits"] for r in mine], marker="o", label=policy)
+        hits_ax.plot(pct, [r["hits"] for r in mine], marker="o", label=_label(policy, records))
     for r in records:
         if r["budget"] is None:
             style = {"color": "black", "linewidth": 1, "linestyle": "--" if r["policy"] == "full" else ":"}
