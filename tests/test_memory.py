@@ -117,3 +117,25 @@ def test_a_recall_prompt_is_sized_with_its_store_on_cpu(monkeypatch):
         memory.prefill_chunk(model, recall, 1, 20_000, 512)  # its store alone would outgrow the room
     chunk, note = memory.prefill_chunk(model, recall, 1, 300, 512)
     assert chunk == 512 and note is None  # a short prompt's store fits
+
+
+def test_the_measured_peak_is_not_lowered_by_earlier_garbage_freed_inside_it():
+    """An H2O cache refers to itself through its layers: a finished run's storage waits for the collector. Freed
+    inside the next measurement it used to count against it, the profiler knowing its size from the measurement
+    that allocated it (recall-8bit read after recall: 239 MB, not 419)."""
+    import gc
+
+    class Cycle:
+        def __init__(self):
+            self.me, self.big = self, torch.ones(25_000_000)  # 100 MB, reachable only through a cycle
+
+    def work():
+        gc.collect()  # whatever is still garbage is freed here, inside the window
+        return torch.ones(2_500_000) + 1  # 10 MB, twice
+
+    gc.disable()  # the cycle stays garbage until someone collects it
+    try:
+        cpu_peak_bytes(Cycle)  # made inside a measurement (as a reader's cache is), then dropped
+        assert cpu_peak_bytes(work) >= 20_000_000
+    finally:
+        gc.enable()

@@ -185,7 +185,7 @@ def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out) -> N
     from h2o_chat.app.ui import make_console, prefill_table
     from h2o_chat.measure import prefill
 
-    names = tuple(c.strip() for c in (configs or ",".join(prefill.PREFILL_CONFIGS)).split(",") if c.strip())
+    names = tuple(c.strip() for c in (configs or ",".join(prefill.DEFAULT_CONFIGS)).split(",") if c.strip())
     unknown = [c for c in names if c not in prefill.PREFILL_CONFIGS]
     if unknown:
         raise H2OChatError(f"unknown --prefill config {unknown[0]!r}; choose from {', '.join(prefill.PREFILL_CONFIGS)}")
