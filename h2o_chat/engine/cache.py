@@ -382,7 +382,9 @@ class H2OCache(Cache):
             self.store.set_recalled(recalled)  # a policy change: what was evicted stays recallable
             return
         first = (0, slice(None), slice(None), slice(0, 1))  # a template: shapes and the model's dtype
-        self.store = Store(len(self.layers), s.read("keys", first), s.read("values", first), recalled, block)
+        self.store = Store(
+            len(self.layers), s.read("keys", first), s.read("values", first), recalled, block, quant=s.quantized
+        )
 
     def _install(self, slots: Slots) -> None:
         """New storage (and the rules sized for it): captured decode steps are stale (the version says so)."""

@@ -36,17 +36,30 @@ from __future__ import annotations
 
 import torch
 
+from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
+
 GROW = 1024  # entries added when the store is full (then doubled)
 HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing rather than take it
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
-def entry_bytes(layers: int, rows: int, kv_heads: int, key_dim: int, value_dim: int, elem: int, block: int = 1):
-    """Host bytes one store entry takes over every layer, row and KV head: its key and value, position (8),
-    empty flag (1) and recall count (4), and with blocks its share of the block summaries."""
+def entry_bytes(
+    layers: int,
+    rows: int,
+    kv_heads: int,
+    key_dim: int,
+    value_dim: int,
+    elem: int,
+    block: int = 1,
+    value_elem: float | None = None,
+):
+    """Host bytes one store entry takes over every layer, row and KV head: its key and value (`value_elem` bytes per
+    value element when they are kept in 8 bits), position (8), empty flag (1) and recall count (4), and with blocks
+    its share of the block summaries."""
     blocks = (2 * key_dim * 4 + 1) / block if block > 1 else 0
-    return layers * rows * kv_heads * ((key_dim + value_dim) * elem + 8 + 1 + 4 + blocks)
+    values = value_dim * (value_elem or elem)
+    return layers * rows * kv_heads * (key_dim * elem + values + 8 + 1 + 4 + blocks)
 
 
 def host_available() -> int:
@@ -60,9 +73,12 @@ class Store:
     """Per layer, row and KV head: evicted keys (L, B, H, N, D), values, true positions (-1: nothing), and the
     block summaries. `recalled` (B,) tokens each row brings back per step (0: a row that does not recall)."""
 
-    def __init__(self, layers: int, key: torch.Tensor, value: torch.Tensor, recalled: list[int], block: int):
+    def __init__(
+        self, layers: int, key: torch.Tensor, value: torch.Tensor, recalled: list[int], block: int, quant: bool = False
+    ):
         B, H, _, D = key.shape
         self.block, self.device = block, torch.device("cpu")
+        self.quant = quant  # values in int8 with a scale per entry (`--kv-quant 8bit`); keys stay wide for ranking
         self.shape = (layers, B, H)
         self.dtype, self.D, self.Dv = key.dtype, D, value.shape[-1]
         self.set_recalled(recalled)
@@ -84,7 +100,8 @@ class Store:
         L, B, H = self.shape
         nb = n // self.block if self.block > 1 else 0  # exact ranking reads the keys themselves
         self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
-        self.values = torch.zeros(L, B, H, n, self.Dv, dtype=self.dtype)
+        self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
+        self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
         self.empty = torch.ones(L, B, H, n, dtype=torch.bool)  # pos < 0, kept beside it: a step reads it
         self.kmin = torch.zeros(L, B, H, nb, self.D)
@@ -98,8 +115,12 @@ class Store:
 
     def nbytes(self) -> int:
         """Host bytes held (keys, values, positions, marks, summaries)."""
-        held = (self.keys, self.values, self.pos, self.empty, self.marks, self.kmin, self.kmax, self.filled)
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in self._buffers().values())
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer, per entry (keys .. marks) and per block (kmin, kmax, filled)."""
+        names = ("keys", "values", "vscale", "pos", "empty", "marks", "kmin", "kmax", "filled")
+        return {name: getattr(self, name) for name in names}
 
     def tokens(self) -> int:
         """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
@@ -110,18 +131,17 @@ class Store:
         free (the old and the new buffers are held together while the entries are copied)."""
         size = max(need, 2 * self.capacity, GROW)
         size = -(-size // self.block) * self.block
-        entry = entry_bytes(*self.shape, self.D, self.Dv, self.keys.element_size(), self.block)
+        value_elem = 1 + 2 / self.Dv if self.quant else None
+        entry = entry_bytes(*self.shape, self.D, self.Dv, self.keys.element_size(), self.block, value_elem)
         if size * entry + HOST_RESERVE > host_available():
             self.full = True
             return False
-        old = (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks)
+        old = self._buffers()
         self._allocate(size)
-        n, nb = self.count, min(old[4].shape[3], self.kmin.shape[3])
-        for new, t, k in zip(
-            (self.keys, self.values, self.pos, self.empty, self.kmin, self.kmax, self.filled, self.marks), old,
-            (n, n, n, n, nb, nb, nb, n), strict=True,
-        ):  # fmt: skip
-            new[:, :, :, :k] = t[:, :, :, :k]
+        n, nb = self.count, min(old["kmin"].shape[3], self.kmin.shape[3])
+        for name, new in self._buffers().items():
+            k = nb if name in ("kmin", "kmax", "filled") else n
+            new[:, :, :, :k] = old[name][:, :, :, :k]
         return True
 
     # -- writing ------------------------------------------------------------------------------------
@@ -136,7 +156,10 @@ class Store:
         c0, c1 = self.count, self.count + n
         pos = pos.to(self.device).masked_fill(~self.rows_recall[None, :, None, None], -1)
         self.keys[:, :, :, c0:c1] = keys.to(self.device, self.dtype)
-        self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
+        if self.quant:
+            self.values[:, :, :, c0:c1], self.vscale[:, :, :, c0:c1] = quantize(values.to(self.device))
+        else:
+            self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
         self.pos[:, :, :, c0:c1] = pos
         self.empty[:, :, :, c0:c1] = pos < 0
         self.count = c1
@@ -181,8 +204,8 @@ class Store:
     def rows(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (in that order)."""
         index = index.to(self.device)
-        for name in ("keys", "values", "pos", "empty", "kmin", "kmax", "filled", "marks"):
-            setattr(self, name, getattr(self, name).index_select(1, index))
+        for name, t in self._buffers().items():
+            setattr(self, name, t.index_select(1, index))
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
 
@@ -269,6 +292,9 @@ class Store:
         flat = (tok + torch.arange(0, B * H * N, N).view(B, H, 1)).view(-1)  # one index_select per buffer
         keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, R, self.D)
         values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, R, self.Dv)
+        if self.quant:
+            scale = self.vscale[i].view(-1, 1).index_select(0, flat).view(B, H, R, 1)
+            values = dequantize(values, scale, self.dtype)
         return keys.to(device), values.to(device), valid.to(device)
 
     @torch.inference_mode()

@@ -223,7 +223,9 @@ def store_bytes(shape: ModelShape, elem: int, rows: int, stored: int) -> int:
     """The most the recall policy's store takes while it grows to `stored` tokens per row and KV head: keys,
     values, positions, marks and empty flags of the old and the new buffers together while it doubles (at most
     3 x stored entries, at least 1.5 x its first allocation)."""
-    per_entry = recall_store.entry_bytes(shape.layers, rows, shape.kv_heads, shape.head_dim, shape.head_dim, elem)
+    per_entry = recall_store.entry_bytes(
+        shape.layers, rows, shape.kv_heads, shape.head_dim, shape.head_dim, elem, value_elem=shape.kv_elem
+    )  # 8-bit storage (kv_elem): the store keeps values in 8 bits too, keys wide
     return int(max(3 * stored, 3 * recall_store.GROW // 2) * per_entry)
 
 
