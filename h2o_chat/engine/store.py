@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
+from h2o_chat.engine.quant import SCALE_DTYPE, bytes_per_element, dequantize, quantize
 
 GROW = 1024  # entries added when the store is full (then doubled)
 HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing rather than take it
@@ -131,7 +131,7 @@ class Store:
         free (the old and the new buffers are held together while the entries are copied)."""
         size = max(need, 2 * self.capacity, GROW)
         size = -(-size // self.block) * self.block
-        value_elem = 1 + 2 / self.Dv if self.quant else None
+        value_elem = bytes_per_element("8bit", self.dtype, self.Dv) if self.quant else None
         entry = entry_bytes(*self.shape, self.D, self.Dv, self.keys.element_size(), self.block, value_elem)
         if size * entry + HOST_RESERVE > host_available():
             self.full = True

@@ -44,6 +44,14 @@ CONFIGS = (
 OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
 
 
+def storage_of(config: str) -> tuple[str, str]:
+    """A configuration's name without its storage suffix, and the storage (`--kv-quant`): "recall-8bit" ->
+    ("recall", "8bit"). The decode and the prefill bench name their 8-bit rows alike."""
+    if config.endswith("-8bit"):
+        return config.removesuffix("-8bit"), "8bit"
+    return config, "none"
+
+
 @dataclass(frozen=True)
 class BenchRecord:
     config: str
@@ -95,14 +103,13 @@ class _Run:
         self._compiled = None
         if config in OURS:
             self.impl = "h2o"
+            name, quant = storage_of(config)
             if config == "full":
                 self.policy, self.budget = make_policy("full"), None
             else:
                 self.budget = total if config == "h2o-nobound" else budget
-                name = config.removesuffix("-8bit")
                 self.policy = make_policy(name if name in ("snap", "recall") else "h2o", self.budget)
             positions = "rolling" if config == "h2o-rolling" else "absolute"
-            quant = "8bit" if config in QUANTIZED else "none"
             self.cache = H2OCache.for_model(model, self.policy, positions, kv_quant=quant)
             self.cache.reserve(total)
             self.engine = Engine(model, self.cache, decode)

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.measure.bench import attention
+from h2o_chat.measure.bench import attention, storage_of
 
 DEFAULT_CONFIGS = ("transformers", "transformers-chunked", "full", "h2o", "snap", "recall")
 PREFILL_CONFIGS = (*DEFAULT_CONFIGS, "h2o-8bit", "snap-8bit", "recall-8bit")  # -8bit: held keys and values in int8
@@ -104,9 +104,8 @@ class _Reader:
         """Read the prompt; with `count_chunk`, return the operators dispatched during that chunk."""
         if self.config.startswith("transformers"):
             return self._transformers(count_chunk)
-        policy = make_policy(self.config.removesuffix("-8bit"), self.budget)
-        quant = "8bit" if self.config.endswith("-8bit") else "none"  # keys and values held in int8
-        cache = H2OCache.for_model(self.model, policy, kv_quant=quant)
+        name, quant = storage_of(self.config)
+        cache = H2OCache.for_model(self.model, make_policy(name, self.budget), kv_quant=quant)
         cache.reserve(self.ids.shape[1])  # full: the prompt's slots, once (a budget is fixed anyway)
         engine = Engine(self.model, cache, "eager")
         counted = Counter()
