@@ -50,8 +50,8 @@ def attention_over_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
 
-    `recalled`: keys (B, H, R, D), values and validity (B, H, R) of evicted tokens attended too (the recall
-    policy), in the same softmax; they get no mass. Their logits join the slots' (not their keys: a copy of
+    `recalled`: keys (B, H, R, D), values and validity (B, H, R; None: all valid) of evicted tokens attended too
+    (the recall policy), in the same softmax; they get no mass. Their logits join the slots' (not their keys: a copy of
     every slot per layer and step is what concatenating keys would cost).
 
     `scales`: 8-bit storage (`quant.py`): keys and values are int8 and these (B, H, S, 1) their per-token
@@ -64,7 +64,11 @@ def attention_over_slots(
         logits *= scales[0].transpose(-1, -2)
     logits.masked_fill_(~valid[:, :, None, :], -torch.inf)
     if recalled is not None:
-        more = (qg @ recalled[0].transpose(-1, -2)).float().masked_fill_(~recalled[2][:, :, None, :], -torch.inf)
+        more = qg @ recalled[0].transpose(-1, -2)
+        if more.dtype != logits.dtype:
+            more = more.float()
+        if recalled[2] is not None:  # None: every recalled entry is a token
+            more.masked_fill_(~recalled[2][:, :, None, :], -torch.inf)
         logits = torch.cat((logits, more), dim=-1)
     probs = logits.softmax(dim=-1)
     held = probs[..., :S]
@@ -73,7 +77,8 @@ def attention_over_slots(
     else:
         out = (held * scales[1].transpose(-1, -2)).to(query.dtype) @ values.to(query.dtype)
     if recalled is not None:
-        out += probs[..., S:].to(out.dtype) @ recalled[1]
+        rest = probs[..., S:]
+        out += (rest if rest.dtype == out.dtype else rest.to(out.dtype)) @ recalled[1]
     return out.reshape(B, Hq, T, -1).transpose(1, 2), held.sum(dim=-2)
 
 

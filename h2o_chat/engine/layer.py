@@ -116,9 +116,11 @@ class H2OLayer(CacheLayerMixin):
             got = cache.store.recall(i, query) if cache.store is not None else None
             scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
             out, mass = attention_over_slots(query, slots.keys[i], slots.values[i], scaling, fwd.valid, got, scales)
-            if cache.rules.any_decay:  # recall: older mass counts less
-                slots.score[i].mul_(cache.rules.decay)
-            slots.score[i] += mass
+            score = slots.score[i]
+            if cache.rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
+                torch.addcmul(mass, score, cache.rules.decay, out=score)
+            else:
+                score += mass
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them
         stored = (i, slice(None), slice(None), slice(0, n))

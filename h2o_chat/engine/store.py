@@ -22,14 +22,24 @@ and maximum of the block's keys, from which sum_d max(q_d * min_d, q_d * max_d) 
 above. It costs 2 / block of the exact ranking, but evicted tokens leave one or a few at a time, so a block mixes
 unrelated tokens and the bound is loose: measured, it keeps much less (see `Recall`).
 
-Costs per step and layer (exact ranking): one (G x D) @ (D x stored) product, a top-k and a gather of the recalled
-tokens -- the first half of attention over everything evicted, without its softmax or values: the step's cost grows
-with the store, slower than a full cache's. Reading the stored keys is most of it (they do not stay in the
-processor's caches); SparQ's approximate first pass over 1/8 of the key channels was tried and measured no faster on
-CPU, the gathers it adds costing what it saves. A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks
-of queries: what a full cache's attention over the same tokens costs. On CUDA the store stays on the host, so a step
-sends each layer's query down and the recalled tokens up (eager steps: the store grows every step, which a captured
-graph cannot follow).
+Costs per step and layer: while the store is small, one (G x D) @ (D x stored) product per (row, head), a top-k
+and the gathers of the recalled tokens -- the first half of attention over everything evicted, without its softmax
+or values. Reading the stored keys is most of it once the store is large (they do not stay in the processor's
+caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalled a step ranks in two passes: the stored keys'
+coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the store
+doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked exactly.
+It reads 8 of 64 channels per stored key plus the candidates' keys: measured on the embedded model (one CPU
+thread, budget 512), a step costs 1.34x h2o's instead of 1.41x at 4,096 tokens seen and 1.47x instead of 1.76x at
+8,192; on the multi-turn evaluation's tuning texts it keeps what the exact ranking keeps (gain kept 0.99 / 1.03 at
+10% / 20%, exact 1.00 / 1.02). Cheaper first passes lost the fact (Quest's block bounds, in eviction order or by
+position; half the candidates: 0.80 at 10%), and so did ranking less often than every step (every 2nd step with
+the next 3 tokens of each recalled one kept its gain on the tuning texts, every 4th lost 0.3, a ranking by the
+previous step's queries 0.2): the step whose query turns to the fact must find it. SparQ's approximate first
+pass over the query's largest channels was measured no faster on CPU (its gathers cost what they save).
+
+A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks of queries: what a full cache's attention over
+the same tokens costs. On CUDA the store stays on the host, so a step sends each layer's query down and the recalled
+tokens up (eager steps: the store grows every step, which a captured graph cannot follow).
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ from h2o_chat.engine.quant import SCALE_DTYPE, bytes_per_element, dequantize, qu
 GROW = 1024  # entries added when the store is full (then doubled)
 HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing rather than take it
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
+RANK_DIM = 8  # channels of the stored keys' principal directions a step's first ranking pass reads
+CANDIDATES = 4  # a step ranks exactly this many times what it recalls: the first pass's best
+TWO_PASS_FROM = 4  # ... once the store holds this many times the candidates (below, one exact pass costs less)
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
@@ -53,13 +66,14 @@ def entry_bytes(
     elem: int,
     block: int = 1,
     value_elem: float | None = None,
+    rank_dim: int = RANK_DIM,
 ):
-    """Host bytes one store entry takes over every layer, row and KV head: its key and value (`value_elem` bytes per
-    value element when they are kept in 8 bits), position (8), empty flag (1) and recall count (4), and with blocks
-    its share of the block summaries."""
+    """Host bytes one store entry takes over every layer, row and KV head: its key, the key's `rank_dim`
+    principal coordinates, its value (`value_elem` bytes per value element when they are kept in 8 bits),
+    position (8), empty flag (1) and recall count (4), and with blocks its share of the block summaries."""
     blocks = (2 * key_dim * 4 + 1) / block if block > 1 else 0
     values = value_dim * (value_elem or elem)
-    return layers * rows * kv_heads * (key_dim * elem + values + 8 + 1 + 4 + blocks)
+    return layers * rows * kv_heads * ((key_dim + rank_dim) * elem + values + 8 + 1 + 4 + blocks)
 
 
 def host_available() -> int:
@@ -84,6 +98,14 @@ class Store:
         self.set_recalled(recalled)
         self.count = 0  # entries appended (the same for every row and head: see `append`)
         self.full = False  # it stopped growing: the host had no memory to spare; later evictions are not kept
+        self.holes = False  # some entry before `count` holds nothing (padding, a row that does not recall)
+        self._ones = None
+        # a step's ranking in two passes (`_recall_step`): the keys' coordinates in `rank_dim` principal directions
+        # choose `candidates` times what it recalls, which are ranked exactly (0: every stored key ranked exactly)
+        self.rank_dim = RANK_DIM if RANK_DIM < D and block == 1 else 0
+        self.candidates = CANDIDATES if self.rank_dim else 0
+        self.basis = None  # (L, B, H, D, rank_dim): the stored keys' principal directions (`_fit`)
+        self.fitted = 0  # entries the basis was fitted on
         self._allocate(0)
 
     def set_recalled(self, recalled: list[int]) -> None:
@@ -100,6 +122,7 @@ class Store:
         L, B, H = self.shape
         nb = n // self.block if self.block > 1 else 0  # exact ranking reads the keys themselves
         self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
+        self.low = torch.zeros(L, B, H, n, self.rank_dim, dtype=self.dtype)  # keys in the basis (first pass)
         self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
         self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
@@ -108,6 +131,7 @@ class Store:
         self.kmax = torch.zeros(L, B, H, nb, self.D)
         self.filled = torch.zeros(L, B, H, nb, dtype=torch.bool)  # a block holds at least one token
         self.marks = torch.zeros(L, B, H, n, dtype=torch.int32)  # times recalled since `take_counts`
+        self._offsets = torch.arange(B * H).view(B * H, 1) * n  # each (row, head)'s first flat entry
 
     @property
     def capacity(self) -> int:
@@ -119,7 +143,7 @@ class Store:
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer, per entry (keys .. marks) and per block (kmin, kmax, filled)."""
-        names = ("keys", "values", "vscale", "pos", "empty", "marks", "kmin", "kmax", "filled")
+        names = ("keys", "low", "values", "vscale", "pos", "empty", "marks", "kmin", "kmax", "filled")
         return {name: getattr(self, name) for name in names}
 
     def tokens(self) -> int:
@@ -161,9 +185,34 @@ class Store:
         else:
             self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
         self.pos[:, :, :, c0:c1] = pos
-        self.empty[:, :, :, c0:c1] = pos < 0
+        self.empty[:, :, :, c0:c1] = empty = pos < 0
+        self.holes = self.holes or bool(empty.any())
         self.count = c1
+        if self.candidates:
+            self._project(c0, c1)
         self._summarise(c0 // self.block, -(-c1 // self.block))
+
+    def _project(self, c0: int, c1: int) -> None:
+        """Entries c0..c1's coordinates in the basis; the basis is fitted again (on every stored key) each time
+        the store has doubled since it was last fitted, once a step ranks in two passes (`_recall_step`)."""
+        if c1 > TWO_PASS_FROM * self.candidates * self.select and c1 >= 2 * self.fitted:
+            self._fit()
+        elif self.basis is not None:
+            self.low[:, :, :, c0:c1] = self.keys[:, :, :, c0:c1] @ self.basis
+
+    def _fit(self) -> None:
+        """Per layer, row and KV head: the `rank_dim` directions along which the stored keys vary most (the top
+        eigenvectors of their uncentred second moment, D x D), and every stored key's coordinates in them. One
+        layer at a time (the transient is one layer's keys in fp32); it reads the whole store, and runs each time
+        the store doubles: amortized, a constant cost per stored token."""
+        n, (L, B, H) = self.count, self.shape
+        basis = torch.empty(L, B, H, self.D, self.rank_dim, dtype=self.dtype)
+        for i in range(L):
+            keys = self.keys[i, :, :, :n].float() * ~self.empty[i, :, :, :n, None]  # nothing from empty entries
+            vectors = torch.linalg.eigh(keys.transpose(-1, -2) @ keys).eigenvectors  # eigenvalues ascend
+            basis[i] = vectors[..., -self.rank_dim :]
+            self.low[i, :, :, :n] = self.keys[i, :, :, :n] @ basis[i]
+        self.basis, self.fitted = basis, n
 
     def _summarise(self, b0: int, b1: int) -> None:
         blk = self.block
@@ -193,9 +242,11 @@ class Store:
     def clear(self) -> None:
         self.truncate(0)
         self.marks.zero_()
-        self.full = False
+        self.full = self.holes = False
+        self.basis, self.fitted = None, 0
 
     def clear_row(self, r: int) -> None:
+        self.holes = True
         self.pos[:, r] = -1
         self.empty[:, r] = True
         self.filled[:, r] = False
@@ -206,8 +257,12 @@ class Store:
         index = index.to(self.device)
         for name, t in self._buffers().items():
             setattr(self, name, t.index_select(1, index))
+        if self.basis is not None:
+            self.basis = self.basis.index_select(1, index)
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
+        B, H, n = len(index), self.shape[2], self.capacity
+        self._offsets = torch.arange(B * H).view(B * H, 1) * n
 
     # -- reading ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -264,38 +319,70 @@ class Store:
         blk = self.block
         tok = (top.indices[..., None] * blk + torch.arange(blk)).flatten(-2)  # (B, H, k * blk)
         valid = ~self.empty[i].gather(-1, tok) & (wanted.repeat_interleave(blk, -1) if blk > 1 else wanted)
-        return self._bring(i, tok, valid, query.device)
+        B, H = self.shape[1:]
+        return self._bring(i, tok.flatten(0, 1), valid.flatten(0, 1), B, H, query.device)
 
     def _recall_step(self, i: int, query: torch.Tensor):
         """`recall` for a decode step with exact ranking, in as few operations as it takes (it runs in every
-        layer of every step): one (G x D) @ (D x stored) product per (row, head), a top-k and two gathers.
-        Reading the stored keys is most of its cost (they do not stay in the processor's caches)."""
+        layer of every step; on CPU each operation costs microseconds whatever its size): one (G x D) @ (D x
+        stored) product per (row, head), its maximum over the group, a top-k, the recall marks and two gathers.
+        Without holes (padding, rows that do not recall) every ranked entry is a token: nothing is masked and
+        the validity is None. Reading the stored keys is most of its cost once the store is large (they do not
+        stay in the processor's caches)."""
         n, (_, B, H) = self.count, self.shape
         BH, N, D = B * H, self.capacity, self.D
-        q = query.to(self.device, self.dtype).reshape(BH, -1, D)  # (BH, G, D): a group shares its KV head
-        keys = self.keys[i].view(BH, N, D)
-        bound = torch.bmm(q, keys[:, :n].transpose(1, 2)).amax(1)  # (BH, n)
-        bound.masked_fill_(self.empty[i].view(BH, N)[:, :n], -torch.inf)
-        k = min(self.select, n)
+        if query.device != self.device or query.dtype != self.dtype:
+            query = query.to(self.device, self.dtype)
+        q, keys, empty = query.view(BH, -1, D), self.keys[i].view(BH, N, D), self.empty[i].view(BH, N)
+        k, many = min(self.select, n), self.candidates * self.select
+        masked = self.holes or not self.uniform
+        if many and self.basis is not None and n > TWO_PASS_FROM * many:  # the basis's coordinates, then exact
+            r = self.rank_dim
+            approx = torch.bmm(torch.bmm(q, self.basis[i].view(BH, D, r)), self.low[i].view(BH, N, r)[:, :n].mT)
+            approx = approx.amax(1)
+            if self.holes:
+                approx.masked_fill_(empty[:, :n], -torch.inf)
+            cand = approx.topk(many, dim=-1, sorted=False).indices  # (BH, many)
+            near = keys.reshape(-1, D).index_select(0, (cand + self._offsets).view(-1)).view(BH, many, D)
+            bound = torch.bmm(q, near.transpose(1, 2)).amax(1)
+            if self.holes:
+                bound.masked_fill_(empty.gather(1, cand), -torch.inf)
+        else:
+            cand, bound = None, torch.bmm(q, keys[:, :n].transpose(1, 2)).amax(1)
+            if self.holes:
+                bound.masked_fill_(empty[:, :n], -torch.inf)
         top = bound.topk(k, dim=-1, sorted=False)
-        valid = top.values > -torch.inf
-        if not self.uniform:  # rows that recall fewer (or none) mask the rest
-            valid &= torch.arange(k) < self.blocks_per_row.repeat_interleave(H)[:, None]
-        return self._bring(i, top.indices.view(B, H, k), valid.view(B, H, k), query.device)
+        tok = top.indices if cand is None else cand.gather(1, top.indices)
+        valid = None
+        if masked:
+            valid = top.values > -torch.inf
+            if not self.uniform:  # rows that recall fewer (or none) mask the rest
+                valid &= torch.arange(k) < self.blocks_per_row.repeat_interleave(H)[:, None]
+        return self._bring(i, tok, valid, B, H, query.device)
 
-    def _bring(self, i: int, tok: torch.Tensor, valid: torch.Tensor, device: torch.device):
-        """Layer i's stored entries `tok` (B, H, R) -> their keys (B, H, R, D), values and `valid` (B, H, R), on
-        `device`; each valid one counted as recalled (`take_counts`)."""
-        B, H, R = tok.shape
-        N = self.capacity
-        self.marks[i].scatter_add_(-1, tok, valid.int())
-        flat = (tok + torch.arange(0, B * H * N, N).view(B, H, 1)).view(-1)  # one index_select per buffer
+    def _bring(self, i: int, tok: torch.Tensor, valid: torch.Tensor | None, B: int, H: int, device: torch.device):
+        """Layer i's stored entries `tok` (B H, R) -> their keys (B, H, R, D), values and `valid` (B, H, R) or
+        None (all are tokens), on `device`; each valid one counted as recalled (`take_counts`)."""
+        R = tok.shape[-1]
+        marks = self.marks[i].view(B * H, -1)
+        if valid is None:
+            if self._ones is None or self._ones.shape != tok.shape:
+                self._ones = torch.ones(tok.shape, dtype=torch.int32)
+            marks.scatter_add_(1, tok, self._ones)
+        else:
+            marks.scatter_add_(1, tok, valid.int())
+        flat = (tok + self._offsets).view(-1)  # one index_select per buffer
         keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, R, self.D)
         values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, R, self.Dv)
         if self.quant:
             scale = self.vscale[i].view(-1, 1).index_select(0, flat).view(B, H, R, 1)
             values = dequantize(values, scale, self.dtype)
-        return keys.to(device), values.to(device), valid.to(device)
+        if valid is not None:
+            valid = valid.view(B, H, R)
+        if device != self.device:
+            keys, values = keys.to(device), values.to(device)
+            valid = None if valid is None else valid.to(device)
+        return keys, values, valid
 
     @torch.inference_mode()
     def take_counts(self) -> torch.Tensor:
