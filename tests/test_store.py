@@ -258,15 +258,17 @@ def test_recall_scores_decay_before_each_step_adds_its_mass(single_thread):
         make_policy("recall", 64, decay=1.5)
 
 
-def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_does(single_thread):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_does(single_thread, dtype):
     """Once the store holds many times what a step recalls, a step ranks it by the keys' coordinates in their
     principal directions, then exactly among the best `candidates` times what it recalls. Keys lying in as many
     directions as the basis keeps are ranked by the first pass without error, so the step recalls exactly the
     exact ranking's tokens (for every row and head: a wrong offset or index mapping would not); entries appended
-    later are projected on the basis, which is fitted again when the store has doubled."""
+    later are projected on the basis, which is fitted again when the store has doubled. A half-precision store
+    (the model's dtype on CUDA) keeps its coordinates and ranks its candidates in fp32."""
     gen = torch.Generator().manual_seed(0)
-    L, B, H, D, G, R = 2, 2, 2, 16, 2, 8
-    store = Store(L, torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D), [R] * B, 1)
+    L, B, H, D, G, R = 2, 2, 2, 32, 2, 8
+    store = Store(L, torch.zeros(B, H, 1, D, dtype=dtype), torch.zeros(B, H, 1, D, dtype=dtype), [R] * B, 1)
     assert (store.rank_dim, store.candidates) == (RANK_DIM, CANDIDATES) and RANK_DIM < D
     span = torch.randn(L, B, H, RANK_DIM, D, generator=gen)  # every (layer, row, head) its own subspace
 
@@ -280,7 +282,8 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
     add(100, 100)  # past TWO_PASS_FROM x the candidates: the basis is fitted
     assert store.basis is not None and store.fitted == 200
     add(50, 200)  # projected on the basis as it comes
-    torch.testing.assert_close(store.low[:, :, :, 200:250], store.keys[:, :, :, 200:250] @ store.basis)
+    assert store.low.dtype == store.basis.dtype == torch.float32
+    torch.testing.assert_close(store.low[:, :, :, 200:250], store.keys[:, :, :, 200:250].float() @ store.basis)
     assert store.fitted == 200
     for i in range(L):
         q = torch.randn(B, H * G, 1, D, generator=gen)
@@ -288,8 +291,9 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
         store.candidates = 0  # every key ranked exactly
         exact = store.recall(i, q)
         store.candidates = CANDIDATES
-        best = (q.view(B, H, G, D) @ store.keys[i, :, :, :250].mT).amax(2).topk(R, dim=-1).indices.sort(-1).values
-        for keys, values, valid in (two, exact):
+        logits = q.to(dtype).float().view(B, H, G, D) @ store.keys[i, :, :, :250].float().mT
+        best = logits.amax(2).topk(R, dim=-1).indices.sort(-1).values
+        for keys, values, valid in (two, exact) if dtype == torch.float32 else (two,):  # half products round ties
             assert valid is None  # no holes: every recalled entry is a token
             entry = (keys[..., None, :] == store.keys[i, :, :, None, :250]).all(-1).int().argmax(-1)  # (B, H, R)
             assert torch.equal(entry.sort(-1).values, best)

@@ -28,13 +28,14 @@ or values. Reading the stored keys is most of it once the store is large (they d
 caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalled a step ranks in two passes: the stored keys'
 coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the store
 doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked exactly.
-It reads 8 of 64 channels per stored key plus the candidates' keys: measured on the embedded model (one CPU
-thread, budget 512), a step costs 1.34x h2o's instead of 1.41x at 4,096 tokens seen and 1.47x instead of 1.76x at
-8,192; on the multi-turn evaluation's tuning texts it keeps what the exact ranking keeps (gain kept 0.99 / 1.03 at
-10% / 20%, exact 1.00 / 1.02). Cheaper first passes lost the fact (Quest's block bounds, in eviction order or by
-position; half the candidates: 0.80 at 10%), and so did ranking less often than every step (every 2nd step with
-the next 3 tokens of each recalled one kept its gain on the tuning texts, every 4th lost 0.3, a ranking by the
-previous step's queries 0.2): the step whose query turns to the fact must find it. SparQ's approximate first
+It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows a quarter as
+fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.39x h2o's step at 8,192 tokens
+seen where exact ranking took 1.76x). On the multi-turn evaluation it kept the gain (held-out texts, 10% budget:
+0.997 with 9/30 hits, exact ranking 0.90 with 4/30). Cheaper first passes lost the fact: 8 directions (held-out,
+10%: 0.79), two candidates per recalled token (tuning texts, 10%: 0.80), Quest's block bounds in eviction order or
+by position; so did ranking less often than every step (every 2nd step with the next 3 tokens of each recalled
+one kept its gain on the tuning texts, every 4th lost 0.3, a ranking by the previous step's queries 0.2): the
+step whose query turns to the fact must find it. SparQ's approximate first
 pass over the query's largest channels was measured no faster on CPU (its gathers cost what they save).
 
 A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks of queries: what a full cache's attention over
@@ -51,7 +52,7 @@ from h2o_chat.engine.quant import SCALE_DTYPE, bytes_per_element, dequantize, qu
 GROW = 1024  # entries added when the store is full (then doubled)
 HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing rather than take it
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
-RANK_DIM = 8  # channels of the stored keys' principal directions a step's first ranking pass reads
+RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
 CANDIDATES = 4  # a step ranks exactly this many times what it recalls: the first pass's best
 TWO_PASS_FROM = 4  # ... once the store holds this many times the candidates (below, one exact pass costs less)
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
@@ -66,14 +67,21 @@ def entry_bytes(
     elem: int,
     block: int = 1,
     value_elem: float | None = None,
-    rank_dim: int = RANK_DIM,
+    rank_dim: int | None = None,
 ):
     """Host bytes one store entry takes over every layer, row and KV head: its key, the key's `rank_dim`
-    principal coordinates, its value (`value_elem` bytes per value element when they are kept in 8 bits),
+    principal coordinates (fp32), its value (`value_elem` bytes per value element when they are kept in 8 bits),
     position (8), empty flag (1) and recall count (4), and with blocks its share of the block summaries."""
     blocks = (2 * key_dim * 4 + 1) / block if block > 1 else 0
+    rank_dim = rank_dim_for(key_dim, block) if rank_dim is None else rank_dim
     values = value_dim * (value_elem or elem)
-    return layers * rows * kv_heads * ((key_dim + rank_dim) * elem + values + 8 + 1 + 4 + blocks)
+    return layers * rows * kv_heads * (key_dim * elem + rank_dim * 4 + values + 8 + 1 + 4 + blocks)
+
+
+def rank_dim_for(key_dim: int, block: int = 1) -> int:
+    """Principal coordinates kept per stored key for the two-pass ranking (0: exact ranking only, for keys too
+    small to gain from it or a store ranked in blocks)."""
+    return RANK_DIM if key_dim > RANK_DIM and block == 1 else 0
 
 
 def host_available() -> int:
@@ -102,7 +110,7 @@ class Store:
         self._ones = None
         # a step's ranking in two passes (`_recall_step`): the keys' coordinates in `rank_dim` principal directions
         # choose `candidates` times what it recalls, which are ranked exactly (0: every stored key ranked exactly)
-        self.rank_dim = RANK_DIM if RANK_DIM < D and block == 1 else 0
+        self.rank_dim = rank_dim_for(D, block)
         self.candidates = CANDIDATES if self.rank_dim else 0
         self.basis = None  # (L, B, H, D, rank_dim): the stored keys' principal directions (`_fit`)
         self.fitted = 0  # entries the basis was fitted on
@@ -122,7 +130,9 @@ class Store:
         L, B, H = self.shape
         nb = n // self.block if self.block > 1 else 0  # exact ranking reads the keys themselves
         self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
-        self.low = torch.zeros(L, B, H, n, self.rank_dim, dtype=self.dtype)  # keys in the basis (first pass)
+        # keys in the basis (the first pass), in fp32 whatever the keys' dtype: a CPU's half-precision products are
+        # several times slower than its fp32 ones, and on CUDA this store and its ranking are on the host
+        self.low = torch.zeros(L, B, H, n, self.rank_dim)
         self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
         self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
@@ -156,7 +166,9 @@ class Store:
         size = max(need, 2 * self.capacity, GROW)
         size = -(-size // self.block) * self.block
         value_elem = bytes_per_element("8bit", self.dtype, self.Dv) if self.quant else None
-        entry = entry_bytes(*self.shape, self.D, self.Dv, self.keys.element_size(), self.block, value_elem)
+        entry = entry_bytes(
+            *self.shape, self.D, self.Dv, self.keys.element_size(), self.block, value_elem, self.rank_dim
+        )
         if size * entry + HOST_RESERVE > host_available():
             self.full = True
             return False
@@ -198,7 +210,7 @@ class Store:
         if c1 > TWO_PASS_FROM * self.candidates * self.select and c1 >= 2 * self.fitted:
             self._fit()
         elif self.basis is not None:
-            self.low[:, :, :, c0:c1] = self.keys[:, :, :, c0:c1] @ self.basis
+            self.low[:, :, :, c0:c1] = self.keys[:, :, :, c0:c1].float() @ self.basis
 
     def _fit(self) -> None:
         """Per layer, row and KV head: the `rank_dim` directions along which the stored keys vary most (the top
@@ -206,12 +218,12 @@ class Store:
         layer at a time (the transient is one layer's keys in fp32); it reads the whole store, and runs each time
         the store doubles: amortized, a constant cost per stored token."""
         n, (L, B, H) = self.count, self.shape
-        basis = torch.empty(L, B, H, self.D, self.rank_dim, dtype=self.dtype)
+        basis = torch.empty(L, B, H, self.D, self.rank_dim)
         for i in range(L):
             keys = self.keys[i, :, :, :n].float() * ~self.empty[i, :, :, :n, None]  # nothing from empty entries
             vectors = torch.linalg.eigh(keys.transpose(-1, -2) @ keys).eigenvectors  # eigenvalues ascend
             basis[i] = vectors[..., -self.rank_dim :]
-            self.low[i, :, :, :n] = self.keys[i, :, :, :n] @ basis[i]
+            self.low[i, :, :, :n] = keys @ basis[i]
         self.basis, self.fitted = basis, n
 
     def _summarise(self, b0: int, b1: int) -> None:
@@ -337,14 +349,14 @@ class Store:
         k, many = min(self.select, n), self.candidates * self.select
         masked = self.holes or not self.uniform
         if many and self.basis is not None and n > TWO_PASS_FROM * many:  # the basis's coordinates, then exact
-            r = self.rank_dim
-            approx = torch.bmm(torch.bmm(q, self.basis[i].view(BH, D, r)), self.low[i].view(BH, N, r)[:, :n].mT)
+            r, qf = self.rank_dim, q.float()
+            approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, N, r)[:, :n].mT)
             approx = approx.amax(1)
             if self.holes:
                 approx.masked_fill_(empty[:, :n], -torch.inf)
             cand = approx.topk(many, dim=-1, sorted=False).indices  # (BH, many)
             near = keys.reshape(-1, D).index_select(0, (cand + self._offsets).view(-1)).view(BH, many, D)
-            bound = torch.bmm(q, near.transpose(1, 2)).amax(1)
+            bound = torch.bmm(qf, near.float().transpose(1, 2)).amax(1)
             if self.holes:
                 bound.masked_fill_(empty.gather(1, cand), -torch.inf)
         else:
