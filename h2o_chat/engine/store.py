@@ -28,9 +28,9 @@ or values. Reading the stored keys is most of it once the store is large (they d
 caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalled a step ranks in two passes: the stored keys'
 coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the store
 doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked exactly.
-It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows a quarter as
-fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.39x h2o's step at 8,192 tokens
-seen where exact ranking took 1.76x). On the multi-turn evaluation it kept the gain (held-out texts, 10% budget:
+It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows about a third
+as fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.46x h2o's step at 8,192
+tokens seen where exact ranking took 1.76x). On the multi-turn evaluation it kept the gain (held-out texts, 10% budget:
 0.997 with 9/30 hits, exact ranking 0.90 with 4/30). Cheaper first passes lost the fact: 8 directions (held-out,
 10%: 0.79), two candidates per recalled token (tuning texts, 10%: 0.80), Quest's block bounds in eviction order or
 by position; so did ranking less often than every step (every 2nd step with the next 3 tokens of each recalled
