@@ -141,7 +141,12 @@ class Store:
         self.kmax = torch.zeros(L, B, H, nb, self.D)
         self.filled = torch.zeros(L, B, H, nb, dtype=torch.bool)  # a block holds at least one token
         self.marks = torch.zeros(L, B, H, n, dtype=torch.int32)  # times recalled since `take_counts`
-        self._offsets = torch.arange(B * H).view(B * H, 1) * n  # each (row, head)'s first flat entry
+        self._set_offsets()
+
+    def _set_offsets(self) -> None:
+        """Each (row, head)'s first entry in a layer's buffers flattened (kept: a step would rebuild it per layer)."""
+        _, B, H = self.shape
+        self._offsets = torch.arange(B * H).view(B * H, 1) * self.capacity
 
     @property
     def capacity(self) -> int:
@@ -273,8 +278,7 @@ class Store:
             self.basis = self.basis.index_select(1, index)
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
-        B, H, n = len(index), self.shape[2], self.capacity
-        self._offsets = torch.arange(B * H).view(B * H, 1) * n
+        self._set_offsets()
 
     # -- reading ------------------------------------------------------------------------------------
     @torch.inference_mode()
