@@ -183,12 +183,12 @@ def test_quest_blocks_rank_by_an_upper_bound_of_every_logit_in_them(single_threa
     filled = best_in_block > -torch.inf
     assert bool((bound[filled] >= best_in_block[filled] - 1e-4).all()) and bool(filled.any())
     assert bool((bound[filled] > best_in_block[filled] + 1e-3).any())  # a bound, not the logit itself
-    keys, _, valid = store.recall(0, q)
+    got = store.recall(0, q)
     top = bound.topk(4, dim=-1).indices  # 16 recalled = 4 blocks
     for h in range(H):
         want = store.keys[0, 0, h, (top[0, h, :, None] * blk + torch.arange(blk)).flatten()]
-        torch.testing.assert_close(keys[0, h], want)
-        assert bool(valid[0, h].any())
+        torch.testing.assert_close(got.keys[0, h], want)
+        assert bool(got.valid[0, h].any())
 
 
 def test_the_chat_says_which_messages_a_reply_recalled(single_thread):
@@ -283,7 +283,7 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
     assert store.basis is not None and store.fitted == 200
     add(50, 200)  # projected on the basis as it comes
     assert store.low.dtype == store.basis.dtype == torch.float32
-    torch.testing.assert_close(store.low[:, :, :, 200:250], store.keys[:, :, :, 200:250].float() @ store.basis)
+    torch.testing.assert_close(store.low[..., 200:250].mT, store.keys[:, :, :, 200:250].float() @ store.basis)
     assert store.fitted == 200
     for i in range(L):
         q = torch.randn(B, H * G, 1, D, generator=gen)
@@ -293,10 +293,35 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
         store.candidates = CANDIDATES
         logits = q.to(dtype).float().view(B, H, G, D) @ store.keys[i, :, :, :250].float().mT
         best = logits.amax(2).topk(R, dim=-1).indices.sort(-1).values
-        for keys, values, valid in (two, exact) if dtype == torch.float32 else (two,):  # half products round ties
-            assert valid is None  # no holes: every recalled entry is a token
-            entry = (keys[..., None, :] == store.keys[i, :, :, None, :250]).all(-1).int().argmax(-1)  # (B, H, R)
+        for got in (two, exact) if dtype == torch.float32 else (two,):  # half products round ties
+            assert got.valid is None and got.keys is None  # no holes: every recalled entry is a token
+            values = store.values[i, :, :, None, :250]
+            entry = (got.values[..., None, :] == values).all(-1).int().argmax(-1)  # (B, H, R): values are unique
             assert torch.equal(entry.sort(-1).values, best)
-            torch.testing.assert_close(values, store.values[i].gather(2, entry[..., None].expand(B, H, R, D)))
+            # the logits the step attends with are the recalled keys' own under each query head
+            want = logits.gather(3, entry[:, :, None, :].expand(B, H, G, R))
+            torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
     add(250, 250)  # doubled: fitted again on every stored key
     assert store.fitted == 500
+
+
+def test_empty_columns_are_not_stored_so_a_single_row_is_ranked_without_masks(single_thread):
+    """A prompt chunk's losers include the empty slots it lost (sorted first); columns empty in every layer and
+    head are dropped, so a single row's store holds only tokens and its steps rank without masks (validity
+    None). A left-padded batch row keeps empty entries, which are masked and never recalled."""
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(4, 200, (2, 50), generator=torch.Generator().manual_seed(1))
+    policy = make_policy("recall", 24, recalled=8)
+    _, cache = _run(model, policy, ids[:1], chunk=8, steps=10)
+    store = cache.store
+    assert store.count == store.tokens() == 50 + 10 - cache.slots.capacity and not store.holes
+    got = store.recall(0, torch.randn(1, model.config.num_attention_heads, 1, store.D))
+    assert got.valid is None and got.logits.shape[-1] == 8
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    _, cache = _run(model, policy, ids, mask, chunk=8, steps=10)
+    store = cache.store
+    assert store.holes and store.count == store.tokens() and bool((store.pos[:, 1, :, : store.count] < 0).any())
+    got = store.recall(0, torch.randn(2, model.config.num_attention_heads, 1, store.D))
+    pos = store.pos[0].gather(2, (got.values[..., None, :] == store.values[0][:, :, None]).all(-1).int().argmax(-1))
+    assert got.valid is not None and bool((pos[got.valid] >= 0).all())

@@ -23,10 +23,15 @@ whose attention is not "h2o", and the cache refuses an update outside a forward 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from h2o_chat.errors import CacheUsageError
+
+if TYPE_CHECKING:
+    from h2o_chat.engine.store import Recalled
 
 ATTN_IMPLEMENTATION = "h2o"
 MASS_BLOCK = 1 << 24  # fp32 probabilities per block of queries (64 MB): the prefill's largest transient
@@ -45,14 +50,14 @@ def attention_over_slots(
     values: torch.Tensor,  # (B, H, S, Dv)
     scaling: float,
     valid: torch.Tensor,  # (B, 1, S) bool: slots holding a token (the same for every head)
-    recalled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    recalled: Recalled | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
 
-    `recalled`: keys (B, H, R, D), values and validity (B, H, R; None: all valid) of evicted tokens attended too
-    (the recall policy), in the same softmax; they get no mass. Their logits join the slots' (not their keys: a copy of
-    every slot per layer and step is what concatenating keys would cost).
+    `recalled`: evicted tokens attended too (the recall policy: `store.Recalled`, their logits as the store's
+    ranking computed them, or their keys), in the same softmax; they get no mass. Their logits join the slots' (not
+    their keys: a copy of every slot per layer and step is what concatenating keys would cost).
 
     `scales`: 8-bit storage (`quant.py`): keys and values are int8 and these (B, H, S, 1) their per-token
     scales, applied to the logits and to the probabilities (the stored tokens are never rebuilt)."""
@@ -64,11 +69,14 @@ def attention_over_slots(
         logits *= scales[0].transpose(-1, -2)
     logits.masked_fill_(~valid[:, :, None, :], -torch.inf)
     if recalled is not None:
-        more = qg @ recalled[0].transpose(-1, -2)
-        if more.dtype != logits.dtype:
-            more = more.float()
-        if recalled[2] is not None:  # None: every recalled entry is a token
-            more.masked_fill_(~recalled[2][:, :, None, :], -torch.inf)
+        if recalled.logits is not None:  # the store's ranking computed them (a decode step)
+            more = recalled.logits * scaling
+        else:
+            more = qg @ recalled.keys.transpose(-1, -2)
+            if more.dtype != logits.dtype:
+                more = more.float()
+        if recalled.valid is not None:  # None: every recalled entry is a token
+            more.masked_fill_(~recalled.valid[:, :, None, :], -torch.inf)
         logits = torch.cat((logits, more), dim=-1)
     probs = logits.softmax(dim=-1)
     held = probs[..., :S]
@@ -78,7 +86,7 @@ def attention_over_slots(
         out = (held * scales[1].transpose(-1, -2)).to(query.dtype) @ values.to(query.dtype)
     if recalled is not None:
         rest = probs[..., S:]
-        out += (rest if rest.dtype == out.dtype else rest.to(out.dtype)) @ recalled[1]
+        out += (rest if rest.dtype == out.dtype else rest.to(out.dtype)) @ recalled.values
     return out.reshape(B, Hq, T, -1).transpose(1, 2), held.sum(dim=-2)
 
 

@@ -128,10 +128,10 @@ class H2OLayer(CacheLayerMixin):
         values = torch.cat((slots.read("values", stored), value), dim=2) if n else value
         mask = fwd.mask(query.dtype)
         got = cache.store.recall(i, query, fwd.real) if cache.store is not None else None
-        r = 0 if got is None else got[0].shape[2]
+        r = 0 if got is None else got.keys.shape[2]
         if got is not None:  # the recall policy: evicted tokens the chunk's queries want, before the slots
-            keys, values = torch.cat((got[0], keys), dim=2), torch.cat((got[1], values), dim=2)
-            mask = fwd.recalled_mask(mask, got[2])
+            keys, values = torch.cat((got.keys, keys), dim=2), torch.cat((got.values, values), dim=2)
+            mask = fwd.recalled_mask(mask, got.valid)
         out, mass = attention_with_mass(query, keys, values, mask, scaling, fwd.track_mass, fwd.fused)
         if mass is not None and n:
             slots.score[i, :, :, :n] += mass[..., r : r + n]

@@ -22,21 +22,23 @@ and maximum of the block's keys, from which sum_d max(q_d * min_d, q_d * max_d) 
 above. It costs 2 / block of the exact ranking, but evicted tokens leave one or a few at a time, so a block mixes
 unrelated tokens and the bound is loose: measured, it keeps much less (see `Recall`).
 
-Costs per step and layer: while the store is small, one (G x D) @ (D x stored) product per (row, head), a top-k
-and the gathers of the recalled tokens -- the first half of attention over everything evicted, without its softmax
-or values. Reading the stored keys is most of it once the store is large (they do not stay in the processor's
-caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalled a step ranks in two passes: the stored keys'
-coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the store
-doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked exactly.
-It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows about a third
-as fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.46x h2o's step at 8,192
-tokens seen where exact ranking took 1.76x). On the multi-turn evaluation it kept the gain (held-out texts, 10% budget:
-0.997 with 9/30 hits, exact ranking 0.90 with 4/30). Cheaper first passes lost the fact: 8 directions (held-out,
-10%: 0.79), two candidates per recalled token (tuning texts, 10%: 0.80), Quest's block bounds in eviction order or
-by position; so did ranking less often than every step (every 2nd step with the next 3 tokens of each recalled
-one kept its gain on the tuning texts, every 4th lost 0.3, a ranking by the previous step's queries 0.2): the
-step whose query turns to the fact must find it. SparQ's approximate first
-pass over the query's largest channels was measured no faster on CPU (its gathers cost what they save).
+Costs per step and layer: while the store is small, one (G x D) @ (D x stored) product per (row, head), a top-k and
+the gather of the recalled tokens' values -- the first half of attention over everything evicted, without its
+softmax or values; the step attends with the ranking's own logits of the tokens it recalled (their keys are never
+gathered). Empty entries are not stored where a whole column would be empty (a single row's chunks), so such a store
+is ranked without masks. Reading the stored keys is most of it once the store is large (they do not stay in the
+processor's caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalled a step ranks in two passes: the
+stored keys' coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the
+store doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked
+exactly. It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows about a
+third as fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.35x h2o's step at 8,192
+tokens seen where exact ranking took 1.76x; see README). On the multi-turn evaluation it kept the gain (held-out
+texts, 10% budget: 0.997 with 9/30 hits, exact ranking 0.90 with 4/30). Cheaper first passes lost the fact: 8
+directions (held-out, 10%: 0.79), two candidates per recalled token (tuning texts, 10%: 0.80), Quest's block bounds
+in eviction order or by position; so did ranking less often than every step (every 2nd step with the next 3 tokens
+of each recalled one kept its gain on the tuning texts, every 4th lost 0.3, a ranking by the previous step's queries
+0.2): the step whose query turns to the fact must find it. SparQ's approximate first pass over the query's largest
+channels was measured no faster on CPU (its gathers cost what they save).
 
 A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks of queries: what a full cache's attention over
 the same tokens costs. On CUDA the store stays on the host, so a step sends each layer's query down and the recalled
@@ -44,6 +46,8 @@ tokens up (eager steps: the store grows every step, which a captured graph canno
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +86,18 @@ def rank_dim_for(key_dim: int, block: int = 1) -> int:
     """Principal coordinates kept per stored key for the two-pass ranking (0: exact ranking only, for keys too
     small to gain from it or a store ranked in blocks)."""
     return RANK_DIM if key_dim > RANK_DIM and block == 1 else 0
+
+
+class Recalled(NamedTuple):
+    """What a layer's queries bring back from the store, on the queries' device: the stored tokens' values (B, H,
+    R, Dv) and whether each is a token (B, H, R; None: every one is). A prompt chunk gets their keys (B, H, R, D)
+    to attend with; a decode step gets their logits (B, H, G, R), unscaled, from its own ranking (the step's
+    query is the one that ranked them: taking the logits from there spares gathering the keys and a product)."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor
+    valid: torch.Tensor | None
+    logits: torch.Tensor | None = None
 
 
 def host_available() -> int:
@@ -132,7 +148,8 @@ class Store:
         self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
         # keys in the basis (the first pass), in fp32 whatever the keys' dtype: a CPU's half-precision products are
         # several times slower than its fp32 ones, and on CUDA this store and its ranking are on the host
-        self.low = torch.zeros(L, B, H, n, self.rank_dim)
+        # (.., rank_dim, n): a step's first pass multiplies rows of entries, twice as fast as columns on a CPU
+        self.low = torch.zeros(L, B, H, self.rank_dim, n)
         self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
         self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
@@ -181,6 +198,9 @@ class Store:
         self._allocate(size)
         n, nb = self.count, min(old["kmin"].shape[3], self.kmin.shape[3])
         for name, new in self._buffers().items():
+            if name == "low":  # entries along the last dimension
+                new[..., :n] = old[name][..., :n]
+                continue
             k = nb if name in ("kmin", "kmax", "filled") else n
             new[:, :, :, :k] = old[name][:, :, :, :k]
         return True
@@ -188,14 +208,26 @@ class Store:
     # -- writing ------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
         """Evicted tokens (L, B, H, n, D), (L, B, H, n, Dv), true positions (L, B, H, n) (-1: an empty slot or
-        padding lost; nothing to keep). Rows that do not recall keep nothing."""
+        padding lost; nothing to keep). Rows that do not recall keep nothing. Columns empty in every layer, row
+        and head (a prompt chunk's empty slots, sorted first) are dropped: a store without empty entries is ranked
+        without masks."""
+        if self.full or keys.shape[3] == 0:
+            return
+        pos = pos.to(self.device).masked_fill(~self.rows_recall[None, :, None, None], -1)
+        some = (pos >= 0).flatten(0, 2).any(0)  # (n,)
+        if not bool(some.all()):
+            keep = some.nonzero().flatten()
+            keys, values, pos = (
+                keys[:, :, :, keep.to(keys.device)],
+                values[:, :, :, keep.to(values.device)],
+                pos[..., keep],
+            )
         n = keys.shape[3]
-        if n == 0 or self.full:
+        if n == 0:
             return
         if self.count + n > self.capacity and not self._grow(self.count + n):
             return  # the host has no room: these and later evictions are not kept (the cache says so once)
         c0, c1 = self.count, self.count + n
-        pos = pos.to(self.device).masked_fill(~self.rows_recall[None, :, None, None], -1)
         self.keys[:, :, :, c0:c1] = keys.to(self.device, self.dtype)
         if self.quant:
             self.values[:, :, :, c0:c1], self.vscale[:, :, :, c0:c1] = quantize(values.to(self.device))
@@ -215,7 +247,7 @@ class Store:
         if c1 > TWO_PASS_FROM * self.candidates * self.select and c1 >= 2 * self.fitted:
             self._fit()
         elif self.basis is not None:
-            self.low[:, :, :, c0:c1] = self.keys[:, :, :, c0:c1].float() @ self.basis
+            self.low[..., c0:c1] = self.basis.mT @ self.keys[:, :, :, c0:c1].float().mT
 
     def _fit(self) -> None:
         """Per layer, row and KV head: the `rank_dim` directions along which the stored keys vary most (the top
@@ -228,7 +260,7 @@ class Store:
             keys = self.keys[i, :, :, :n].float() * ~self.empty[i, :, :, :n, None]  # nothing from empty entries
             vectors = torch.linalg.eigh(keys.transpose(-1, -2) @ keys).eigenvectors  # eigenvalues ascend
             basis[i] = vectors[..., -self.rank_dim :]
-            self.low[i, :, :, :n] = keys @ basis[i]
+            self.low[i, ..., :n] = basis[i].mT @ keys.mT
         self.basis, self.fitted = basis, n
 
     def _summarise(self, b0: int, b1: int) -> None:
@@ -317,11 +349,11 @@ class Store:
         return bound.masked_fill(empty, -torch.inf)
 
     @torch.inference_mode()
-    def recall(self, i: int, query: torch.Tensor, real: torch.Tensor | None = None):
-        """Layer i's queries (B, Hq, T, D) -> the recalled keys (B, H, R, D), values (B, H, R, Dv) and whether
-        each is a token (B, H, R), on the query's device; None when nothing is stored yet. A decode step (T = 1)
-        recalls what its query attends to most; a prompt chunk recalls once for all its real queries (`real`
-        (B, T)): the stored tokens with the largest logit under any of them."""
+    def recall(self, i: int, query: torch.Tensor, real: torch.Tensor | None = None) -> Recalled | None:
+        """Layer i's queries (B, Hq, T, D) -> what they bring back (`Recalled`), on the query's device; None when
+        nothing is stored yet. A decode step (T = 1) recalls what its query attends to most; a prompt chunk
+        recalls once for all its real queries (`real` (B, T)): the stored tokens with the largest logit under
+        any of them."""
         nb = -(-self.count // self.block)
         if nb == 0 or self.select == 0:
             return None
@@ -336,16 +368,20 @@ class Store:
         tok = (top.indices[..., None] * blk + torch.arange(blk)).flatten(-2)  # (B, H, k * blk)
         valid = ~self.empty[i].gather(-1, tok) & (wanted.repeat_interleave(blk, -1) if blk > 1 else wanted)
         B, H = self.shape[1:]
-        return self._bring(i, tok.flatten(0, 1), valid.flatten(0, 1), B, H, query.device)
+        flat = self._mark(i, tok.flatten(0, 1), valid.flatten(0, 1))
+        keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, -1, self.D)
+        values = self._values(i, flat, B, H)
+        return Recalled(*(t.to(query.device) for t in (keys, values, valid)))
 
-    def _recall_step(self, i: int, query: torch.Tensor):
-        """`recall` for a decode step with exact ranking, in as few operations as it takes (it runs in every
-        layer of every step; on CPU each operation costs microseconds whatever its size): one (G x D) @ (D x
-        stored) product per (row, head), its maximum over the group, a top-k, the recall marks and two gathers.
-        Without holes (padding, rows that do not recall) every ranked entry is a token: nothing is masked and
-        the validity is None. Reading the stored keys is most of its cost once the store is large (they do not
-        stay in the processor's caches)."""
-        n, (_, B, H) = self.count, self.shape
+    def _recall_step(self, i: int, query: torch.Tensor) -> Recalled:
+        """`recall` for a decode step, in as few operations as it takes (it runs in every layer of every step; on
+        CPU each operation costs microseconds whatever its size): one (G x D) @ (D x stored) product per (row,
+        head), its maximum over the group, a top-k, the recall marks and a gather of the values; the recalled
+        tokens' logits are the ranking's own. Without holes (padding, rows that do not recall) every ranked entry
+        is a token: nothing is masked and the validity is None. A large store is ranked in two passes (see the
+        module's docstring): reading the stored keys is most of the cost once it is large (they do not stay in
+        the processor's caches)."""
+        n, (_, B, H), device = self.count, self.shape, query.device
         BH, N, D = B * H, self.capacity, self.D
         if query.device != self.device or query.dtype != self.dtype:
             query = query.to(self.device, self.dtype)
@@ -354,51 +390,58 @@ class Store:
         masked = self.holes or not self.uniform
         if many and self.basis is not None and n > TWO_PASS_FROM * many:  # the basis's coordinates, then exact
             r, qf = self.rank_dim, q.float()
-            approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, N, r)[:, :n].mT)
+            approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, r, N)[:, :, :n])
             approx = approx.amax(1)
             if self.holes:
                 approx.masked_fill_(empty[:, :n], -torch.inf)
             cand = approx.topk(many, dim=-1, sorted=False).indices  # (BH, many)
             near = keys.reshape(-1, D).index_select(0, (cand + self._offsets).view(-1)).view(BH, many, D)
-            bound = torch.bmm(qf, near.float().transpose(1, 2)).amax(1)
-            if self.holes:
-                bound.masked_fill_(empty.gather(1, cand), -torch.inf)
+            logits = torch.bmm(qf, near.float().transpose(1, 2))  # (BH, G, many)
+            emptied = empty.gather(1, cand) if self.holes else None
         else:
-            cand, bound = None, torch.bmm(q, keys[:, :n].transpose(1, 2)).amax(1)
-            if self.holes:
-                bound.masked_fill_(empty[:, :n], -torch.inf)
+            cand, logits = None, torch.bmm(q, keys[:, :n].transpose(1, 2))  # (BH, G, n)
+            emptied = empty[:, :n] if self.holes else None
+        bound = logits.amax(1)
+        if emptied is not None:
+            bound.masked_fill_(emptied, -torch.inf)
         top = bound.topk(k, dim=-1, sorted=False)
+        logits = logits.gather(2, top.indices[:, None, :].expand(-1, logits.shape[1], -1))
         tok = top.indices if cand is None else cand.gather(1, top.indices)
         valid = None
         if masked:
             valid = top.values > -torch.inf
             if not self.uniform:  # rows that recall fewer (or none) mask the rest
                 valid &= torch.arange(k) < self.blocks_per_row.repeat_interleave(H)[:, None]
-        return self._bring(i, tok, valid, B, H, query.device)
+        values = self._values(i, self._mark(i, tok, valid), B, H)
+        logits = logits.view(B, H, -1, k)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if valid is not None:
+            valid = valid.view(B, H, k)
+        if device != self.device:
+            values, logits = values.to(device), logits.to(device)
+            valid = None if valid is None else valid.to(device)
+        return Recalled(None, values, valid, logits)
 
-    def _bring(self, i: int, tok: torch.Tensor, valid: torch.Tensor | None, B: int, H: int, device: torch.device):
-        """Layer i's stored entries `tok` (B H, R) -> their keys (B, H, R, D), values and `valid` (B, H, R) or
-        None (all are tokens), on `device`; each valid one counted as recalled (`take_counts`)."""
-        R = tok.shape[-1]
-        marks = self.marks[i].view(B * H, -1)
+    def _mark(self, i: int, tok: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Count layer i's stored entries `tok` (B H, R) as recalled (each valid one, `take_counts`); their flat
+        indices into the layer's buffers (B H R,)."""
+        marks = self.marks[i].view(tok.shape[0], -1)
         if valid is None:
             if self._ones is None or self._ones.shape != tok.shape:
                 self._ones = torch.ones(tok.shape, dtype=torch.int32)
             marks.scatter_add_(1, tok, self._ones)
         else:
             marks.scatter_add_(1, tok, valid.int())
-        flat = (tok + self._offsets).view(-1)  # one index_select per buffer
-        keys = self.keys[i].view(-1, self.D).index_select(0, flat).view(B, H, R, self.D)
-        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, R, self.Dv)
+        return (tok + self._offsets).view(-1)  # one index_select per buffer
+
+    def _values(self, i: int, flat: torch.Tensor, B: int, H: int) -> torch.Tensor:
+        """Layer i's stored values at flat indices (B H R,) -> (B, H, R, Dv) in the store's dtype."""
+        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, -1, self.Dv)
         if self.quant:
-            scale = self.vscale[i].view(-1, 1).index_select(0, flat).view(B, H, R, 1)
+            scale = self.vscale[i].view(-1, 1).index_select(0, flat).view(B, H, -1, 1)
             values = dequantize(values, scale, self.dtype)
-        if valid is not None:
-            valid = valid.view(B, H, R)
-        if device != self.device:
-            keys, values = keys.to(device), values.to(device)
-            valid = None if valid is None else valid.to(device)
-        return keys, values, valid
+        return values
 
     @torch.inference_mode()
     def take_counts(self) -> torch.Tensor:
