@@ -31,7 +31,7 @@ processor's caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalle
 stored keys' coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the
 store doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked
 exactly. It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows about a
-third as fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.35x h2o's step at 8,192
+third as fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.37x h2o's step at 8,192
 tokens seen where exact ranking took 1.76x; see README). On the multi-turn evaluation it kept the gain (held-out
 texts, 10% budget: 0.997 with 9/30 hits, exact ranking 0.90 with 4/30). Cheaper first passes lost the fact: 8
 directions (held-out, 10%: 0.79), two candidates per recalled token (tuning texts, 10%: 0.80), Quest's block bounds
