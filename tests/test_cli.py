@@ -569,3 +569,48 @@ def test_a_prompt_too_big_for_memory_is_read_in_smaller_chunks_or_refused(fast_l
     assert result.exit_code != 0 and "Traceback" not in result.output and not result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("h2o-chat: error:")]
     assert len(errors) == 1 and "MB is available; lower --budget (or /budget)" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("256MB", 256 * 2**20), ("1.5GB", 3 * 2**29), ("1.5 GiB", 3 * 2**29), ("512k", 2**19), ("4096", 4096),
+     ("10b", 10), (".5m", 2**19)],
+)  # fmt: skip
+def test_sizes_are_read_in_the_units_h2o_chat_prints(text, size):
+    from h2o_chat.app.options import parse_size
+
+    assert parse_size("--kv-memory", text) == size
+
+
+def test_the_kv_memory_sets_the_budget_it_holds_as_the_cache_stores_it(fast_load, embedded, tmp_path):
+    """--kv-memory: the budget is the most tokens whose keys and values, as --kv-quant stores them, fit in the
+    memory given (for all batch rows together); the cache then allocates no more than that. Bad sizes are one
+    line each, before anything loads."""
+    text = embedded.model.config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * 64 * 4  # fp32 keys and values, D = 64
+    memory = 3 * 2**20
+    budget = memory // per_token
+    result = invoke(["--kv-memory", "3MB", "--max-new-tokens", "4", "--temperature", "0"], "Say hi.")
+    assert result.exit_code == 0, result.stderr
+    assert f"--kv-memory 3MB: a budget of {budget} tokens ({per_token:,} bytes a token)" in result.stderr
+    summary = result.stderr.strip().splitlines()[-1]
+    assert f"cache snap {budget} (" in summary
+    allocated = float(re.search(r"KV ([\d.]+) MB allocated", summary).group(1))
+    assert budget * per_token / 2**20 - 0.1 <= allocated <= 3.0  # the budget it holds, within the memory given
+    result = invoke(["--kv-memory", "3MB", "--kv-quant", "8bit", "--max-new-tokens", "2"], "Say hi.")
+    eight = int(re.search(r"a budget of (\d+) tokens", result.stderr).group(1))
+    assert result.exit_code == 0 and eight == memory // (per_token // 4 * (1 + 2 / 64))  # int8 + a scale per token
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "Say hi."}\n{"id": 2, "prompt": "Name a colour."}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["batch", str(inp), "-o", str(out), "--kv-memory", "3MB", "--batch-size", "2", "--max-new-tokens", "2"]
+    result = invoke(args)
+    assert result.exit_code == 0, result.stderr
+    assert f"a budget of {memory // (2 * per_token)} tokens for each of 2 rows" in result.stderr
+    assert {json.loads(x)["cache"]["budget"] for x in out.read_text().splitlines()} == {memory // (2 * per_token)}
+    for bad, words in (
+        ("3XB", "must be a size such as 256MB"),
+        ("0MB", "more than 0 bytes"),
+        ("100", "holds no token"),
+    ):
+        assert_one_line_error(invoke(["--kv-memory", bad], "hi"), "--kv-memory", words)

@@ -101,6 +101,7 @@ def main_command(
             from h2o_chat.errors import InputError
 
             raise InputError("--stop needs some text to stop at")
+        cache = cache.sized(models)  # --kv-memory: the budget it holds
         policy = cache.build(knobs)
         interactive = argument is None and sys.stdin.isatty()
         prompt = argument
@@ -215,6 +216,7 @@ def batch_command(
             raise InputError(f"output folder does not exist: {output.parent}")
         if output.exists() and output.samefile(input_path):  # a symlink or a hard link of it too
             raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
+        cache = cache.sized(models, rows=batch_size)  # --kv-memory: the budget it holds, per row
         cache.build(knobs)  # fail before loading weights
         loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
 

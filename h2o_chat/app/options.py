@@ -102,6 +102,15 @@ KvQuant = Annotated[
         "(half the bytes of float16, a quarter of float32: twice or four times the budget in the same memory).",
     ),
 ]
+KvMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-memory",
+        help="The KV cache's memory instead of --budget, e.g. 256MB or 1.5GB (MB = 2^20 bytes, as the panel "
+        "shows): the budget becomes the most tokens whose keys and values fit, as --kv-quant stores them (with "
+        "--batch-size, for all rows together).",
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Decode = Annotated[
     str,
@@ -173,6 +182,14 @@ class ModelOptions:
 
             torch.set_num_threads(self.threads)
 
+    def kv_tokens(self, memory: int, rows: int = 1, kv_quant: str = "none") -> tuple[int, int]:
+        """The most tokens per row whose KV cache fits in `memory` bytes for `rows` rows, and the bytes a token
+        takes per row (from the model's config: nothing is loaded)."""
+        from h2o_chat.models.loading import kv_tokens_in
+
+        spec = load_registry(self.models_file).resolve(self.model)
+        return kv_tokens_in(spec, self.device, self.dtype, self.quantize, self.download, memory, rows, kv_quant)
+
     def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none"):
         self.use_threads()
         return load_model(
@@ -208,11 +225,32 @@ class CacheOptions:
     chunk_size: ChunkSize = 512
     positions: Positions = "auto"
     kv_quant: KvQuant = "none"
+    kv_memory: KvMemory = None
 
     def check(self) -> None:
         check_positive("--chunk-size", self.chunk_size)
         check_positions(self.positions)
         check_kv_quant(self.kv_quant)
+        if self.kv_memory is not None:
+            parse_size("--kv-memory", self.kv_memory)
+
+    def sized(self, models: ModelOptions, rows: int = 1) -> CacheOptions:
+        """These options with the budget --kv-memory holds (unchanged without it); says which, on stderr."""
+        if self.kv_memory is None:
+            return self
+        memory = parse_size("--kv-memory", self.kv_memory)
+        tokens, per_token = models.kv_tokens(memory, rows, self.kv_quant)
+        stored = " in 8 bits" if self.kv_quant == "8bit" else ""
+        each = f" for each of {rows} rows" if rows > 1 else ""
+        if tokens < 1:
+            raise H2OChatError(
+                f"--kv-memory {self.kv_memory} holds no token: a token's keys and values take {per_token:,} bytes"
+                f"{stored}{' for ' + str(rows) + ' rows' if rows > 1 else ''}"
+            )
+        status(
+            f"--kv-memory {self.kv_memory}: a budget of {tokens:,} tokens{each} ({per_token:,} bytes a token{stored})"
+        )
+        return dataclasses.replace(self, budget=tokens)
 
     def build(self, knobs: PolicyKnobs, budget: int | None = None):
         """The policy at this budget (or another, e.g. a batch line's own)."""
@@ -357,6 +395,23 @@ def check_positions(value: str) -> str:
     from h2o_chat.engine.cache import check_positions as check  # torch: only once a command runs, never for --help
 
     return check(value)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(name: str, text: str) -> int:
+    """Bytes from '256MB', '1.5 GiB', '512k' or a plain number; K, M, G and T are powers of 1,024 (as the panel
+    and every memory figure h2o-chat prints)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b)?)\s*", text, re.IGNORECASE)
+    if m is None:
+        raise H2OChatError(f"{name} must be a size such as 256MB or 1.5GB, got {text!r}")
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if size <= 0:
+        raise H2OChatError(f"{name} must be more than 0 bytes, got {text!r}")
+    return size
 
 
 def check_positive(name: str, value: int | None) -> None:

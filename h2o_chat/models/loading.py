@@ -273,6 +273,32 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def kv_tokens_in(
+    spec: ModelSpec,
+    device: str,
+    dtype: str | None,
+    quantize: str | None,
+    download: bool,
+    memory: int,
+    rows: int = 1,
+    kv_quant: str = "none",
+) -> tuple[int, int]:
+    """The most tokens per row whose KV cache, as `kv_quant` stores it, fits in `memory` bytes for `rows` rows
+    (the budget --kv-memory gives), and the bytes one token takes per row; from the model's config and the dtype
+    it would load in."""
+    from transformers import AutoConfig
+
+    from h2o_chat.models.memory import kv_token_bytes
+
+    _quiet_transformers()
+    _, torch_dtype, _ = resolve_settings(spec, device, dtype, quantize)
+    location = weights_location(spec, download)
+    with _fetching(spec, download):
+        config = AutoConfig.from_pretrained(location, local_files_only=not download)
+    per_token = kv_token_bytes(config, torch_dtype, kv_quant)
+    return memory // (per_token * rows), per_token
+
+
 def load(
     spec: ModelSpec,
     device: str = "auto",

@@ -72,6 +72,11 @@ def _kv_shape(config) -> dict[str, int]:
     }
 
 
+def kv_token_bytes(config, dtype: torch.dtype, kv_quant: str = "none") -> int:
+    """Bytes one token's keys and values take in every layer, as the cache stores them (a row)."""
+    return Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant).kv_bytes(1, dtype)
+
+
 def gb(n: float) -> str:
     """Bytes for a message: GB with one decimal, or MB below a tenth of a GB (a tiny model's needs)."""
     return f"{n / 2**30:.1f} GB" if n >= 0.1 * 2**30 else f"{n / 2**20:.1f} MB"
