@@ -68,7 +68,7 @@ def test_slash_commands_budget_save_load(embedded, tmp_path):
     assert f"saved 2 messages to {saved}" in out
     assert "loaded 2 messages" in out
     assert "unknown command /nope" in out
-    assert "error: /budget takes a number of tokens" in out
+    assert "error: /budget takes a number of tokens or a size such as 64MB, got 'x'" in out
     data = json.loads(saved.read_text())
     assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert [m["role"] for m in chat.conv.messages] == ["user", "assistant", "user", "assistant"]
@@ -103,6 +103,9 @@ def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     chat.commands.cmd_policy("full")
     chat.commands.cmd_budget("40")  # from the full cache a budget means the default policy again
     assert chat.conv.policy == make_policy("snap", 40)
+    per_token = 2 * 30 * 3 * 64 * 4  # the embedded model's keys and values in fp32, every layer
+    chat.commands.cmd_budget("2MB")  # a memory: the tokens whose keys and values fit in it
+    assert chat.conv.policy == make_policy("snap", 2**21 // per_token)
     out = chat.console.file.getvalue()
     assert "cache: snap 48 = 2 sink + 22 heavy + 24 recent; prompts kept by their last 8 queries" in out
 

@@ -65,7 +65,7 @@ def test_bad_commands_are_shown_not_raised(embedded):
     cmds.run("/budget lots")
     cmds.run("/budget 0")
     cmds.run("/load /nonexistent.json")
-    assert view.errors[0] == "/budget takes a number of tokens, got 'lots'"
+    assert view.errors[0] == "/budget takes a number of tokens or a size such as 64MB, got 'lots'"
     assert "positive" in view.errors[1] and "not found" in view.errors[2]
     assert conv.policy == make_policy("snap", 64)  # nothing changed
 

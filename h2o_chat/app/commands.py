@@ -18,7 +18,7 @@ from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
 HELP = """\
 /help              this list
-/budget N          set the cache budget (tokens per layer); a smaller one evicts now
+/budget N|SIZE     set the cache budget (tokens per layer, or the memory: 64MB); a smaller one evicts now
 /policy NAME       snap | reread | recall | h2o | sink | recent | full
 /set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
 /regen             answer the last message again (the conversation is re-read)
@@ -99,9 +99,25 @@ class SlashCommands:
         try:
             budget = int(arg)
         except ValueError:
-            raise InputError(f"/budget takes a number of tokens, got {arg!r}") from None
+            budget = self._tokens_in(arg)
         name = self.conv.policy.name
         self._set_policy(DEFAULT_POLICY if name == "full" else name, budget)
+
+    def _tokens_in(self, arg: str) -> int:
+        """/budget 64MB: the most tokens whose keys and values fit, as this chat's cache stores them."""
+        from h2o_chat.app.options import parse_size
+        from h2o_chat.models.memory import kv_token_bytes
+
+        try:
+            memory = parse_size("/budget", arg)
+        except H2OChatError:
+            raise InputError(f"/budget takes a number of tokens or a size such as 64MB, got {arg!r}") from None
+        loaded = self.conv.loaded
+        per_token = kv_token_bytes(loaded.model.config, loaded.dtype, self.conv.settings.kv_quant)
+        if memory < per_token:
+            raise InputError(f"/budget {arg} holds no token: a token's keys and values take {per_token:,} bytes")
+        self.view.say(f"/budget {arg}: {memory // per_token:,} tokens ({per_token:,} bytes a token)")
+        return memory // per_token
 
     def cmd_policy(self, arg: str) -> None:
         if not arg:

@@ -106,6 +106,7 @@ KvMemory = Annotated[
     str | None,
     typer.Option(
         "--kv-memory",
+        metavar="SIZE",
         help="The KV cache's memory instead of --budget, e.g. 256MB or 1.5GB (MB = 2^20 bytes, as the panel "
         "shows): the budget becomes the most tokens whose keys and values fit, as --kv-quant stores them (with "
         "--batch-size, for all rows together).",
