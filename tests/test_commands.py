@@ -65,8 +65,10 @@ def test_bad_commands_are_shown_not_raised(embedded):
     cmds.run("/budget lots")
     cmds.run("/budget 0")
     cmds.run("/load /nonexistent.json")
+    cmds.run("/budget 1KB")  # a size, but not one token's keys and values (46,080 bytes here)
     assert view.errors[0] == "/budget takes a number of tokens or a size such as 64MB, got 'lots'"
     assert "positive" in view.errors[1] and "not found" in view.errors[2]
+    assert view.errors[3] == "/budget 1KB holds no token: a token's keys and values take 46,080 bytes"
     assert conv.policy == make_policy("snap", 64)  # nothing changed
 
 

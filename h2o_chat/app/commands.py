@@ -105,19 +105,18 @@ class SlashCommands:
 
     def _tokens_in(self, arg: str) -> int:
         """/budget 64MB: the most tokens whose keys and values fit, as this chat's cache stores them."""
-        from h2o_chat.app.options import parse_size
+        from h2o_chat.app.options import parse_size, tokens_in
         from h2o_chat.models.memory import kv_token_bytes
 
         try:
             memory = parse_size("/budget", arg)
         except H2OChatError:
             raise InputError(f"/budget takes a number of tokens or a size such as 64MB, got {arg!r}") from None
-        loaded = self.conv.loaded
-        per_token = kv_token_bytes(loaded.model.config, loaded.dtype, self.conv.settings.kv_quant)
-        if memory < per_token:
-            raise InputError(f"/budget {arg} holds no token: a token's keys and values take {per_token:,} bytes")
-        self.view.say(f"/budget {arg}: {memory // per_token:,} tokens ({per_token:,} bytes a token)")
-        return memory // per_token
+        loaded, kv_quant = self.conv.loaded, self.conv.settings.kv_quant
+        per_token = kv_token_bytes(loaded.model.config, loaded.dtype, kv_quant)
+        tokens = tokens_in("/budget", arg, memory, per_token, kv_quant=kv_quant)
+        self.view.say(f"/budget {arg}: {tokens:,} tokens ({per_token:,} bytes a token)")
+        return tokens
 
     def cmd_policy(self, arg: str) -> None:
         if not arg:

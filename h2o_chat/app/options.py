@@ -183,13 +183,13 @@ class ModelOptions:
 
             torch.set_num_threads(self.threads)
 
-    def kv_tokens(self, memory: int, rows: int = 1, kv_quant: str = "none") -> tuple[int, int]:
-        """The most tokens per row whose KV cache fits in `memory` bytes for `rows` rows, and the bytes a token
-        takes per row (from the model's config: nothing is loaded)."""
-        from h2o_chat.models.loading import kv_tokens_in
+    def kv_token_bytes(self, kv_quant: str = "none") -> int:
+        """Bytes a token's keys and values take per row, as `kv_quant` stores them (from the model's config:
+        nothing is loaded)."""
+        from h2o_chat.models.loading import kv_token_bytes_of
 
         spec = load_registry(self.models_file).resolve(self.model)
-        return kv_tokens_in(spec, self.device, self.dtype, self.quantize, self.download, memory, rows, kv_quant)
+        return kv_token_bytes_of(spec, self.device, self.dtype, self.quantize, self.download, kv_quant)
 
     def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none"):
         self.use_threads()
@@ -240,14 +240,10 @@ class CacheOptions:
         if self.kv_memory is None:
             return self
         memory = parse_size("--kv-memory", self.kv_memory)
-        tokens, per_token = models.kv_tokens(memory, rows, self.kv_quant)
+        per_token = models.kv_token_bytes(self.kv_quant)
+        tokens = tokens_in("--kv-memory", self.kv_memory, memory, per_token, rows, self.kv_quant)
         stored = " in 8 bits" if self.kv_quant == "8bit" else ""
         each = f" for each of {rows} rows" if rows > 1 else ""
-        if tokens < 1:
-            raise H2OChatError(
-                f"--kv-memory {self.kv_memory} holds no token: a token's keys and values take {per_token:,} bytes"
-                f"{stored}{' for ' + str(rows) + ' rows' if rows > 1 else ''}"
-            )
         status(
             f"--kv-memory {self.kv_memory}: a budget of {tokens:,} tokens{each} ({per_token:,} bytes a token{stored})"
         )
@@ -413,6 +409,20 @@ def parse_size(name: str, text: str) -> int:
     if size <= 0:
         raise H2OChatError(f"{name} must be more than 0 bytes, got {text!r}")
     return size
+
+
+def tokens_in(flag: str, text: str, memory: int, per_token: int, rows: int = 1, kv_quant: str = "none") -> int:
+    """The budget `memory` bytes hold (`flag` `text` as the user wrote it): the most tokens per row whose keys and
+    values, `per_token` bytes a row, fit for `rows` rows; an error when not one does."""
+    tokens = memory // (per_token * rows)
+    if tokens < 1:
+        stored = " in 8 bits" if kv_quant == "8bit" else ""
+        rows_words = f" for {rows} rows" if rows > 1 else ""
+        raise H2OChatError(
+            f"{flag} {text} holds no token: a token's keys and values take {per_token * rows:,} bytes"
+            f"{stored}{rows_words}"
+        )
+    return tokens
 
 
 def check_positive(name: str, value: int | None) -> None:

@@ -273,19 +273,11 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def kv_tokens_in(
-    spec: ModelSpec,
-    device: str,
-    dtype: str | None,
-    quantize: str | None,
-    download: bool,
-    memory: int,
-    rows: int = 1,
-    kv_quant: str = "none",
-) -> tuple[int, int]:
-    """The most tokens per row whose KV cache, as `kv_quant` stores it, fits in `memory` bytes for `rows` rows
-    (the budget --kv-memory gives), and the bytes one token takes per row; from the model's config and the dtype
-    it would load in."""
+def kv_token_bytes_of(
+    spec: ModelSpec, device: str, dtype: str | None, quantize: str | None, download: bool, kv_quant: str = "none"
+) -> int:
+    """Bytes one token's keys and values take per row, as `kv_quant` stores them, before anything loads: from the
+    model's config and the dtype it would load in (what --kv-memory divides)."""
     from transformers import AutoConfig
 
     from h2o_chat.models.memory import kv_token_bytes
@@ -295,8 +287,7 @@ def kv_tokens_in(
     location = weights_location(spec, download)
     with _fetching(spec, download):
         config = AutoConfig.from_pretrained(location, local_files_only=not download)
-    per_token = kv_token_bytes(config, torch_dtype, kv_quant)
-    return memory // (per_token * rows), per_token
+    return kv_token_bytes(config, torch_dtype, kv_quant)
 
 
 def load(

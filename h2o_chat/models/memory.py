@@ -128,7 +128,7 @@ def check_fits_in_memory(
     """On CPU: the KV cache is allocated whole at the first token, so a budget beyond this machine's memory
     fails there with "can't allocate"; say before loading which budget would fit."""
     available = available_memory()
-    kv = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant).kv_bytes(kv_tokens, dtype, rows)
+    kv = kv_token_bytes(config, dtype, kv_quant) * kv_tokens * rows
     if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
         return
     fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
