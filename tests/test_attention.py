@@ -105,3 +105,29 @@ def test_fallback_is_plain_causal_sdpa():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(causal_sdpa(q, k, v, None, None), expected)
+
+
+def test_the_cache_is_found_under_either_name_transformers_gives_it():
+    """transformers 5.2x renamed the forward's `past_key_values` to `cache` (the old name deprecated, still taken):
+    the cache must attend the same whichever name the caller used. Before the attention hook looked for `cache`,
+    every H2O forward on a newer transformers silently ran as if no cache were attached (garbled text)."""
+    from transformers import DynamicCache
+
+    from conftest import tiny_model
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.policies import make_policy
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 24))
+    names = {attention.cache_keyword(model), "past_key_values"}
+    assert attention.cache_keyword(model) in ("cache", "past_key_values")
+    with torch.no_grad():
+        reference = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :16], **{attention.cache_keyword(model): reference})
+        expected = model(input_ids=ids[:, 16:], **{attention.cache_keyword(model): reference}).logits
+        for name in names:
+            cache = H2OCache.for_model(model, make_policy("full"))
+            model(input_ids=ids[:, :16], **{name: cache})
+            got = model(input_ids=ids[:, 16:], **{name: cache}).logits
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            assert cache.stats().seen == 24

@@ -196,9 +196,25 @@ def passthrough_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) ->
     return attention_mask
 
 
+# what a model's forward and its attention modules call the cache: transformers 5.2x renamed `past_key_values` to
+# `cache` (the old name still accepted, deprecated); GPT-NeoX's attention says `layer_past`
+CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+
+
 def _h2o_cache(kwargs: dict):
-    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
-    return cache if getattr(cache, "h2o_layer", None) is not None else None
+    for name in CACHE_KWARGS:
+        cache = kwargs.get(name)
+        if getattr(cache, "h2o_layer", None) is not None:
+            return cache
+    return None
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its cache by: `cache` in newer transformers, else
+    `past_key_values` (passing the old name to a newer one works but warns)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _route(module: torch.nn.Module, args: tuple, kwargs: dict):

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.sampling import RowSampler, Sampler
 from h2o_chat.engine.slots import mark_static
 from h2o_chat.engine.snap import compress_prompt
@@ -110,6 +111,7 @@ class Engine:
 
     def __init__(self, model, cache, decode: str = "auto"):
         self.model, self.cache = model, cache
+        self._cache_kw = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.mode = resolve_decode(decode, self.device)
         self.vocab = model.config.get_text_config().vocab_size
@@ -228,7 +230,8 @@ class Engine:
         return logits
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kw = {self._cache_kw: cache}
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kw)
         return out.logits[:, -1]  # (B, V)
 
     # -- decode -----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from importlib import resources
 import torch
 from transformers import DynamicCache, StaticCache
 
+from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
@@ -129,7 +130,7 @@ class _Run:
             self.token = self.engine.first_tokens(self.engine.prefill(ids))
             self.fresh = True  # the next step feeds this token; later ones feed the engine's own output
         else:
-            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(self.model): self.cache})
             self.token = out.logits[:, -1].argmax(-1)
         self.fed += ids.shape[1]
 
@@ -139,7 +140,8 @@ class _Run:
             self.fresh = False
         else:
             forward = self._compiled_forward() if self.decode == "compile" else self.model.forward
-            out = forward(input_ids=self.token[:, None], past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            kw = {cache_keyword(self.model): self.cache}
+            out = forward(input_ids=self.token[:, None], use_cache=True, logits_to_keep=1, **kw)
             self.token = out.logits[:, -1].argmax(-1)
         self.fed += 1
 

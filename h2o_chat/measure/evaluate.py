@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
@@ -279,11 +280,11 @@ def full_nll(model, ids: torch.Tensor, prompt_tokens: int = 1, chunk: int = DEFA
 
     device = next(model.parameters()).device
     x = ids.to(device)
-    cache = DynamicCache(config=model.config)
+    cache, keyword = DynamicCache(config=model.config), cache_keyword(model)
     out = []
     with attention(model, "sdpa"):
         for s in range(0, x.shape[1], chunk):
-            logits = model(input_ids=x[:, s : s + chunk], past_key_values=cache, use_cache=True).logits[0]
+            logits = model(input_ids=x[:, s : s + chunk], use_cache=True, **{keyword: cache}).logits[0]
             out.append(F.cross_entropy(logits[:-1].float(), x[0, s + 1 : s + chunk], reduction="none"))
             if s + chunk < x.shape[1]:  # the chunk's last position predicts the next chunk's first token
                 out.append(F.cross_entropy(logits[-1:].float(), x[0, s + chunk : s + chunk + 1], reduction="none"))

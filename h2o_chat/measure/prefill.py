@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
+from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
@@ -127,7 +128,7 @@ class _Reader:
 
     @torch.inference_mode()
     def _transformers(self, count_chunk: int | None) -> Counter | None:
-        cache = DynamicCache(config=self.model.config)
+        cache, keyword = DynamicCache(config=self.model.config), cache_keyword(self.model)
         L = self.ids.shape[1]
         step = self.chunk if self.config == "transformers-chunked" else L
         counted = Counter()
@@ -136,7 +137,7 @@ class _Reader:
                 ctx = _Count() if i == count_chunk else contextlib.nullcontext()
                 with ctx as c:
                     self.model(
-                        input_ids=self.ids[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1
+                        input_ids=self.ids[:, s : s + step], use_cache=True, logits_to_keep=1, **{keyword: cache}
                     )
                 if c is not None:
                     counted.update(c.ops)
