@@ -137,13 +137,23 @@ def test_snap_settings_are_validated():
     assert "last 16 queries" in make_policy("snap", 512).describe()
 
 
-@pytest.mark.parametrize("positions", ["absolute", "auto"])
-def test_snap_rows_beside_other_policies_compress_like_a_snap_cache(positions):
+@pytest.mark.parametrize(
+    "positions, policies",
+    [
+        ("absolute", [("h2o", 24), ("snap", 24)]),
+        ("auto", [("h2o", 24), ("snap", 24)]),
+        ("absolute", [("snap", 24), ("snap", 48)]),
+        ("absolute", [("h2o", 48), ("snap", 24)]),
+    ],
+)
+def test_snap_rows_beside_other_policies_compress_like_a_snap_cache(positions, policies):
     """Rows of one cache follow their own policies: a snap row next to an h2o row keeps what it keeps alone
-    (also after positions were renumbered, when scoring rotates keys back to their true positions)."""
+    (also after positions were renumbered, when scoring rotates keys back to their true positions), and so does
+    a snap row beside a row of a larger budget (evaluations compare budgets as rows of one batch: such a row
+    used to fill the storage beyond its own budget, and its probe read the larger budget's tail)."""
     model = tiny_model("llama", seed=25, max_positions=64)
     ids = torch.randint(0, 256, (1, 90))
-    policies = [make_policy("h2o", 24), make_policy("snap", 24, window=6)]
+    policies = [make_policy(name, budget, window=6 if name == "snap" else None) for name, budget in policies]
     together_cache = H2OCache.for_model(model, policies, positions, rows=[1, 1])
     together = prefill(model, together_cache, ids.expand(2, -1), chunk_size=30)
     for row, policy in enumerate(policies):

@@ -197,11 +197,13 @@ class Engine:
         done = [0]  # prompt columns read so far, over every pass
         with deferred_interrupt() as interrupted:
 
-            def feed(target, start: int = 0, total: int | None = None) -> torch.Tensor:
-                """Read columns [start:] of the prompt into `target`; `total`: columns read over every pass."""
+            def feed(target, start: int = 0, total: int | None = None, real=None) -> torch.Tensor:
+                """Read columns [start:] of the prompt into `target`; `total`: columns read over every pass;
+                `real`: the mask to read them with (default the prompt's)."""
                 total = ids.shape[1] if total is None else total
+                real = mask if real is None else real
                 return self._chunks(
-                    target, ids[:, start:], mask[:, start:], chunk_size, progress, done, total, interrupted
+                    target, ids[:, start:], real[:, start:], chunk_size, progress, done, total, interrupted
                 )
 
             return compress_prompt(cache, mask, feed, probe_tokens=chunk_size)

@@ -323,14 +323,21 @@ class Rules:
         keep = pos > row(newest - self.recent)
         if self.any_protected_sinks:
             keep |= (pos >= 0) & (pos < row(self.sinks))
-        prio = rank.masked_fill(keep, INF).masked_fill(pos < 0, -INF)
-        if not self.uniform:  # slots beyond a row's budget are never filled: they never lose either
-            slot = torch.arange(pos.shape[-1], device=pos.device)
-            beyond = slot >= row(self.limit)
-            if stored is not None:
-                beyond &= slot < stored
-            prio = prio.masked_fill(beyond, INF)
-        return prio
+        return self.within_limits(rank.masked_fill(keep, INF).masked_fill(pos < 0, -INF), stored)
+
+    def within_limits(self, prio: torch.Tensor, stored: int | None = None) -> torch.Tensor:
+        """Keep-priorities (..., B, H, N) with the storage slots beyond a row's limit at +inf: never filled, so
+        never lost (rows of one batch with smaller budgets leave the rest of the storage empty). Every priority
+        a chunk's selection uses goes through it (the rules' and snap's observation)."""
+        import torch
+
+        if self.uniform:
+            return prio
+        slot = torch.arange(prio.shape[-1], device=prio.device)
+        beyond = slot >= self.limit[:, None, None]
+        if stored is not None:
+            beyond &= slot < stored
+        return prio.masked_fill(beyond, INF)
 
 
 def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -128,7 +128,7 @@ class Observation:
         keep = pos >= self.protect_from[:, None, None]
         if cache.rules.any_protected_sinks:
             keep |= (pos >= 0) & (pos < cache.rules.sinks[:, None, None])
-        observed = mass.masked_fill(keep, INF).masked_fill(pos < 0, -INF)
+        observed = cache.rules.within_limits(mass.masked_fill(keep, INF).masked_fill(pos < 0, -INF), stored=C)
         if self.all_rows:
             return observed
         newest = new.pos.max(-1).values.clamp(min=0).maximum(s.seen - 1)
@@ -181,8 +181,9 @@ def compress_prompt(
 ) -> torch.Tensor:
     """Prefill a prompt with question-aware selection for the rows whose policy compresses prompts and whose
     own tokens overflow the budget; returns the last logits. `mask` (B, L) marks the prompt's real tokens;
-    `prefill(cache, start, total)` is the plain chunked prefill of the prompt's columns [start:] into a cache
-    (the probe's copy or the real one), `total` the columns read over every pass (for progress)."""
+    `prefill(cache, start, total, mask)` is the plain chunked prefill of the prompt's columns [start:] into a cache
+    (the probe's copy or the real one), `total` the columns read over every pass (for progress), `mask` the
+    prompt's mask to read them with (default `mask`)."""
     L = mask.shape[1]
     rows = _overflowing_rows(cache, mask.sum(-1))
     if not bool(rows.any()):  # it all fits: nothing to choose (one host sync per prompt)
@@ -194,13 +195,18 @@ def compress_prompt(
         raise ValueError("rows of one batch compress prompts with one pooling kernel")
     windows = torch.tensor([g.policy.window if isinstance(g.policy, Snap) else 1 for g in groups], device=mask.device)
     window = int(windows.max())
-    start = max(0, L - max(probe_tokens, *(p.capacity for p in snaps))) if PROBE == "tail" else 0
+    # each row's probe reads its own tail (its budget, or a chunk if more), as it would alone: a row whose tail
+    # starts later sees the columns before it as padding, counted as read (`skip`) so positions stay true
+    caps = [g.policy.capacity if isinstance(g.policy, Snap) else 0 for g in groups]
+    own = torch.tensor([max(0, L - max(probe_tokens, c)) if PROBE == "tail" else 0 for c in caps], device=mask.device)
+    start = int(own.min())
+    before = torch.arange(L, device=mask.device) < own[:, None]  # (B, L): columns a row's probe skips
 
     probe_cache = cache.fork()
     probe_cache.probe = Probe(probe_cache, window, cache.columns + L)
-    if start:
-        probe_cache.skip(mask[:, :start].sum(-1), start)
-    prefill(probe_cache, start, 2 * L - start)
+    if bool(before.any()):
+        probe_cache.skip((mask.bool() & before).sum(-1), start)
+    prefill(probe_cache, start, 2 * L - start, mask.masked_fill(before, 0))
     probe = probe_cache.probe
     del probe_cache
 
