@@ -30,9 +30,11 @@ is ranked without masks. Reading the stored keys is most of it once the store is
 processor's caches), so past `TWO_PASS_FROM` x `CANDIDATES` x the tokens recalled a step ranks in two passes: the
 stored keys' coordinates in their `RANK_DIM` principal directions (per layer, row and KV head; fitted each time the
 store doubles, new entries projected as they come) choose `CANDIDATES` x the tokens recalled, which are ranked
-exactly. It reads a quarter of each stored key's channels plus the candidates' keys, so a step's cost grows about a
-third as fast with the store (measured on the embedded model, one CPU thread, budget 512: 1.37x h2o's step at 8,192
-tokens seen where exact ranking took 1.76x; see README). On the multi-turn evaluation it kept the gain (held-out
+exactly. Each row follows its own schedule (its own threshold, candidates, basis and refits, from the tokens it
+holds), so a row recalls what it would alone whatever its batch neighbours' budgets. It reads a quarter of each
+stored key's channels plus the candidates' keys, so a step's cost grows about a third as fast with the store
+(measured on the embedded model, one CPU thread, budget 512: 1.37x h2o's step at 8,192 tokens seen where exact
+ranking took 1.76x; see README). On the multi-turn evaluation it kept the gain (held-out
 texts, 10% budget: 0.997 with 9/30 hits, exact ranking 0.90 with 4/30). Cheaper first passes lost the fact: 8
 directions (held-out, 10%: 0.79), two candidates per recalled token (tuning texts, 10%: 0.80), Quest's block bounds
 in eviction order or by position; so did ranking less often than every step (every 2nd step with the next 3 tokens
@@ -129,7 +131,11 @@ class Store:
         self.rank_dim = rank_dim_for(D, block)
         self.candidates = CANDIDATES if self.rank_dim else 0
         self.basis = None  # (L, B, H, D, rank_dim): the stored keys' principal directions (`_fit`)
-        self.fitted = 0  # entries the basis was fitted on
+        # per row, so that a row ranks as it would alone whatever its batch neighbours recall (evaluations compare
+        # budgets as rows of one batch): the tokens it holds (its largest layer and head) and fitted its basis on
+        self.row_tokens = torch.zeros(B, dtype=torch.long)
+        self.fitted = torch.zeros(B, dtype=torch.long)
+        self._two = None  # no row ranks in two passes yet (`_set_two`)
         self._allocate(0)
 
     def set_recalled(self, recalled: list[int]) -> None:
@@ -141,6 +147,10 @@ class Store:
         self.rows_recall = blocks_per_row > 0
         self.select = int(blocks_per_row.max())  # blocks brought back per step (rows with fewer mask theirs)
         self.uniform = bool((blocks_per_row == self.select).all())  # every row recalls as many
+        # a row ranks in two passes once it holds TWO_PASS_FROM x its own candidates (none: rows that do not recall)
+        self.two_from = torch.where(self.rows_recall, TWO_PASS_FROM * CANDIDATES * blocks_per_row, -1)
+        if hasattr(self, "fitted"):  # a policy change: the rows' thresholds moved
+            self._set_two()
 
     def _allocate(self, n: int) -> None:
         L, B, H = self.shape
@@ -236,32 +246,43 @@ class Store:
         self.pos[:, :, :, c0:c1] = pos
         self.empty[:, :, :, c0:c1] = empty = pos < 0
         self.holes = self.holes or bool(empty.any())
+        self.row_tokens += (~empty).sum(-1).amax(dim=(0, 2))
         self.count = c1
         if self.candidates:
             self._project(c0, c1)
         self._summarise(c0 // self.block, -(-c1 // self.block))
 
     def _project(self, c0: int, c1: int) -> None:
-        """Entries c0..c1's coordinates in the basis; the basis is fitted again (on every stored key) each time
-        the store has doubled since it was last fitted, once a step ranks in two passes (`_recall_step`)."""
-        if c1 > TWO_PASS_FROM * self.candidates * self.select and c1 >= 2 * self.fitted:
-            self._fit()
-        elif self.basis is not None:
+        """Entries c0..c1's coordinates in the basis; a row's basis is fitted again (on every key it stored) each
+        time its tokens have doubled since it was last fitted, once it ranks in two passes (`_recall_step`)."""
+        if self.basis is not None:
             self.low[..., c0:c1] = self.basis.mT @ self.keys[:, :, :, c0:c1].float().mT
+        due = (self.row_tokens > self.two_from) & (self.row_tokens >= 2 * self.fitted) & self.rows_recall
+        if bool(due.any()):
+            self._fit(due.nonzero().flatten())
+        self._set_two()
 
-    def _fit(self) -> None:
-        """Per layer, row and KV head: the `rank_dim` directions along which the stored keys vary most (the top
-        eigenvectors of their uncentred second moment, D x D), and every stored key's coordinates in them. One
-        layer at a time (the transient is one layer's keys in fp32); it reads the whole store, and runs each time
-        the store doubles: amortized, a constant cost per stored token."""
+    def _set_two(self) -> None:
+        """Which rows rank in two passes (`_recall_step`): None for none, True for all, else a (B,) mask; kept
+        rather than derived in every layer of every step."""
+        two = (self.fitted > 0) & (self.row_tokens > self.two_from)
+        self._two = None if not (self.candidates and bool(two.any())) else True if bool(two.all()) else two
+
+    def _fit(self, rows: torch.Tensor) -> None:
+        """Per layer, row (of `rows`) and KV head: the `rank_dim` directions along which the stored keys vary most
+        (the top eigenvectors of their uncentred second moment, D x D), and every stored key's coordinates in them.
+        One layer at a time (the transient is one layer's keys in fp32); it reads the row's whole store, and runs
+        each time the row's tokens double: amortized, a constant cost per stored token."""
         n, (L, B, H) = self.count, self.shape
-        basis = torch.empty(L, B, H, self.D, self.rank_dim)
+        if self.basis is None:  # rows never fitted keep zeros (their coordinates are never read)
+            self.basis = torch.zeros(L, B, H, self.D, self.rank_dim)
         for i in range(L):
-            keys = self.keys[i, :, :, :n].float() * ~self.empty[i, :, :, :n, None]  # nothing from empty entries
+            keys = self.keys[i, rows, :, :n].float() * ~self.empty[i, rows, :, :n, None]  # nothing from empty ones
             vectors = torch.linalg.eigh(keys.transpose(-1, -2) @ keys).eigenvectors  # eigenvalues ascend
-            basis[i] = vectors[..., -self.rank_dim :]
-            self.low[i, ..., :n] = basis[i].mT @ keys.mT
-        self.basis, self.fitted = basis, n
+            basis = vectors[..., -self.rank_dim :]
+            self.basis[i, rows] = basis
+            self.low[i, rows, :, :, :n] = basis.mT @ keys.mT
+        self.fitted[rows] = self.row_tokens[rows]
 
     def _summarise(self, b0: int, b1: int) -> None:
         blk = self.block
@@ -282,6 +303,8 @@ class Store:
         self.pos[:, :, :, count : self.count] = -1
         self.empty[:, :, :, count : self.count] = True
         self.count = count
+        self.row_tokens = (~self.empty[:, :, :, :count]).sum(-1).amax(dim=(0, 2))
+        self._set_two()
         if self.block > 1:
             b0 = count // self.block
             self.filled[:, :, :, b0:] = False
@@ -292,7 +315,9 @@ class Store:
         self.truncate(0)
         self.marks.zero_()
         self.full = self.holes = False
-        self.basis, self.fitted = None, 0
+        self.basis = None
+        self.fitted.zero_()
+        self._set_two()
 
     def clear_row(self, r: int) -> None:
         self.holes = True
@@ -300,6 +325,8 @@ class Store:
         self.empty[:, r] = True
         self.filled[:, r] = False
         self.marks[:, r] = 0
+        self.row_tokens[r] = self.fitted[r] = 0
+        self._set_two()
 
     def rows(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (in that order)."""
@@ -308,9 +335,11 @@ class Store:
             setattr(self, name, t.index_select(1, index))
         if self.basis is not None:
             self.basis = self.basis.index_select(1, index)
+        self.row_tokens, self.fitted = self.row_tokens.index_select(0, index), self.fitted.index_select(0, index)
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
         self._set_offsets()
+        self._set_two()
 
     # -- reading ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -386,30 +415,20 @@ class Store:
         if query.device != self.device or query.dtype != self.dtype:
             query = query.to(self.device, self.dtype)
         q, keys, empty = query.view(BH, -1, D), self.keys[i].view(BH, N, D), self.empty[i].view(BH, N)
-        k, many = min(self.select, n), self.candidates * self.select
-        masked = self.holes or not self.uniform
-        if many and self.basis is not None and n > TWO_PASS_FROM * many:  # the basis's coordinates, then exact
-            r, qf = self.rank_dim, q.float()
-            approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, r, N)[:, :, :n])
-            approx = approx.amax(1)
-            if self.holes:
-                approx.masked_fill_(empty[:, :n], -torch.inf)
-            cand = approx.topk(many, dim=-1, sorted=False).indices  # (BH, many)
-            near = keys.reshape(-1, D).index_select(0, (cand + self._offsets).view(-1)).view(BH, many, D)
-            logits = torch.bmm(qf, near.float().transpose(1, 2))  # (BH, G, many)
-            emptied = empty.gather(1, cand) if self.holes else None
-        else:
-            cand, logits = None, torch.bmm(q, keys[:, :n].transpose(1, 2))  # (BH, G, n)
-            emptied = empty[:, :n] if self.holes else None
-        bound = logits.amax(1)
-        if emptied is not None:
-            bound.masked_fill_(emptied, -torch.inf)
-        top = bound.topk(k, dim=-1, sorted=False)
-        logits = logits.gather(2, top.indices[:, None, :].expand(-1, logits.shape[1], -1))
-        tok = top.indices if cand is None else cand.gather(1, top.indices)
+        k = min(self.select, n)
+        if self._two is None:
+            tok, logits, best = self._exact(q, keys, empty, n, k)
+        elif self._two is True:
+            tok, logits, best = self._two_pass(i, q, keys, empty, n, k)
+        else:  # a batch whose rows rank each as it would alone (evaluations): both rankings, each row its own
+            chosen = [self._exact(q, keys, empty, n, k), self._two_pass(i, q, keys, empty, n, k)]
+            by_row = self._two.repeat_interleave(H)  # (BH,)
+            tok, logits, best = (
+                torch.where(by_row.view(-1, *[1] * (a.dim() - 1)), b, a) for a, b in zip(*chosen, strict=True)
+            )
         valid = None
-        if masked:
-            valid = top.values > -torch.inf
+        if self.holes or not self.uniform:
+            valid = best > -torch.inf
             if not self.uniform:  # rows that recall fewer (or none) mask the rest
                 valid &= torch.arange(k) < self.blocks_per_row.repeat_interleave(H)[:, None]
         values = self._values(i, self._mark(i, tok, valid), B, H)
@@ -422,6 +441,44 @@ class Store:
             values, logits = values.to(device), logits.to(device)
             valid = None if valid is None else valid.to(device)
         return Recalled(None, values, valid, logits)
+
+    def _exact(self, q, keys, empty, n: int, k: int):
+        """Every stored key ranked by its logit: the k best entries (BH, k), their logits (BH, G, k) and each
+        one's ranking value (-inf: nothing there)."""
+        logits = torch.bmm(q, keys[:, :n].transpose(1, 2))  # (BH, G, n)
+        return self._best(logits, None, empty[:, :n] if self.holes else None, k, not self.uniform)
+
+    def _two_pass(self, i: int, q, keys, empty, n: int, k: int):
+        """The keys' coordinates in the basis choose `candidates` x what a row recalls (its own count: a row
+        ranks as it would alone), which are ranked exactly; as `_exact`."""
+        BH, N, D, r = q.shape[0], keys.shape[1], self.D, self.rank_dim
+        many, qf = min(self.candidates * self.select, n), q.float()
+        approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, r, N)[:, :, :n])
+        approx = approx.amax(1)
+        if self.holes:
+            approx.masked_fill_(empty[:, :n], -torch.inf)
+        cand = approx.topk(many, dim=-1, sorted=not self.uniform).indices  # (BH, many)
+        near = keys.reshape(-1, D).index_select(0, (cand + self._offsets).view(-1)).view(BH, many, D)
+        logits = torch.bmm(qf, near.float().transpose(1, 2))  # (BH, G, many)
+        emptied = empty.gather(1, cand) if self.holes else None
+        if not self.uniform:  # a row that recalls fewer ranks only its own number of candidates (the best first)
+            own = self.candidates * self.blocks_per_row.repeat_interleave(self.shape[2])
+            beyond = torch.arange(many) >= own[:, None]
+            emptied = beyond if emptied is None else emptied | beyond
+        return self._best(logits, cand, emptied, k, not self.uniform)
+
+    @staticmethod
+    def _best(logits, cand, emptied, k: int, ordered: bool):
+        """The k entries with the largest logit under any query head of the group (BH, k) (`cand`: the ranked
+        entries' indices; None: all of them in order), their logits (BH, G, k) and ranking values (BH, k);
+        `ordered`: best first (rows that recall fewer than k keep their first ones)."""
+        bound = logits.amax(1)
+        if emptied is not None:
+            bound.masked_fill_(emptied, -torch.inf)
+        top = bound.topk(k, dim=-1, sorted=ordered)
+        logits = logits.gather(2, top.indices[:, None, :].expand(-1, logits.shape[1], -1))
+        tok = top.indices if cand is None else cand.gather(1, top.indices)
+        return tok, logits, top.values
 
     def _mark(self, i: int, tok: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Count layer i's stored entries `tok` (B H, R) as recalled (each valid one, `take_counts`); their flat
