@@ -121,7 +121,6 @@ class Store:
         self.quant = quant  # values in int8 with a scale per entry (`--kv-quant 8bit`); keys stay wide for ranking
         self.shape = (layers, B, H)
         self.dtype, self.D, self.Dv = key.dtype, D, value.shape[-1]
-        self.set_recalled(recalled)
         self.count = 0  # entries appended (the same for every row and head: see `append`)
         self.full = False  # it stopped growing: the host had no memory to spare; later evictions are not kept
         self.holes = False  # some entry before `count` holds nothing (padding, a row that does not recall)
@@ -135,7 +134,7 @@ class Store:
         # budgets as rows of one batch): the tokens it holds (its largest layer and head) and fitted its basis on
         self.row_tokens = torch.zeros(B, dtype=torch.long)
         self.fitted = torch.zeros(B, dtype=torch.long)
-        self._two = None  # no row ranks in two passes yet (`_set_two`)
+        self.set_recalled(recalled)  # also which rows rank in two passes (`_set_two`)
         self._allocate(0)
 
     def set_recalled(self, recalled: list[int]) -> None:
@@ -149,8 +148,7 @@ class Store:
         self.uniform = bool((blocks_per_row == self.select).all())  # every row recalls as many
         # a row ranks in two passes once it holds TWO_PASS_FROM x its own candidates (none: rows that do not recall)
         self.two_from = torch.where(self.rows_recall, TWO_PASS_FROM * CANDIDATES * blocks_per_row, -1)
-        if hasattr(self, "fitted"):  # a policy change: the rows' thresholds moved
-            self._set_two()
+        self._set_two()
 
     def _allocate(self, n: int) -> None:
         L, B, H = self.shape
@@ -312,12 +310,11 @@ class Store:
                 self._summarise(b0, b0 + 1)
 
     def clear(self) -> None:
+        self.basis = None
+        self.fitted.zero_()
         self.truncate(0)
         self.marks.zero_()
         self.full = self.holes = False
-        self.basis = None
-        self.fitted.zero_()
-        self._set_two()
 
     def clear_row(self, r: int) -> None:
         self.holes = True
@@ -339,7 +336,6 @@ class Store:
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
         self._set_offsets()
-        self._set_two()
 
     # -- reading ------------------------------------------------------------------------------------
     @torch.inference_mode()
