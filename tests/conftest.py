@@ -13,6 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
 
 
+def cached(model, cache) -> dict:
+    """The keyword arguments that hand `cache` to `model`'s forward or generate: `cache` in transformers >= 5.2x,
+    `past_key_values` before (the old name is deprecated there and goes in 5.40), as the engine passes it."""
+    from h2o_chat.engine.attention import cache_keyword
+
+    return {cache_keyword(model): cache}
+
+
 def tiny_config(family: str, layers: int = 2, max_positions: int = 8192):
     """A few small layers of a real architecture; random weights with peaked attention."""
     from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config

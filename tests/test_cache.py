@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, cached, tiny_model
 from h2o_chat.engine import layer as layer_module
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad
@@ -20,7 +20,7 @@ def run(model, cache, tokens: torch.Tensor, schedule: list[int]) -> torch.Tensor
     out, s = [], 0
     with torch.inference_mode():
         for size in schedule:
-            out.append(model(input_ids=tokens[:, s : s + size], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=tokens[:, s : s + size], **cached(model, cache), use_cache=True).logits)
             s += size
     return torch.cat(out, 1)
 
@@ -57,7 +57,7 @@ def test_padded_batch_matches_dynamic_cache():
         attention_mask=mask,
         max_new_tokens=12,
         do_sample=False,
-        past_key_values=H2OCache.for_model(model, make_policy("h2o", 64)),
+        **cached(model, H2OCache.for_model(model, make_policy("h2o", 64))),
     )
     assert torch.equal(got, expected)
 
@@ -222,7 +222,7 @@ def test_model_without_h2o_attention_is_refused():
     model.set_attn_implementation("sdpa")
     cache = H2OCache.for_model(model, make_policy("h2o", 16))
     with pytest.raises(CacheUsageError, match="prepare_model"):
-        model(input_ids=torch.randint(0, 256, (1, 4)), past_key_values=cache)
+        model(input_ids=torch.randint(0, 256, (1, 4)), **cached(model, cache))
     assert cache.slots is None  # refused before the first layer wrote anything
 
 
@@ -238,7 +238,7 @@ def test_an_unprepared_model_fails_at_its_first_update():
     layer0 = model.model.layers[0].self_attn
     layer0.register_forward_hook(lambda *a: calls.append("layer 0 finished"))
     with pytest.raises(CacheUsageError, match="prepare_model"):
-        model(input_ids=torch.randint(0, 256, (1, 4)), past_key_values=cache)
+        model(input_ids=torch.randint(0, 256, (1, 4)), **cached(model, cache))
     assert calls == []  # stopped inside the first attention, not a layer (or a forward) later
 
 

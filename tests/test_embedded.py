@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from conftest import cached
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.generate import stream_generate
 from h2o_chat.engine.policies import make_policy
@@ -15,7 +16,7 @@ def test_greedy_generation_is_token_identical_to_dynamic_cache(embedded, prompt_
     model.set_attn_implementation("sdpa")
     try:
         expected = model.generate(
-            torch.tensor([ids]), max_new_tokens=48, do_sample=False, past_key_values=DynamicCache(config=model.config)
+            torch.tensor([ids]), max_new_tokens=48, do_sample=False, **cached(model, DynamicCache(config=model.config))
         )[0, len(ids) :]
     finally:
         model.set_attn_implementation("h2o")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import tiny_model
+from conftest import cached, tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad, resolve_decode
 from h2o_chat.engine.policies import make_policy
@@ -383,9 +383,9 @@ def test_a_prefill_chunk_runs_about_as_many_operators_as_transformers(layers):
     ids = torch.randint(4, 256, (1, 3 * T), generator=torch.Generator().manual_seed(0))
     with attention(model, "sdpa"), torch.inference_mode():
         reference = DynamicCache(config=model.config)
-        model(input_ids=ids[:, : 2 * T], past_key_values=reference, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, : 2 * T], **cached(model, reference), use_cache=True, logits_to_keep=1)
         with _Operators() as ops:
-            model(input_ids=ids[:, 2 * T :], past_key_values=reference, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, 2 * T :], **cached(model, reference), use_cache=True, logits_to_keep=1)
     base = ops.count
     for name, bound in (("full", 1.15), ("recent", 1.15), ("h2o", 1.5), ("snap", 1.5)):
         engine = Engine(model, H2OCache.for_model(model, make_policy(name, T)))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_model
+from conftest import cached, tiny_model
 from h2o_chat.app import cli
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine
@@ -121,7 +121,7 @@ def test_cuda_fp16_parity_and_eviction_on_device():
     ids = torch.randint(0, 256, (2, 40), device="cuda")
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        expected = model(ids, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
+        expected = model(ids, **cached(model, DynamicCache(config=model.config))).logits[:, -1]
     model.set_attn_implementation("h2o")
     cache = H2OCache.for_model(model, make_policy("h2o", 64))
     got = Engine(model, cache).prefill(ids)

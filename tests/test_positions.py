@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import cached, tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.policies import make_policy
@@ -20,7 +20,7 @@ def feed(model, cache, ids: torch.Tensor, schedule: list[int]) -> torch.Tensor:
     out, s = [], 0
     with torch.inference_mode():
         for size in schedule:
-            out.append(model(input_ids=ids[:, s : s + size], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, s : s + size], **cached(model, cache), use_cache=True).logits)
             s += size
     return torch.cat(out, 1)
 
@@ -213,7 +213,7 @@ def test_model_generate_with_the_cache_equals_the_engine(positions):
     ours = [t[0] for t in generate(model, ours_cache, ids, 60)]
     cache = H2OCache.for_model(model, make_policy("h2o", 24), positions)
     with torch.inference_mode():
-        theirs = model.generate(ids, max_new_tokens=60, do_sample=False, past_key_values=cache)[0, 40:]
+        theirs = model.generate(ids, max_new_tokens=60, do_sample=False, **cached(model, cache))[0, 40:]
     assert theirs.tolist() == ours
     assert cache.rolling == (positions != "absolute") == ours_cache.rolling  # renumbered past 64 tokens
     assert cache.stats().kept == 24 and cache.stats().seen == 40 + 59

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from conftest import tiny_model
+from conftest import cached, tiny_model
 from h2o_chat.engine import layer as layer_module
 from h2o_chat.engine import snap as snap_module
 from h2o_chat.engine.cache import H2OCache
@@ -57,7 +57,7 @@ def test_kept_tokens_are_those_the_final_queries_attend_to_most(family, kernel):
     AttentionInterface.register("capture_queries", capture)
     model.set_attn_implementation("capture_queries")
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+        model(input_ids=ids, **cached(model, DynamicCache(config=model.config)))
     model.set_attn_implementation("h2o")
 
     cache = H2OCache.for_model(model, make_policy("snap", budget, window=window, kernel=kernel))
