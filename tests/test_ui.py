@@ -111,3 +111,25 @@ def test_the_reading_bar_says_which_part_snap_reads_twice():
     assert ui.reading_label(200, 100) == "reading the prompt (twice: snap)"
     assert ui.reading_label(164, 100) == "reading the prompt (its end twice: snap)"
     assert ui.reading_label(50, 0) == "reading the prompt"
+
+
+def test_a_measurement_logged_to_a_file_says_how_far_it_is_and_how_long_is_left(monkeypatch):
+    """Not a terminal: no bar, but a plain line at most once per `every` seconds (an hour-long eval into a log must
+    not look hung); the share and the time left follow from the steps done so far."""
+    clock = [100.0]
+    monkeypatch.setattr(ui.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    bar = ui.ProgressBar(Console(file=out, force_terminal=False), "ppl, 3 rows", every=60)
+    for done, now in ((10, 130.0), (20, 160.0), (30, 190.0), (50, 250.0), (100, 400.0)):
+        clock[0] = now
+        bar(done, 100)
+    lines = out.getvalue().splitlines()
+    # 60 s after the start (done 20 of 100: 60 s for 20, so 240 s left), then not before 60 s more (done 50)
+    assert lines == [
+        "h2o-chat: ppl, 3 rows: 20/100 (20%), about 4 min left",
+        "h2o-chat: ppl, 3 rows: 50/100 (50%), about 2 min left",
+    ]
+    quiet = io.StringIO()
+    silent = ui.ProgressBar(Console(file=quiet, force_terminal=False), "reading")  # piped text: no lines
+    silent(50, 100)
+    assert quiet.getvalue() == ""

@@ -19,6 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column, Table
 from rich.text import Text
 
+LOG_EVERY = 60.0  # seconds between the progress lines of a measurement whose stderr is not a terminal
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
@@ -118,21 +120,27 @@ def _progress(console: Console) -> Progress:
 
 class ProgressBar:
     """Renders a long loop's `(done, total)` callbacks as a rich progress bar (tokens read / total, tok/s, ETA)
-    on `console`, and only when that console is a terminal: pipes, files and CI logs get nothing. The bar
-    appears at the first call whose total reaches `min_total` (short prompts do not flash one) and is removed
-    by `close()`. `description` may be a callable of (done, total) for a label that depends on them."""
+    on `console` when that console is a terminal. The bar appears at the first call whose total reaches
+    `min_total` (short prompts do not flash one) and is removed by `close()`. `description` may be a callable of
+    (done, total) for a label that depends on them. Elsewhere (a pipe, a file, a CI log) nothing is drawn, unless
+    `every` is given: then a plain line with the share done and the time left, at most once per `every` seconds
+    (a measurement that runs for an hour into a log must not look hung)."""
 
-    def __init__(self, console: Console, description="working", min_total: int = 0):
+    def __init__(self, console: Console, description="working", min_total: int = 0, every: float | None = None):
         self.console, self.description, self.min_total = console, description, min_total
         self.enabled = console.is_terminal
+        self.every = None if self.enabled else every
         self.progress: Progress | None = None
         self.task = None
+        self.started = self.last = time.monotonic()
 
     def label(self, done: int, total: int) -> str:
         return self.description(done, total) if callable(self.description) else self.description
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
+            if self.every is not None and 0 < done < total and time.monotonic() - self.last >= self.every:
+                self._line(done, total)
             return
         if self.progress is None:
             if total < self.min_total:
@@ -141,6 +149,13 @@ class ProgressBar:
             self.task = self.progress.add_task(self.label(done, total), total=total)
             self.progress.start()
         self.progress.update(self.task, completed=done, total=total, description=self.label(done, total))
+
+    def _line(self, done: int, total: int) -> None:
+        from h2o_chat.app.piped import duration
+
+        self.last = now = time.monotonic()
+        left = (now - self.started) / done * (total - done)
+        self.print(f"{self.label(done, total)}: {done:,}/{total:,} ({done / total:.0%}), about {duration(left)} left")
 
     def print(self, message: str) -> None:
         """A status line for stderr, printed above the bar while it is drawn (a raw write would tear it)."""
@@ -158,9 +173,9 @@ class ProgressBar:
         self.close()
 
 
-def progress_bar(description: str, min_total: int = 0) -> ProgressBar:
-    """A bar on stderr for the measurement commands (a no-op when stderr is not a terminal)."""
-    return ProgressBar(make_console(stderr=True), description, min_total)
+def progress_bar(description: str, min_total: int = 0, every: float = LOG_EVERY) -> ProgressBar:
+    """A bar on stderr for the measurement commands (when stderr is not a terminal: a line every `every` s)."""
+    return ProgressBar(make_console(stderr=True), description, min_total, every)
 
 
 @dataclass
