@@ -91,3 +91,24 @@ def test_the_view_draws_what_it_is_given():
         "(reply stopped)",
         "note: 2 of your earlier messages are no longer fully cached; /evicted shows which",
     ]
+
+
+def test_a_chat_that_cannot_bring_messages_back_is_told_once_how_to_keep_them():
+    console = Console(file=io.StringIO(), width=200, no_color=True)
+    view = ChatView(console, None, "tiny", "cpu, float32")
+
+    class Report:
+        preview, kept = "my name is Ada", 0.5
+
+    view.reply_ended(False, None, [], recalls=False)  # nothing evicted yet: no hint
+    view.reply_ended(False, None, [Report()], recalls=False)
+    view.reply_ended(False, None, [Report()], recalls=False)  # once per session
+    out = console.file.getvalue().splitlines()
+    hint = "; /policy recall keeps what is evicted from now on, for a later question to bring back"
+    assert out == [
+        f'note: your message "my name is Ada" is no longer fully cached (50% kept); /evicted shows more{hint}',
+        'note: your message "my name is Ada" is no longer fully cached (50% kept); /evicted shows more',
+    ]
+    recalling = ChatView(Console(file=io.StringIO(), width=200, no_color=True), None, "tiny", "cpu, float32")
+    recalling.reply_ended(False, None, [Report()], recalls=True)  # recall and reread bring messages back
+    assert "/policy recall" not in recalling.console.file.getvalue()

@@ -38,6 +38,7 @@ class ChatView:
         self.console, self.panel, self.model, self.device = console, panel, model, device
         self.memory = memory or (panel.memory if panel is not None else lambda: {"rss": 0})
         self.stream: StreamView | None = None
+        self.hinted = False  # told once that `recall` keeps what is evicted
 
     # -- lines --------------------------------------------------------------------------------------
     # our own lines wrap at word boundaries to the terminal's width; a line said while a reply streams
@@ -124,16 +125,21 @@ class ChatView:
             self.panel.turn.decode, self.panel.turn.recall = decode, recall
         self.stream.update(record.text, record.cache.stats)
 
-    def reply_ended(self, stopped: bool, last, fresh) -> None:
-        """How the reply ended, and which of the user's earlier messages have started losing tokens."""
+    def reply_ended(self, stopped: bool, last, fresh, recalls: bool = True) -> None:
+        """How the reply ended, and which of the user's earlier messages have started losing tokens; the first
+        time, in a chat whose policy cannot bring evicted tokens back (`recalls` False), how to keep them."""
         if stopped:
             self.console.print("[dim](reply stopped)[/]")
         elif last is not None and last.finish_reason == "length":
             wrap(self.console, f"[dim](reply cut at {plural(last.generation_tokens, 'token')}: --max-new-tokens)[/]")
+        hint = ""
+        if fresh and not recalls and not self.hinted:
+            self.hinted = True
+            hint = "; /policy recall keeps what is evicted from now on, for a later question to bring back"
         if len(fresh) > 1:  # e.g. a long loaded conversation read into a small budget: one line, not one each
-            self.note(f"{len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which")
+            self.note(f"{len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which{hint}")
         elif fresh:
             self.note(
                 f'your message "{fresh[0].preview}" is no longer fully cached ({100 * fresh[0].kept:.0f}% kept); '
-                "/evicted shows more"
+                f"/evicted shows more{hint}"
             )
