@@ -101,7 +101,7 @@ def forecast(bar, label: str, rows: int | None, unit: str = "step"):
     `rows` None: progress is not in steps of all rows together (recall counts token-rows): the time left only."""
     import time
 
-    from h2o_chat.app.piped import duration
+    from h2o_chat.app.ui import duration
 
     first: list = []
 

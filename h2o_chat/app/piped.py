@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from h2o_chat.app.conversation import ChatSettings, Conversation
-from h2o_chat.app.ui import ProgressBar, make_console, reading_label, summary_line, wrap
+from h2o_chat.app.ui import ProgressBar, duration, make_console, reading_label, summary_line, wrap
 from h2o_chat.engine.policies import Policy
 from h2o_chat.errors import InputError
 from h2o_chat.models.loading import Loaded
@@ -80,14 +80,6 @@ class ReadingForecast:
             f"reading {tokens:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
             "a larger --chunk-size, or a GPU, reads faster"
         )
-
-
-def duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:.0f} min"
 
 
 class Stdout:

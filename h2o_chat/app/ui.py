@@ -22,6 +22,14 @@ from rich.text import Text
 LOG_EVERY = 60.0  # seconds between the progress lines of a measurement whose stderr is not a terminal
 
 
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:.0f} min"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":
@@ -151,8 +159,6 @@ class ProgressBar:
         self.progress.update(self.task, completed=done, total=total, description=self.label(done, total))
 
     def _line(self, done: int, total: int) -> None:
-        from h2o_chat.app.piped import duration
-
         self.last = now = time.monotonic()
         left = (now - self.started) / done * (total - done)
         self.print(f"{self.label(done, total)}: {done:,}/{total:,} ({done / total:.0%}), about {duration(left)} left")
