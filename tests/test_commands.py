@@ -112,3 +112,6 @@ def test_a_chat_that_cannot_bring_messages_back_is_told_once_how_to_keep_them():
     recalling = ChatView(Console(file=io.StringIO(), width=200, no_color=True), None, "tiny", "cpu, float32")
     recalling.reply_ended(False, None, [Report()], recalls=True)  # recall and reread bring messages back
     assert "/policy recall" not in recalling.console.file.getvalue()
+    from h2o_chat.engine.policies import POLICIES
+
+    assert {name for name, cls in POLICIES.items() if cls.brings_back} == {"recall", "reread"}  # what chat passes

@@ -126,8 +126,7 @@ class ChatSession:
         finally:
             for notice in conv.cache.pop_notices():
                 view.note(notice)
-        recalls = conv.policy.name in ("recall", "reread")  # policies that bring evicted messages back
-        view.reply_ended(stop.is_set(), last, conv.newly_evicted_user_messages(), recalls)
+        view.reply_ended(stop.is_set(), last, conv.newly_evicted_user_messages(), conv.policy.brings_back)
 
     def toolbar(self, width: int | None = None) -> str:
         if width is None:

@@ -36,6 +36,7 @@ class Policy:
     compresses_prompts: ClassVar[bool] = False
     by_score: ClassVar[bool] = False  # keep by accumulated attention (h2o, snap) rather than by position
     rereads: ClassVar[bool] = False  # a conversation re-reads its transcript when a new message overflows
+    brings_back: ClassVar[bool] = False  # evicted tokens can return for a later message (reread, recall)
     budget: int | None = 512
 
     def __post_init__(self) -> None:
@@ -197,6 +198,7 @@ class Reread(Snap):
 
     name: ClassVar[str] = "reread"
     rereads: ClassVar[bool] = True
+    brings_back: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ class Recall(Snap):
     with the fact recalled. See engine/store.py."""
 
     name: ClassVar[str] = "recall"
+    brings_back: ClassVar[bool] = True
     recalled: int = -1  # -1: a quarter of the budget, in whole blocks
     # each decode step multiplies the held slots' accumulated scores by `decay` before adding its mass, so old
     # mass counts less than recent (the plain sum favours old tokens). 0.99 from the tuning text (alice.txt, 2,048
