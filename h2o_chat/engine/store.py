@@ -42,6 +42,12 @@ of each recalled one kept its gain on the tuning texts, every 4th lost 0.3, a ra
 0.2): the step whose query turns to the fact must find it. SparQ's approximate first pass over the query's largest
 channels was measured no faster on CPU (its gathers cost what they save).
 
+On a CPU each of those operators costs microseconds whatever its size, and a step ran about 17 per layer, two of
+them top-k sorts; a float32 store (the CPU's) ranks a step in one call per layer of `csrc/recall_step.c` instead
+(`native`: the same ranking, its selections made without sorting, the heads of a layer on the machine's threads),
+and falls back to the operators where it cannot be built or the store is not float32, 8-bit or uneven (rows that
+recall different counts, holes).
+
 A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks of queries: what a full cache's attention over
 the same tokens costs. On CUDA the store stays on the host, so a step sends each layer's query down and the recalled
 tokens up (eager steps: the store grows every step, which a captured graph cannot follow).
@@ -53,6 +59,7 @@ from typing import NamedTuple
 
 import torch
 
+from h2o_chat.engine import native
 from h2o_chat.engine.quant import SCALE_DTYPE, bytes_per_element, dequantize, quantize
 
 GROW = 1024  # entries added when the store is full (then doubled)
@@ -125,6 +132,9 @@ class Store:
         self.full = False  # it stopped growing: the host had no memory to spare; later evictions are not kept
         self.holes = False  # some entry before `count` holds nothing (padding, a row that does not recall)
         self._ones = None
+        # a step's ranking in one C call per layer (`native`; float32 stores): None until the first step asks
+        self._native: bool | None = None
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # a step's ranking in two passes (`_recall_step`): the keys' coordinates in `rank_dim` principal directions
         # choose `candidates` times what it recalls, which are ranked exactly (0: every stored key ranked exactly)
         self.rank_dim = rank_dim_for(D, block)
@@ -410,8 +420,12 @@ class Store:
         BH, N, D = B * H, self.capacity, self.D
         if query.device != self.device or query.dtype != self.dtype:
             query = query.to(self.device, self.dtype)
-        q, keys, empty = query.view(BH, -1, D), self.keys[i].view(BH, N, D), self.empty[i].view(BH, N)
         k = min(self.select, n)
+        if self._native is None:
+            self._native = self.dtype == torch.float32 and not self.quant and self.block == 1 and native.available()
+        if self._native and self.uniform and not self.holes and (self._two is None or self._two is True):
+            return self._native_step(i, query, k, device)
+        q, keys, empty = query.view(BH, -1, D), self.keys[i].view(BH, N, D), self.empty[i].view(BH, N)
         if self._two is None:
             tok, logits, best = self._exact(q, keys, empty, n, k)
         elif self._two is True:
@@ -437,6 +451,33 @@ class Store:
             values, logits = values.to(device), logits.to(device)
             valid = None if valid is None else valid.to(device)
         return Recalled(None, values, valid, logits)
+
+    def _native_step(self, i: int, query: torch.Tensor, k: int, device: torch.device) -> Recalled:
+        """`_recall_step` in one call of `csrc/recall_step.c` (every row recalls as many, nothing to mask): the
+        same ranking (two passes when `_two`, else exact), its selections made without sorting."""
+        n, (_, B, H), N, D, Dv = self.count, self.shape, self.capacity, self.D, self.Dv
+        q = query.contiguous()
+        G = q.shape[1] // H
+        two = self._two is True
+        many = min(self.candidates * self.select, n) if two else n
+        threads = min(torch.get_num_threads(), B * H)
+        if self._scratch is None or self._scratch[0].numel() < threads * (G + 2) * N:
+            self._scratch = torch.empty(threads * (G + 2) * N), torch.empty(threads * 3 * N, dtype=torch.int32)
+        logits, values = torch.empty(B, H, G, k), torch.empty(B, H, k, Dv)
+
+        def at(t: torch.Tensor) -> int:  # layer i of a (L, ...) buffer, without a view
+            return t.data_ptr() + i * t.stride(0) * t.element_size()
+
+        native.recall_step(
+            B * H, G, D, Dv, self.rank_dim, N, n, many, k, q.data_ptr(),
+            at(self.basis) if two else None, at(self.low) if two else None,
+            at(self.keys), at(self.values), at(self.marks),
+            logits.data_ptr(), values.data_ptr(), None, self._scratch[0].data_ptr(), self._scratch[1].data_ptr(),
+            threads,
+        )  # fmt: skip
+        if device != self.device:
+            values, logits = values.to(device), logits.to(device)
+        return Recalled(None, values, None, logits)
 
     def _exact(self, q, keys, empty, n: int, k: int):
         """Every stored key ranked by its logit: the k best entries (BH, k), their logits (BH, G, k) and each

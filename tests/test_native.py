@@ -1,0 +1,109 @@
+"""The C ranking of a decode step's recall (`engine/native.py`, `csrc/recall_step.c`): it recalls exactly what
+the PyTorch operators recall, marks the same entries, and a machine that cannot build it still runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_chat.engine import native
+from h2o_chat.engine.store import Store
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"C kernels not built: {native.why()}")
+
+
+def _store(B, H, D, recalled, n, gen, ties=False):
+    L = 2
+    store = Store(L, torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D), [recalled] * B, 1)
+    keys = torch.randn(L, B, H, n, D, generator=gen)
+    if ties:  # groups of 8 identical keys: every logit is shared by 8 entries
+        keys = keys[:, :, :, : n // 8].repeat_interleave(8, 3)
+        n = keys.shape[3]
+    values = torch.randn(L, B, H, n, D, generator=gen)  # unique: they identify the entry recalled
+    with torch.inference_mode():
+        store.append(keys, values, torch.arange(n).expand(L, B, H, n))
+    return store
+
+
+def _recalled(store, i, q, use_native):
+    """(B, H, k) entries recalled by layer i (identified by their values), their logits and the marks added."""
+    store._native = use_native
+    before = store.marks.clone()
+    with torch.inference_mode():
+        got = store._recall_step(i, q)
+    values = store.values[i, :, :, None, : store.count]
+    entry = (got.values[..., None, :] == values).all(-1).int().argmax(-1)
+    order = entry.sort(-1)
+    logits = got.logits.gather(3, order.indices[:, :, None, :].expand_as(got.logits))
+    return order.values, logits, store.marks - before
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("B", "H", "D", "G", "recalled", "n", "threads"),
+    [
+        (1, 3, 64, 3, 128, 1500, 1),  # exact ranking (a store below the two-pass threshold), the embedded shape
+        (1, 3, 64, 3, 128, 6000, 2),  # two passes, OpenMP over the heads
+        (2, 2, 32, 2, 8, 300, 2),  # two rows, small heads: two passes from 128 entries
+        (1, 1, 128, 4, 16, 80, 1),  # Llama-sized heads, exact
+    ],
+)
+def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n, threads):
+    """Same entries (every row and head: a wrong offset, stride or index would not be), same logits, same marks,
+    for exact and two-pass stores, one or two threads. The kernel's sums run in another order, so logits agree to
+    rounding."""
+    gen = torch.Generator().manual_seed(n)
+    store = _store(B, H, D, recalled, n, gen)
+    assert store._two is (True if n >= 4 * 4 * recalled else None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i in range(2):
+            q = torch.randn(B, H * G, 1, D, generator=gen)
+            ent_c, log_c, marks_c = _recalled(store, i, q, True)
+            ent_t, log_t, marks_t = _recalled(store, i, q, False)
+            assert torch.equal(ent_c, ent_t)
+            torch.testing.assert_close(log_c, log_t, rtol=1e-5, atol=1e-4)
+            assert torch.equal(marks_c, marks_t) and int(marks_c.sum()) == B * H * recalled
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_native
+def test_ties_fill_the_recalled_tokens_with_entries_that_rank_as_high():
+    """Keys repeated 8 times: the k-th best logit is shared by entries inside and outside the k recalled. The
+    selection must take every entry above it and fill the rest with entries equal to it: k distinct entries,
+    none below the k-th best (a fill with any entry not above it would take a lower one)."""
+    gen = torch.Generator().manual_seed(3)
+    store = _store(1, 3, 64, 132, 1000, gen, ties=True)  # exact ranking of 1,000 entries, 132 recalled
+    assert store._two is None
+    q = torch.randn(1, 9, 1, 64, generator=gen)
+    entries, logits, marks = _recalled(store, 0, q, True)
+    assert all(len(set(row.tolist())) == 132 for row in entries[0])
+    true = (q.view(3, 3, 64) @ store.keys[0, 0, :, : store.count].mT).amax(1)  # (H, n)
+    kth = true.topk(132, -1).values[:, -1:]
+    assert bool(((true == kth).sum(-1) == 8).all())  # the k-th best is shared by 8 entries, 4 of them recalled
+    got = true.gather(1, entries[0])
+    assert bool((got >= kth - 1e-4).all())
+    assert int(marks.sum()) == 3 * 132
+
+
+def test_without_the_c_kernels_the_store_ranks_with_operators(monkeypatch, tmp_path):
+    """H2O_CHAT_NATIVE=0, or a compiler that fails: not available, a reason, and recall still works."""
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    for env, reason in ((("H2O_CHAT_NATIVE", "0"),), "H2O_CHAT_NATIVE=0"), ((("CC", "false"),), "the build failed"):
+        native._library.cache_clear()
+        native._why.clear()
+        with monkeypatch.context() as m:
+            for key, value in env:
+                m.setenv(key, value)
+            assert not native.available()
+            assert reason in native.why()
+            gen = torch.Generator().manual_seed(0)
+            store = _store(1, 2, 32, 8, 100, gen)
+            with torch.inference_mode():
+                got = store.recall(0, torch.randn(1, 4, 1, 32, generator=gen))
+            assert store._native is False and got.values.shape == (1, 2, 8, 32)
+    native._library.cache_clear()
+    native._why.clear()
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
