@@ -472,7 +472,7 @@ class Store:
             B * H, G, D, Dv, self.rank_dim, N, n, many, k, q.data_ptr(),
             at(self.basis) if two else None, at(self.low) if two else None,
             at(self.keys), at(self.values), at(self.marks),
-            logits.data_ptr(), values.data_ptr(), None, self._scratch[0].data_ptr(), self._scratch[1].data_ptr(),
+            logits.data_ptr(), values.data_ptr(), self._scratch[0].data_ptr(), self._scratch[1].data_ptr(),
             threads,
         )  # fmt: skip
         if device != self.device:

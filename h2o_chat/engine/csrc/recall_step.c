@@ -11,13 +11,12 @@
    - exact (`low` NULL): every stored entry is ranked by its exact logits;
 
    then the `k` best by exact logit (the maximum over the group) are recalled: their logits (G x k, unscaled),
-   their values, their entries' indices, and a mark each. Selection is by a threshold: a sample of the scores
-   estimates it, one branch-free pass keeps every entry above it, a quickselect among those keeps the best
-   (the whole set when the sample misjudged). Ties at the threshold are broken by entry order.
+   their values, and a mark each. Nothing is sorted (`top_entries`): every 8th score estimates a threshold, one
+   branch-free pass keeps the entries above it (all of them when the estimate lets too few through), and the
+   exact k-th best among those is found by histograms (`kth_largest`); ties at it are taken in entry order.
 
    Plain C (no PyTorch headers: it builds in a second), float32, called through ctypes by engine/native.py. */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #ifdef _OPENMP
@@ -141,7 +140,7 @@ static void top_entries(const float *scores, int n, int want, int32_t *out, floa
 /* one (row, head) of `recall_step`; scratch: (G + 2) N floats and 3 N int32 */
 static void rank_head(int bh, int G, int D, int Dv, int r, int64_t N, int n, int many, int k, const float *q,
                       const float *basis, const float *low, const float *keys, const float *values, int32_t *marks,
-                      float *out_logits, float *out_values, int64_t *out_tok, float *fscratch, int32_t *iscratch) {
+                      float *out_logits, float *out_values, float *fscratch, int32_t *iscratch) {
     float *score = fscratch;          /* n: first-pass score, then exact maximum */
     float *fwork = fscratch + N;      /* n: the selections' scratch */
     float *exact = fscratch + 2 * N;  /* G n: exact logits of the ranked entries */
@@ -215,7 +214,6 @@ static void rank_head(int bh, int G, int D, int Dv, int r, int64_t N, int n, int
         for (int g = 0; g < G; g++) ol[g * k + s] = exact[g * nc + c];
         memcpy(ov + (int64_t)s * Dv, vh + (int64_t)e * Dv, sizeof(float) * Dv);
         mk[e] += 1;
-        if (out_tok != NULL) out_tok[(int64_t)bh * k + s] = e;
     }
 }
 
@@ -223,7 +221,7 @@ static void rank_head(int bh, int G, int D, int Dv, int r, int64_t N, int n, int
    (G + 2) N floats and 3 N int32. Returns 0, or < 0 for arguments it cannot take. */
 int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many, int k, const float *q,
                 const float *basis, const float *low, const float *keys, const float *values, int32_t *marks,
-                float *out_logits, float *out_values, int64_t *out_tok, float *fscratch, int32_t *iscratch,
+                float *out_logits, float *out_values, float *fscratch, int32_t *iscratch,
                 int threads) {
     if (k > n || n > N || (low != NULL && k > many) || G * r > 1024 || threads < 1) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && BH > 1)
@@ -233,7 +231,7 @@ int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many,
         t = omp_get_thread_num();
 #endif
         rank_head(bh, G, D, Dv, r, N, n, many, k, q, basis, low, keys, values, marks, out_logits, out_values,
-                  out_tok, fscratch + (int64_t)t * (G + 2) * N, iscratch + (int64_t)t * 3 * N);
+                  fscratch + (int64_t)t * (G + 2) * N, iscratch + (int64_t)t * 3 * N);
     }
     return 0;
 }
