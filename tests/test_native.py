@@ -70,6 +70,42 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_steps_that_start_from_the_last_steps_threshold_recall_what_the_operators_recall(threads):
+    """A layer's next step lists the entries its first pass scores above a threshold the last step left, and
+    takes its candidates from that list when it holds enough (most steps: queries drift), else ranks every entry
+    (a query that jumps). Either way, what the operators recall, step after step, while the store grows."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, G, D, recalled = 1, 3, 3, 64, 128
+    store = _store(B, H, D, recalled, 6000, gen)
+    assert store._two is True
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q = torch.randn(B, H * G, 1, D, generator=gen)
+        for step in range(12):
+            if step % 4 == 3:  # a query unlike the last: its list may hold too few or too many
+                q = torch.randn(B, H * G, 1, D, generator=gen)
+            else:
+                q = q + 0.1 * torch.randn(q.shape, generator=gen)
+            ent_c, log_c, marks_c = _recalled(store, 0, q, True)
+            ent_t, log_t, marks_t = _recalled(store, 0, q, False)
+            assert torch.equal(ent_c, ent_t), step
+            torch.testing.assert_close(log_c, log_t, rtol=1e-5, atol=1e-4)
+            assert torch.equal(marks_c, marks_t)
+            n = store.count
+            with torch.inference_mode():  # a token evicted per step
+                store.append(
+                    torch.randn(2, B, H, 1, D, generator=gen),
+                    torch.randn(2, B, H, 1, D, generator=gen),
+                    torch.full((2, B, H, 1), n),
+                )
+    finally:
+        torch.set_num_threads(old)
+    assert 8 * H <= store.listed < 12 * H  # the drifting steps listed; the first could not (no threshold yet)
+
+
+@needs_native
 def test_ties_fill_the_recalled_tokens_with_entries_that_rank_as_high():
     """Keys repeated 8 times: the k-th best logit is shared by entries inside and outside the k recalled. The
     selection must take every entry above it and fill the rest with entries equal to it: k distinct entries,

@@ -96,7 +96,7 @@ def _library() -> ctypes.CDLL | None:
         _why.append(f"the build failed ({e})")
         return None
     i, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.recall_step.argtypes = [i, i, i, i, i, i64, i, i, i, p, p, p, p, p, p, p, p, p, p, i]
+    lib.recall_step.argtypes = [i, i, i, i, i, i64, i, i, i, p, p, p, p, p, p, p, p, p, p, p, i]
     lib.recall_step.restype = i
     return lib
 
@@ -111,8 +111,10 @@ def why() -> str:
     return "" if available() else "; ".join(_why)
 
 
-def recall_step(*args) -> None:
-    """`csrc/recall_step.c`'s `recall_step` (arguments as there; tensors by their data pointers)."""
-    rc = _library().recall_step(*args)
-    if rc != 0:
-        raise ValueError(f"recall_step: bad arguments ({rc})")
+def recall_step(*args) -> int:
+    """`csrc/recall_step.c`'s `recall_step` (arguments as there; tensors by their data pointers): how many (row,
+    head)s took their candidates from the entries their last step's threshold listed."""
+    listed = _library().recall_step(*args)
+    if listed < 0:
+        raise ValueError("recall_step: arguments it cannot take")
+    return listed

@@ -44,9 +44,12 @@ channels was measured no faster on CPU (its gathers cost what they save).
 
 On a CPU each of those operators costs microseconds whatever its size, and a step ran about 17 per layer, two of
 them top-k sorts; a float32 store (the CPU's) ranks a step in one call per layer of `csrc/recall_step.c` instead
-(`native`: the same ranking, its selections made without sorting, the heads of a layer on the machine's threads),
-and falls back to the operators where it cannot be built or the store is not float32, 8-bit or uneven (rows that
-recall different counts, holes).
+(`native`: the same ranking, its selections made without sorting, each head's passes shared by the machine's
+threads), and falls back to the operators where it cannot be built or the store is not float32, 8-bit or uneven
+(rows that recall different counts, holes). The coordinates are kept in bfloat16 (the first pass's bytes are its
+cost; it only chooses candidates). The C ranking also lists, during its first pass, the entries that score at
+least a threshold the same layer and head left at its last step, and takes the candidates from that list when it
+holds enough (the same entries: every one above the k-th best is in it), which spares ranking every entry again.
 
 A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks of queries: what a full cache's attention over
 the same tokens costs. On CUDA the store stays on the host, so a step sends each layer's query down and the recalled
@@ -68,6 +71,7 @@ CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
 CANDIDATES = 4  # a step ranks exactly this many times what it recalls: the first pass's best
 TWO_PASS_FROM = 4  # ... once the store holds this many times the candidates (below, one exact pass costs less)
+LOW_DTYPE = torch.bfloat16  # the stored keys' coordinates in the basis (see `_allocate`)
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
 
@@ -83,12 +87,12 @@ def entry_bytes(
     rank_dim: int | None = None,
 ):
     """Host bytes one store entry takes over every layer, row and KV head: its key, the key's `rank_dim`
-    principal coordinates (fp32), its value (`value_elem` bytes per value element when they are kept in 8 bits),
+    principal coordinates (bf16), its value (`value_elem` bytes per value element when they are kept in 8 bits),
     position (8), empty flag (1) and recall count (4), and with blocks its share of the block summaries."""
     blocks = (2 * key_dim * 4 + 1) / block if block > 1 else 0
     rank_dim = rank_dim_for(key_dim, block) if rank_dim is None else rank_dim
     values = value_dim * (value_elem or elem)
-    return layers * rows * kv_heads * (key_dim * elem + rank_dim * 4 + values + 8 + 1 + 4 + blocks)
+    return layers * rows * kv_heads * (key_dim * elem + rank_dim * 2 + values + 8 + 1 + 4 + blocks)
 
 
 def rank_dim_for(key_dim: int, block: int = 1) -> int:
@@ -134,7 +138,8 @@ class Store:
         self._ones = None
         # a step's ranking in one C call per layer (`native`; float32 stores): None until the first step asks
         self._native: bool | None = None
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._calls: dict[int, tuple] = {}  # per layer, what its calls pass but the step (`_native_call`)
+        self.listed = 0  # (layer, row, head) rankings whose candidates the last step's threshold listed (C ranking)
         # a step's ranking in two passes (`_recall_step`): the keys' coordinates in `rank_dim` principal directions
         # choose `candidates` times what it recalls, which are ranked exactly (0: every stored key ranked exactly)
         self.rank_dim = rank_dim_for(D, block)
@@ -164,10 +169,12 @@ class Store:
         L, B, H = self.shape
         nb = n // self.block if self.block > 1 else 0  # exact ranking reads the keys themselves
         self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
-        # keys in the basis (the first pass), in fp32 whatever the keys' dtype: a CPU's half-precision products are
-        # several times slower than its fp32 ones, and on CUDA this store and its ranking are on the host
+        # keys in the basis (the first pass), in bfloat16 whatever the keys' dtype: the first pass reads every entry's
+        # coordinates each step, and its bytes are its cost; it only chooses candidates (ranked exactly after), which
+        # bf16's 8 bits of mantissa do not change (measured: the multi-turn evaluation's gain as with fp32), and a
+        # bf16 widens to fp32 by a shift (the C ranking; the operators widen a layer's coordinates first)
         # (.., rank_dim, n): a step's first pass multiplies rows of entries, twice as fast as columns on a CPU
-        self.low = torch.zeros(L, B, H, self.rank_dim, n)
+        self.low = torch.zeros(L, B, H, self.rank_dim, n, dtype=LOW_DTYPE)
         self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
         self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
@@ -177,6 +184,7 @@ class Store:
         self.filled = torch.zeros(L, B, H, nb, dtype=torch.bool)  # a block holds at least one token
         self.marks = torch.zeros(L, B, H, n, dtype=torch.int32)  # times recalled since `take_counts`
         self._set_offsets()
+        self._calls = {}
 
     def _set_offsets(self) -> None:
         """Each (row, head)'s first entry in a layer's buffers flattened (kept: a step would rebuild it per layer)."""
@@ -289,8 +297,9 @@ class Store:
             vectors = torch.linalg.eigh(keys.transpose(-1, -2) @ keys).eigenvectors  # eigenvalues ascend
             basis = vectors[..., -self.rank_dim :]
             self.basis[i, rows] = basis
-            self.low[i, rows, :, :, :n] = basis.mT @ keys.mT
+            self.low[i, rows, :, :, :n] = (basis.mT @ keys.mT).to(LOW_DTYPE)
         self.fitted[rows] = self.row_tokens[rows]
+        self._calls = {}  # a new basis (and its first pass's thresholds are stale)
 
     def _summarise(self, b0: int, b1: int) -> None:
         blk = self.block
@@ -320,7 +329,7 @@ class Store:
                 self._summarise(b0, b0 + 1)
 
     def clear(self) -> None:
-        self.basis = None
+        self.basis, self._calls = None, {}
         self.fitted.zero_()
         self.truncate(0)
         self.marks.zero_()
@@ -346,6 +355,7 @@ class Store:
         self._set_blocks(self.blocks_per_row.index_select(0, index))
         self.shape = (self.shape[0], len(index), self.shape[2])
         self._set_offsets()
+        self._calls = {}
 
     # -- reading ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -455,29 +465,41 @@ class Store:
     def _native_step(self, i: int, query: torch.Tensor, k: int, device: torch.device) -> Recalled:
         """`_recall_step` in one call of `csrc/recall_step.c` (every row recalls as many, nothing to mask): the
         same ranking (two passes when `_two`, else exact), its selections made without sorting."""
-        n, (_, B, H), N, D, Dv = self.count, self.shape, self.capacity, self.D, self.Dv
-        q = query.contiguous()
-        G = q.shape[1] // H
-        two = self._two is True
+        n, two = self.count, self._two is True
+        G = query.shape[1] // self.shape[2]
+        call = self._calls.get(i)
+        if call is None or call[0] != (two, k, G):
+            call = self._calls[i] = self._native_call(i, two, k, G)
+        _, head, tail, logits, values, _ = call
         many = min(self.candidates * self.select, n) if two else n
-        threads = min(torch.get_num_threads(), B * H)
-        if self._scratch is None or self._scratch[0].numel() < threads * (G + 2) * N:
-            self._scratch = torch.empty(threads * (G + 2) * N), torch.empty(threads * 3 * N, dtype=torch.int32)
+        self.listed += native.recall_step(
+            *head, n, many, k, query.contiguous().data_ptr(), *tail, torch.get_num_threads()
+        )
+        if device != self.device:
+            values, logits = values.to(device), logits.to(device)
+        return Recalled(None, values, None, logits)
+
+    def _native_call(self, i: int, two: bool, k: int, G: int) -> tuple:
+        """What layer i's calls pass but the step (sizes, buffers, scratch, each (row, head)'s threshold for its
+        next first pass) and the outputs they write (the step's attention reads them before the next call for
+        this layer: each layer's are reused); kept until the buffers change (`_allocate`, `rows`, `_fit`, `clear`)
+        or the call does."""
+        (_, B, H), N, D, Dv = self.shape, self.capacity, self.D, self.Dv
+        BH = B * H
         logits, values = torch.empty(B, H, G, k), torch.empty(B, H, k, Dv)
+        scratch = torch.empty(BH * (G + 2) * N), torch.empty(BH * 3 * N, dtype=torch.int32)
+        thresholds = torch.full((BH,), torch.nan)
 
         def at(t: torch.Tensor) -> int:  # layer i of a (L, ...) buffer, without a view
             return t.data_ptr() + i * t.stride(0) * t.element_size()
 
-        native.recall_step(
-            B * H, G, D, Dv, self.rank_dim, N, n, many, k, q.data_ptr(),
+        head = (BH, G, D, Dv, self.rank_dim, N)
+        tail = (
             at(self.basis) if two else None, at(self.low) if two else None,
-            at(self.keys), at(self.values), at(self.marks),
-            logits.data_ptr(), values.data_ptr(), self._scratch[0].data_ptr(), self._scratch[1].data_ptr(),
-            threads,
+            at(self.keys), at(self.values), at(self.marks), thresholds.data_ptr(),
+            logits.data_ptr(), values.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr(),
         )  # fmt: skip
-        if device != self.device:
-            values, logits = values.to(device), logits.to(device)
-        return Recalled(None, values, None, logits)
+        return (two, k, G), head, tail, logits, values, (thresholds, scratch)
 
     def _exact(self, q, keys, empty, n: int, k: int):
         """Every stored key ranked by its logit: the k best entries (BH, k), their logits (BH, G, k) and each
@@ -490,7 +512,7 @@ class Store:
         ranks as it would alone), which are ranked exactly; as `_exact`."""
         BH, N, D, r = q.shape[0], keys.shape[1], self.D, self.rank_dim
         many, qf = min(self.candidates * self.select, n), q.float()
-        approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, r, N)[:, :, :n])
+        approx = torch.bmm(torch.bmm(qf, self.basis[i].view(BH, D, r)), self.low[i].view(BH, r, N)[:, :, :n].float())
         approx = approx.amax(1)
         if self.holes:
             approx.masked_fill_(empty[:, :n], -torch.inf)

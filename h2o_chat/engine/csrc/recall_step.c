@@ -6,25 +6,36 @@
    (row, KV head) is ranked in one pass over its entries:
 
    - two passes (`low` given): the query projected on the head's principal directions scores every stored
-     entry by its coordinates (the maximum over the group's query heads); the `many` best are ranked by their
-     exact logits;
+     entry by its coordinates (bf16, widened in vector registers; the maximum over the group's query heads);
+     the `many` best are ranked by their exact logits;
    - exact (`low` NULL): every stored entry is ranked by its exact logits;
 
    then the `k` best by exact logit (the maximum over the group) are recalled: their logits (G x k, unscaled),
-   their values, and a mark each. Nothing is sorted (`top_entries`): every 8th score estimates a threshold, one
-   branch-free pass keeps the entries above it (all of them when the estimate lets too few through), and the
-   exact k-th best among those is found by histograms (`kth_largest`); ties at it are taken in entry order.
+   their values, and a mark each. Nothing is sorted: the first pass lists the entries scoring at least a
+   threshold the same (row, head)'s last step left (`candidates`), and when the list holds enough the
+   candidates are the best of it; otherwise every 8th score estimates a threshold and one branch-free pass keeps
+   the entries above it (`top_entries`); the exact k-th best is found by histograms (`kth_largest`); ties at it
+   are taken in entry order. Both ways choose the same entries.
 
-   Plain C (no PyTorch headers: it builds in a second), float32, called through ctypes by engine/native.py. */
+   A layer has few (row, head)s (3 on the embedded model), so the threads share each one's passes over its
+   entries and its candidates (`PARTS` ranges each), not whole heads.
+
+   Plain C (no PyTorch headers: it builds in a second), called through ctypes by engine/native.py. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
 #endif
 
-#define TILE 256
+#define TILE 256 /* the first pass's ranges are whole tiles */
+#define LANES 16 /* entries scored at once by the first pass, in vectors (GCC's and clang's vector extensions:
+                   one AVX-512 register, or as many narrower ones as the processor has) */
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
 #define PREFETCH 8 /* candidates' keys requested ahead */
+#define LOOSE 2    /* a step's threshold for the next: about its LOOSE x many-th best first-pass score */
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
@@ -56,8 +67,10 @@ static float quickselect(float *a, int m, int k) {
 
 /* the k-th largest of a[0..m) (1 <= k <= m), overwriting a: a histogram of 256 equal bins between the least
    and the largest keeps only the bin that holds it, until few are left (branch-free passes: a quickselect's
-   comparisons are mispredicted half the time) */
-static float kth_largest(float *a, int m, int k) {
+   comparisons are mispredicted half the time). `loose` (may be NULL): from the first histogram, a value at most
+   the `k2`-th largest (k2 >= k; the lower edge of its bin), NAN when there was no histogram. */
+static float kth_largest(float *a, int m, int k, int k2, float *loose) {
+    if (loose != NULL) *loose = NAN;
     while (m > 64) {
         float lo = a[0], hi = a[0];
         for (int i = 1; i < m; i++) {
@@ -69,6 +82,12 @@ static float kth_largest(float *a, int m, int k) {
         float scale = 255.99f / span;
         int count[256] = {0};
         for (int i = 0; i < m; i++) count[(int)((a[i] - lo) * scale)]++;
+        if (loose != NULL) {
+            int bin = 255, above = 0;
+            while (bin > 0 && above + count[bin] < MIN(k2, m)) above += count[bin--];
+            *loose = lo + bin / scale;
+            loose = NULL;
+        }
         int bin = 255, above = 0;
         while (above + count[bin] < k) above += count[bin--];
         int kept = 0;
@@ -94,144 +113,301 @@ static void sort_entries(int32_t *idx, int m, int n, uint8_t *flags) {
     }
 }
 
-/* the `want` best entries of scores[0..n) into out (their indices, in no particular order); fwork holds n
-   floats, iwork n int32. The want-th largest score is found among the entries above a threshold that every 8th
-   score estimates (among all of them when the estimate lets fewer than `want` through); the entries above it are
-   taken, then those equal to it in entry order. */
-static void top_entries(const float *scores, int n, int want, int32_t *out, float *fwork, int32_t *iwork) {
+/* the `want` best of the entries sel[0..m) (NULL: 0..m), listed in entry order, by scores: into out, in entry
+   order unless NaN scores had to fill it (returns 0 then); fwork holds m floats. Those above the want-th largest
+   score are taken and the first of those equal to it, as many as it takes.
+   `loose`: as `kth_largest`'s, for LOOSE x want. */
+static int best_of(const float *scores, const int32_t *sel, int m, int want, int32_t *out, float *fwork,
+                   float *loose) {
+    for (int c = 0; c < m; c++) fwork[c] = scores[sel ? sel[c] : c];
+    float v = kth_largest(fwork, m, want, LOOSE * want, loose);
+    int above = 0;
+    for (int c = 0; c < m; c++) above += scores[sel ? sel[c] : c] > v;
+    int ties = want - above, o = 0; /* the first `ties` entries equal to v join those above it */
+    for (int c = 0; c < m; c++) {
+        int e = sel ? sel[c] : c;
+        float x = scores[e];
+        int tie = (x == v) & (ties > 0);
+        out[o] = e;
+        o += (x > v) | tie;
+        ties -= tie;
+    }
+    if (o == want) return 1;
+    for (int c = 0; c < m && o < want; c++) { /* NaN scores (never above nor equal): any, to fill */
+        int e = sel ? sel[c] : c;
+        if (scores[e] != scores[e]) out[o++] = e;
+    }
+    return 0;
+}
+
+/* the `want` best entries of scores[0..n) into out (in entry order unless NaN scores filled it: returns 0 then);
+   fwork holds n floats, iwork n int32. The want-th largest score is found among the entries above a threshold
+   that every 8th score estimates (among all of them when the estimate lets fewer than `want` through).
+   `next` (may be NULL): a threshold for the next step's first pass to start from (`recall_step`). */
+static int top_entries(const float *scores, int n, int want, int32_t *out, float *fwork, int32_t *iwork,
+                       float *next) {
+    if (next != NULL) *next = NAN;
     if (want >= n) {
         for (int e = 0; e < n; e++) out[e] = e;
-        return;
+        return 1;
     }
-    const int32_t *sel = NULL;
-    int m = n;
     if (n >= 8 * want && n >= 1024) {
         int ns = n / 8, ks = want / 8 + 8 + want / 32;
-        for (int s = 0; s < ns; s++) fwork[s] = scores[8 * s];
-        float thr = kth_largest(fwork, ns, ks < ns ? ks : ns);
+        for (int j = 0; j < ns; j++) fwork[j] = scores[8 * j];
+        float thr = kth_largest(fwork, ns, ks < ns ? ks : ns, LOOSE * want / 8, next);
         int kept = 0;
         for (int e = 0; e < n; e++) {
             iwork[kept] = e;
             kept += scores[e] >= thr;
         }
-        if (kept >= want) {
-            sel = iwork;
-            m = kept;
-        }
+        if (kept >= want) return best_of(scores, iwork, kept, want, out, fwork, NULL);
     }
-    for (int c = 0; c < m; c++) fwork[c] = scores[sel ? sel[c] : c];
-    float v = kth_largest(fwork, m, want);
-    int o = 0;
-    for (int c = 0; c < m; c++) {
-        int e = sel ? sel[c] : c;
-        out[o] = e;
-        o += scores[e] > v;
-    }
-    for (int c = 0; c < m && o < want; c++) { /* ties at v, in entry order */
-        int e = sel ? sel[c] : c;
-        if (scores[e] == v) out[o++] = e;
-    }
-    for (int c = 0; c < m && o < want; c++) { /* NaN scores (never above, never equal): any to fill */
-        int e = sel ? sel[c] : c;
-        if (scores[e] != scores[e]) out[o++] = e;
-    }
+    return best_of(scores, NULL, n, want, out, fwork, next);
 }
 
-/* one (row, head) of `recall_step`; scratch: (G + 2) N floats and 3 N int32 */
-static void rank_head(int bh, int G, int D, int Dv, int r, int64_t N, int n, int many, int k, const float *q,
-                      const float *basis, const float *low, const float *keys, const float *values, int32_t *marks,
-                      float *out_logits, float *out_values, float *fscratch, int32_t *iscratch) {
-    float *score = fscratch;          /* n: first-pass score, then exact maximum */
-    float *fwork = fscratch + N;      /* n: the selections' scratch */
-    float *exact = fscratch + 2 * N;  /* G n: exact logits of the ranked entries */
-    int32_t *cand = iscratch;         /* n: the ranked entries */
-    int32_t *top = iscratch + N;      /* k <= n: the recalled among them */
-    int32_t *work = iscratch + 2 * N; /* n: the selections' scratch */
-    const float *qh = q + (int64_t)bh * G * D;
-    const float *kh = keys + (int64_t)bh * N * D;
-    int nc;
-    if (low != NULL && many < n) {
-        /* the query in the basis: G x r */
-        float qr[64 * 16];
-        const float *B = basis + (int64_t)bh * D * r;
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < r; j++) {
-                float s = 0.f;
-                for (int d = 0; d < D; d++) s += qh[g * D + d] * B[d * r + j];
-                qr[g * r + j] = s;
-            }
-        const float *lh = low + (int64_t)bh * r * N;
-        for (int m0 = 0; m0 < n; m0 += TILE) {
-            int len = n - m0 < TILE ? n - m0 : TILE;
-            float acc[TILE];
-            for (int t = 0; t < len; t++) acc[t] = -INFINITY;
-            for (int g = 0; g < G; g++) {
-                float part[TILE];
-                for (int t = 0; t < len; t++) part[t] = 0.f;
-                for (int j = 0; j < r; j++) {
-                    const float *row = lh + (int64_t)j * N + m0;
-                    float w = qr[g * r + j];
-                    for (int t = 0; t < len; t++) part[t] += w * row[t];
-                }
-                for (int t = 0; t < len; t++) acc[t] = MAX(acc[t], part[t]);
-            }
-            memcpy(score + m0, acc, sizeof(float) * len);
-        }
-        top_entries(score, n, many, cand, fwork, work);
-        nc = many;
-    } else {
-        nc = n;
-        for (int m = 0; m < n; m++) cand[m] = m;
+/* bf16 (the upper half of a float32's bits) to float32 */
+static inline float widen(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* A layer's ranking is cut into parts of equal work so that the machine's threads share it evenly (a layer has
+   few (row, head)s: 3 on the embedded model, which two threads would split 2:1): the first pass and the
+   candidates' exact logits in `PARTS` ranges of entries per (row, head), the selections per (row, head). */
+#define PARTS 8
+
+typedef struct {
+    int G, D, Dv, r, n, many, k, nc;
+    int64_t N;
+    const float *q, *basis, *keys, *values;
+    const uint16_t *low;
+    int32_t *marks;
+    float *out_logits, *out_values, *fscratch;
+    int32_t *iscratch;
+} Step;
+
+/* (row, head) bh's scratch: score (n: first-pass score, then the candidates' exact maximum), fwork (n: the
+   selections'), exact (G n: the candidates' exact logits); cand (n: the candidates), top (k: the recalled
+   among them), work (n: the selections') */
+#define SCORE(s, bh) ((s)->fscratch + (int64_t)(bh) * ((s)->G + 2) * (s)->N)
+#define FWORK(s, bh) (SCORE(s, bh) + (s)->N)
+#define EXACT(s, bh) (SCORE(s, bh) + 2 * (s)->N)
+#define CAND(s, bh) ((s)->iscratch + (int64_t)(bh) * 3 * (s)->N)
+#define TOP(s, bh) (CAND(s, bh) + (s)->N)
+#define WORK(s, bh) (CAND(s, bh) + 2 * (s)->N)
+
+/* the first-pass scores of entries t0 .. t0 + LANES (coordinates lh, row stride N): the maximum over the group of
+   qr (G x R) times the entries' R coordinates. Inlined with R = 16, the coordinates stay in vector registers. */
+static inline __attribute__((always_inline)) vf block_scores(const uint16_t *lh, int64_t N, int t0, const float *qr,
+                                                             int G, const int R) {
+    vf x[16], best;
+    for (int j = 0; j < R; j++) { /* the block's coordinates, widened once for the whole group */
+        vh h;
+        memcpy(&h, lh + (int64_t)j * N + t0, sizeof h);
+        x[j] = (vf)(__builtin_convertvector(h, vu) << 16);
     }
-    /* exact logits of the candidates; score[c] = their maximum over the group. The candidates' keys are
-       read in entry order, prefetched ahead: scattered rows of a store larger than the caches are most of
-       this pass's time otherwise. */
-    if (nc < n) sort_entries(cand, nc, n, (uint8_t *)work);
-    for (int c = 0; c < nc; c++) {
-        if (c + PREFETCH < nc) {
+    for (int g = 0; g < G; g++) {
+        vf acc = x[0] * qr[g * R];
+        for (int j = 1; j < R; j++) acc += x[j] * qr[g * R + j];
+        if (g == 0) best = acc;
+        else {
+            vu more = (vu)(acc > best);
+            best = (vf)(((vu)acc & more) | ((vu)best & ~more));
+        }
+    }
+    return best;
+}
+
+/* first pass, entries [m0, m1) of bh (whole tiles): the query projected on the head's principal directions
+   scores each entry by its coordinates, the maximum over the group's query heads. Entries scoring at least
+   `thr` (unless NaN) are listed in work[m0..), in entry order; returns how many. */
+static int first_pass(const Step *s, int bh, int m0, int m1, float thr) {
+    int G = s->G, D = s->D, r = s->r;
+    const float *qh = s->q + (int64_t)bh * G * D;
+    const float *B = s->basis + (int64_t)bh * D * r;
+    float qr[64 * 16];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < r; j++) {
+            float acc = 0.f;
+            for (int d = 0; d < D; d++) acc += qh[g * D + d] * B[d * r + j];
+            qr[g * r + j] = acc;
+        }
+    const uint16_t *lh = s->low + (int64_t)bh * r * s->N;
+    float *score = SCORE(s, bh);
+    int32_t *hit = WORK(s, bh) + m0;
+    int hits = 0, listing = thr == thr;
+    int t0 = m0;
+    for (; t0 + LANES <= m1; t0 += LANES) {
+        vf best = r == 16 ? block_scores(lh, s->N, t0, qr, G, 16) : block_scores(lh, s->N, t0, qr, G, r);
+        memcpy(score + t0, &best, sizeof best);
+        if (listing) {
+#if defined(__AVX512F__)
+            /* the lanes at or above thr packed into one register, stored whole (what follows is overwritten) */
+            __mmask16 at = _mm512_cmp_ps_mask((__m512)best, _mm512_set1_ps(thr), _CMP_GE_OQ);
+            __m512i entry = _mm512_add_epi32(_mm512_set1_epi32(t0), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9,
+                                                                                      8, 7, 6, 5, 4, 3, 2, 1, 0));
+            _mm512_storeu_si512((void *)(hit + hits), _mm512_maskz_compress_epi32(at, entry));
+            hits += __builtin_popcount(at);
+#else
+            for (int t = 0; t < LANES; t++) {
+                hit[hits] = t0 + t;
+                hits += best[t] >= thr;
+            }
+#endif
+        }
+    }
+    for (int t = t0; t < m1; t++) { /* the last few */
+        float best = -INFINITY;
+        for (int g = 0; g < G; g++) {
+            float acc = 0.f;
+            for (int j = 0; j < r; j++) acc += qr[g * r + j] * widen(lh[(int64_t)j * s->N + t]);
+            best = MAX(best, acc);
+        }
+        score[t] = best;
+        hit[hits] = t;
+        hits += listing && best >= thr;
+    }
+    return hits;
+}
+
+/* the G logits of one key (their maximum returned), written `stride` apart; inlined with the common head sizes */
+static inline __attribute__((always_inline)) float dots(const float *qh, const float *kk, int G, const int D,
+                                                        float *out, int stride) {
+    float best = -INFINITY;
+    for (int g = 0; g < G; g++) {
+        const float *qq = qh + g * D;
+        float dot = 0.f;
+        for (int d = 0; d < D; d++) dot += qq[d] * kk[d];
+        out[g * stride] = dot;
+        best = MAX(best, dot);
+    }
+    return best;
+}
+
+/* exact logits of bh's candidates [c0, c1) (in entry order: their keys are read forward, prefetched ahead --
+   scattered rows of a store larger than the caches are most of this pass's time otherwise); score[c] = their
+   maximum over the group */
+static void exact_logits(const Step *s, int bh, int c0, int c1) {
+    int G = s->G, D = s->D, nc = s->nc;
+    const float *qh = s->q + (int64_t)bh * G * D;
+    const float *kh = s->keys + (int64_t)bh * s->N * D;
+    const int32_t *cand = CAND(s, bh);
+    float *score = SCORE(s, bh), *exact = EXACT(s, bh);
+    for (int c = c0; c < c1; c++) {
+        if (c + PREFETCH < c1) {
             const char *ahead = (const char *)(kh + (int64_t)cand[c + PREFETCH] * D);
             for (int b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
         }
         const float *kk = kh + (int64_t)cand[c] * D;
-        float best = -INFINITY;
-        for (int g = 0; g < G; g++) {
-            const float *qq = qh + g * D;
-            float s = 0.f;
-            for (int d = 0; d < D; d++) s += qq[d] * kk[d];
-            exact[g * nc + c] = s;
-            best = MAX(best, s);
-        }
-        score[c] = best;
+        score[c] = D == 64    ? dots(qh, kk, G, 64, exact + c, nc)
+                   : D == 128 ? dots(qh, kk, G, 128, exact + c, nc)
+                              : dots(qh, kk, G, D, exact + c, nc);
     }
-    top_entries(score, nc, k, top, fwork, work);
-    float *ol = out_logits + (int64_t)bh * G * k;
-    float *ov = out_values + (int64_t)bh * k * Dv;
-    const float *vh = values + (int64_t)bh * N * Dv;
-    int32_t *mk = marks + (int64_t)bh * N;
-    for (int s = 0; s < k; s++) {
-        int c = top[s];
+}
+
+/* bh's recalled [j0, j1) of the k best candidates by exact logit (TOP, `top_entries`): their logits, values
+   and a recall mark each */
+static void recall_out(const Step *s, int bh, int j0, int j1) {
+    int G = s->G, k = s->k, nc = s->nc, Dv = s->Dv;
+    const int32_t *cand = CAND(s, bh), *top = TOP(s, bh);
+    const float *exact = EXACT(s, bh);
+    float *ol = s->out_logits + (int64_t)bh * G * k;
+    float *ov = s->out_values + (int64_t)bh * k * Dv;
+    const float *vh = s->values + (int64_t)bh * s->N * Dv;
+    int32_t *mk = s->marks + (int64_t)bh * s->N;
+    for (int j = j0; j < j1; j++) {
+        int c = top[j];
         int e = cand[c];
-        for (int g = 0; g < G; g++) ol[g * k + s] = exact[g * nc + c];
-        memcpy(ov + (int64_t)s * Dv, vh + (int64_t)e * Dv, sizeof(float) * Dv);
+        for (int g = 0; g < G; g++) ol[g * k + j] = exact[g * nc + c];
+        memcpy(ov + (int64_t)j * Dv, vh + (int64_t)e * Dv, sizeof(float) * Dv);
         mk[e] += 1;
     }
 }
 
-/* Every (row, head) of a layer, `threads` at a time (OpenMP, sharing PyTorch's runtime). Scratch: per thread,
-   (G + 2) N floats and 3 N int32. Returns 0, or < 0 for arguments it cannot take. */
-int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many, int k, const float *q,
-                const float *basis, const float *low, const float *keys, const float *values, int32_t *marks,
-                float *out_logits, float *out_values, float *fscratch, int32_t *iscratch,
-                int threads) {
-    if (k > n || n > N || (low != NULL && k > many) || G * r > 1024 || threads < 1) return -1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && BH > 1)
-    for (int bh = 0; bh < BH; bh++) {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
-        rank_head(bh, G, D, Dv, r, N, n, many, k, q, basis, low, keys, values, marks, out_logits, out_values,
-                  fscratch + (int64_t)t * (G + 2) * N, iscratch + (int64_t)t * 3 * N);
+/* part p of `parts` of [0, m), in whole tiles when `tiles` */
+static void share(int m, int p, int parts, int tiles, int *a, int *b) {
+    int64_t unit = tiles ? TILE : 1, units = (m + unit - 1) / unit;
+    *a = (int)MIN((int64_t)m, units * p / parts * unit);
+    *b = (int)MIN((int64_t)m, units * (p + 1) / parts * unit);
+}
+
+/* bh's candidates, the `many` best entries by first-pass score (in entry order). The entries that scored at
+   least the threshold this (row, head) left for this step are listed by the first pass: when they are at least
+   `many` and not too many, the candidates are among them (every entry above the many-th best is); otherwise all
+   `n` are ranked (`top_entries`). Either way the same entries, and a threshold is left for the next step: about
+   the LOOSE x many-th best score, so that the next query's list holds the candidates unless its scores moved a lot. */
+static int candidates(const Step *s, int bh, int parts, const int *hits, float *threshold) {
+    int n = s->n, many = s->many, m = 0;
+    int32_t *cand = CAND(s, bh), *work = WORK(s, bh);
+    float next = NAN, *score = SCORE(s, bh), *fwork = FWORK(s, bh);
+    int ordered = -1;
+    if (threshold != NULL && *threshold == *threshold) {
+        for (int p = 0; p < parts; p++) { /* the parts' lists, one after the other */
+            int a, b, c = hits[p];
+            share(n, p, parts, 1, &a, &b);
+            if (a != m) memmove(work + m, work + a, sizeof(int32_t) * c);
+            m += c;
+        }
+        if (m >= many && m <= 2 * LOOSE * many) ordered = best_of(score, work, m, many, cand, fwork, &next);
     }
-    return 0;
+    int listed = ordered >= 0;
+    if (!listed) ordered = top_entries(score, n, many, cand, fwork, work, &next);
+    if (!ordered) sort_entries(cand, many, n, (uint8_t *)work);
+    if (threshold != NULL) *threshold = next;
+    return listed;
+}
+
+/* Every (row, head) of a layer, shared by `threads` (OpenMP, PyTorch's own runtime). `low`: the stored keys'
+   coordinates in bf16, (BH, r, N); NULL for an exact ranking. `thresholds` (BH; may be NULL): what each
+   (row, head)'s last step left for this one (NaN: nothing), updated. Scratch: per (row, head), (G + 2) N floats
+   and 3 N int32. Returns how many (row, head)s took their candidates from the first pass's lists (>= 0), or < 0
+   for arguments it cannot take. */
+int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many, int k, const float *q,
+                const float *basis, const uint16_t *low, const float *keys, const float *values, int32_t *marks,
+                float *thresholds, float *out_logits, float *out_values, float *fscratch, int32_t *iscratch,
+                int threads) {
+    if (k > n || n > N || (low != NULL && k > many) || G * r > 1024 || r > 16 || G > 64 || threads < 1) return -1;
+    int two = low != NULL && many < n;
+    Step s = {G, D, Dv, r, n, many, k, two ? many : n, N, q, basis, keys, values, low, marks,
+              out_logits, out_values, fscratch, iscratch};
+    Step *sp = &s;
+    int hits[two ? BH * PARTS : 1], listed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        if (two) {
+#pragma omp for schedule(static)
+            for (int u = 0; u < BH * PARTS; u++) {
+                int a, b, bh = u / PARTS;
+                share(n, u % PARTS, PARTS, 1, &a, &b);
+                hits[u] = a < b ? first_pass(sp, bh, a, b, thresholds ? thresholds[bh] : NAN) : 0;
+            }
+#pragma omp for schedule(dynamic, 1) reduction(+ : listed)
+            for (int bh = 0; bh < BH; bh++)
+                listed += candidates(sp, bh, PARTS, hits + bh * PARTS, thresholds ? thresholds + bh : NULL);
+        } else {
+#pragma omp for schedule(static)
+            for (int bh = 0; bh < BH; bh++)
+                for (int m = 0; m < n; m++) CAND(sp, bh)[m] = m;
+        }
+#pragma omp for schedule(static)
+        for (int u = 0; u < BH * PARTS; u++) {
+            int a, b;
+            share(sp->nc, u % PARTS, PARTS, 0, &a, &b);
+            if (a < b) exact_logits(sp, u / PARTS, a, b);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int bh = 0; bh < BH; bh++)
+            top_entries(SCORE(sp, bh), sp->nc, k, TOP(sp, bh), FWORK(sp, bh), WORK(sp, bh), NULL);
+#pragma omp for schedule(static)
+        for (int u = 0; u < BH * PARTS; u++) {
+            int a, b;
+            share(k, u % PARTS, PARTS, 0, &a, &b);
+            if (a < b) recall_out(sp, u / PARTS, a, b);
+        }
+    }
+    return listed;
 }
