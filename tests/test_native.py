@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h2o_chat.engine import native
-from h2o_chat.engine.store import Store
+from h2o_chat.engine.store import CANDIDATES, TWO_PASS_FROM, Store
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"C kernels not built: {native.why()}")
 
@@ -42,9 +42,9 @@ def _recalled(store, i, q, use_native):
 @pytest.mark.parametrize(
     ("B", "H", "D", "G", "recalled", "n", "threads"),
     [
-        (1, 3, 64, 3, 128, 1500, 1),  # exact ranking (a store below the two-pass threshold), the embedded shape
+        (1, 3, 64, 3, 128, 900, 1),  # exact ranking (a store below the two-pass threshold), the embedded shape
         (1, 3, 64, 3, 128, 6000, 2),  # two passes, OpenMP over the heads
-        (2, 2, 32, 2, 8, 300, 2),  # two rows, small heads: two passes from 128 entries
+        (2, 2, 32, 2, 8, 300, 2),  # two rows, small heads: two passes from 64 entries
         (1, 1, 128, 4, 16, 80, 1),  # Llama-sized heads, exact
     ],
 )
@@ -54,7 +54,7 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
     rounding."""
     gen = torch.Generator().manual_seed(n)
     store = _store(B, H, D, recalled, n, gen)
-    assert store._two is (True if n >= 4 * 4 * recalled else None)
+    assert store._two is (True if n > TWO_PASS_FROM * CANDIDATES * recalled else None)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

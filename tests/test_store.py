@@ -277,9 +277,9 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
         values = torch.randn(L, B, H, n, D, generator=gen)
         store.append(keys, values, torch.arange(start, start + n).expand(L, B, H, n))
 
-    add(100, 0)
+    add(50, 0)
     assert store.basis is None  # small: one exact pass
-    add(100, 100)  # past TWO_PASS_FROM x the candidates: the basis is fitted
+    add(150, 50)  # past TWO_PASS_FROM x the candidates: the basis is fitted
     assert store.basis is not None and store.fitted.tolist() == [200] * B
     add(50, 200)  # projected on the basis as it comes
     assert store.low.dtype == torch.bfloat16 and store.basis.dtype == torch.float32

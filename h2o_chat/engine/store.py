@@ -70,7 +70,7 @@ HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing ra
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
 CANDIDATES = 4  # a step ranks exactly this many times what it recalls: the first pass's best
-TWO_PASS_FROM = 4  # ... once the store holds this many times the candidates (below, one exact pass costs less)
+TWO_PASS_FROM = 2  # ... once the store holds this many times the candidates (below, one exact pass costs less)
 LOW_DTYPE = torch.bfloat16  # the stored keys' coordinates in the basis (see `_allocate`)
 RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
 
