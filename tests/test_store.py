@@ -264,8 +264,9 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
     principal directions, then exactly among the best `candidates` times what it recalls. Keys lying in as many
     directions as the basis keeps are ranked by the first pass without error, so the step recalls exactly the
     exact ranking's tokens (for every row and head: a wrong offset or index mapping would not); entries appended
-    later are projected on the basis, which is fitted again when the store has doubled. A half-precision store
-    (the model's dtype on CUDA) keeps its coordinates and ranks its candidates in fp32."""
+    later are projected on the basis, which is fitted again when the store has doubled. Coordinates are kept in
+    bf16 (whatever the store's dtype: their rounding moves scores far less than the margin four times as many
+    candidates leave); a half-precision store (the model's dtype on CUDA) ranks its candidates in fp32."""
     gen = torch.Generator().manual_seed(0)
     L, B, H, D, G, R = 2, 2, 2, 32, 2, 8
     store = Store(L, torch.zeros(B, H, 1, D, dtype=dtype), torch.zeros(B, H, 1, D, dtype=dtype), [R] * B, 1)
