@@ -67,6 +67,8 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
             assert torch.equal(marks_c, marks_t) and int(marks_c.sum()) == B * H * recalled
     finally:
         torch.set_num_threads(old)
+    scratch = {tail[-2:] for _, _, tail, *_ in store._calls.values()}  # its pointers, the last two arguments
+    assert len(store._calls) == 2 and len(scratch) == 1  # one scratch for every layer, not one each
 
 
 @needs_native

@@ -139,6 +139,7 @@ class Store:
         # a step's ranking in one C call per layer (`native`; float32 stores): None until the first step asks
         self._native: bool | None = None
         self._calls: dict[int, tuple] = {}  # per layer, what its calls pass but the step (`_native_call`)
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # the C ranking's, shared by every layer
         self.listed = 0  # (layer, row, head) rankings whose candidates the last step's threshold listed (C ranking)
         # a step's ranking in two passes (`_recall_step`): the keys' coordinates in `rank_dim` principal directions
         # choose `candidates` times what it recalls, which are ranked exactly (0: every stored key ranked exactly)
@@ -470,7 +471,7 @@ class Store:
         call = self._calls.get(i)
         if call is None or call[0] != (two, k, G):
             call = self._calls[i] = self._native_call(i, two, k, G)
-        _, head, tail, logits, values, _ = call
+        _, head, tail, logits, values, _ = call  # (the last: the thresholds, kept alive)
         many = min(self.candidates * self.select, n) if two else n
         self.listed += native.recall_step(
             *head, n, many, k, query.contiguous().data_ptr(), *tail, torch.get_num_threads()
@@ -483,11 +484,15 @@ class Store:
         """What layer i's calls pass but the step (sizes, buffers, scratch, each (row, head)'s threshold for its
         next first pass) and the outputs they write (the step's attention reads them before the next call for
         this layer: each layer's are reused); kept until the buffers change (`_allocate`, `rows`, `_fit`, `clear`)
-        or the call does."""
+        or the call does. The scratch is one for all layers (they rank one after the other): when it must grow,
+        every layer's call is prepared again."""
         (_, B, H), N, D, Dv = self.shape, self.capacity, self.D, self.Dv
         BH = B * H
         logits, values = torch.empty(B, H, G, k), torch.empty(B, H, k, Dv)
-        scratch = torch.empty(BH * (G + 2) * N), torch.empty(BH * 3 * N, dtype=torch.int32)
+        if self._scratch is None or self._scratch[0].numel() < BH * (G + 2) * N:
+            self._calls = {}  # they point at the scratch replaced
+            self._scratch = torch.empty(BH * (G + 2) * N), torch.empty(BH * 3 * N, dtype=torch.int32)
+        scratch = self._scratch
         thresholds = torch.full((BH,), torch.nan)
 
         def at(t: torch.Tensor) -> int:  # layer i of a (L, ...) buffer, without a view
@@ -499,7 +504,7 @@ class Store:
             at(self.keys), at(self.values), at(self.marks), thresholds.data_ptr(),
             logits.data_ptr(), values.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr(),
         )  # fmt: skip
-        return (two, k, G), head, tail, logits, values, (thresholds, scratch)
+        return (two, k, G), head, tail, logits, values, thresholds
 
     def _exact(self, q, keys, empty, n: int, k: int):
         """Every stored key ranked by its logit: the k best entries (BH, k), their logits (BH, G, k) and each
