@@ -328,11 +328,11 @@ static void recall_out(const Step *s, int bh, int j0, int j1) {
     }
 }
 
-/* part p of `parts` of [0, m), in whole tiles when `tiles` */
-static void share(int m, int p, int parts, int tiles, int *a, int *b) {
+/* part p of PARTS of [0, m), in whole tiles when `tiles` */
+static void share(int m, int p, int tiles, int *a, int *b) {
     int64_t unit = tiles ? TILE : 1, units = (m + unit - 1) / unit;
-    *a = (int)MIN((int64_t)m, units * p / parts * unit);
-    *b = (int)MIN((int64_t)m, units * (p + 1) / parts * unit);
+    *a = (int)MIN((int64_t)m, units * p / PARTS * unit);
+    *b = (int)MIN((int64_t)m, units * (p + 1) / PARTS * unit);
 }
 
 /* bh's candidates, the `many` best entries by first-pass score (in entry order). The entries that scored at
@@ -340,15 +340,15 @@ static void share(int m, int p, int parts, int tiles, int *a, int *b) {
    `many` and not too many, the candidates are among them (every entry above the many-th best is); otherwise all
    `n` are ranked (`top_entries`). Either way the same entries, and a threshold is left for the next step: about
    the LOOSE x many-th best score, so that the next query's list holds the candidates unless its scores moved a lot. */
-static int candidates(const Step *s, int bh, int parts, const int *hits, float *threshold) {
+static int candidates(const Step *s, int bh, const int *hits, float *threshold) {
     int n = s->n, many = s->many, m = 0;
     int32_t *cand = CAND(s, bh), *work = WORK(s, bh);
     float next = NAN, *score = SCORE(s, bh), *fwork = FWORK(s, bh);
     int ordered = -1;
     if (threshold != NULL && *threshold == *threshold) {
-        for (int p = 0; p < parts; p++) { /* the parts' lists, one after the other */
+        for (int p = 0; p < PARTS; p++) { /* the parts' lists, one after the other */
             int a, b, c = hits[p];
-            share(n, p, parts, 1, &a, &b);
+            share(n, p, 1, &a, &b);
             if (a != m) memmove(work + m, work + a, sizeof(int32_t) * c);
             m += c;
         }
@@ -382,12 +382,12 @@ int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many,
 #pragma omp for schedule(static)
             for (int u = 0; u < BH * PARTS; u++) {
                 int a, b, bh = u / PARTS;
-                share(n, u % PARTS, PARTS, 1, &a, &b);
+                share(n, u % PARTS, 1, &a, &b);
                 hits[u] = a < b ? first_pass(sp, bh, a, b, thresholds ? thresholds[bh] : NAN) : 0;
             }
 #pragma omp for schedule(dynamic, 1) reduction(+ : listed)
             for (int bh = 0; bh < BH; bh++)
-                listed += candidates(sp, bh, PARTS, hits + bh * PARTS, thresholds ? thresholds + bh : NULL);
+                listed += candidates(sp, bh, hits + bh * PARTS, thresholds ? thresholds + bh : NULL);
         } else {
 #pragma omp for schedule(static)
             for (int bh = 0; bh < BH; bh++)
@@ -396,7 +396,7 @@ int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many,
 #pragma omp for schedule(static)
         for (int u = 0; u < BH * PARTS; u++) {
             int a, b;
-            share(sp->nc, u % PARTS, PARTS, 0, &a, &b);
+            share(sp->nc, u % PARTS, 0, &a, &b);
             if (a < b) exact_logits(sp, u / PARTS, a, b);
         }
 #pragma omp for schedule(dynamic, 1)
@@ -405,7 +405,7 @@ int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many,
 #pragma omp for schedule(static)
         for (int u = 0; u < BH * PARTS; u++) {
             int a, b;
-            share(k, u % PARTS, PARTS, 0, &a, &b);
+            share(k, u % PARTS, 0, &a, &b);
             if (a < b) recall_out(sp, u / PARTS, a, b);
         }
     }
