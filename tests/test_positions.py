@@ -82,6 +82,81 @@ def test_renumbered_keys_equal_the_models_keys_at_their_new_positions():
         torch.testing.assert_close(s.keys[0, 0, h, :16], expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("positions", ["rolling", "auto"])
+def test_recalled_tokens_are_renumbered_by_their_rank_among_the_held_ones(positions, monkeypatch):
+    """The recall policy past the trained context (issue 20): when the held tokens are renumbered, every stored
+    (evicted) token is numbered by its rank among them -- the count of held tokens with a smaller true position,
+    per layer, row and head -- and its key rotated to that number (checked against the model's own rotary
+    embedding: layer 0's keys depend only on the token and its position); numbers keep the tokens' order across
+    held and stored ones, stay inside the trained context, and steps go on recalling. Prompt chunks (a padded
+    row) and steps both evict."""
+    import itertools
+    from bisect import bisect_left
+
+    from h2o_chat.engine.store import Store
+
+    model = tiny_model("llama", seed=16, max_positions=48)
+    cache = H2OCache.for_model(model, make_policy("recall", 16), positions)  # 12 held, 4 recalled per step
+    engine = Engine(model, cache, "eager")
+    renumbered = []
+    real = Store.renumber
+
+    def checked(store, rows, held, rope):
+        real(store, rows, held, rope)
+        renumbered.append(rows)
+        n = store.count
+        for i, r, h in itertools.product(*map(range, store.shape)):
+            order = sorted(p for p in held[i, r, h].tolist() if p >= 0)
+            for p, rot in zip(store.pos[i, r, h, :n].tolist(), store.rot[i, r, h, :n].tolist(), strict=True):
+                assert p < 0 or rot == bisect_left(order, p)
+
+    monkeypatch.setattr(Store, "renumber", checked)
+    ids = torch.randint(0, 256, (2, 240), generator=torch.Generator().manual_seed(16))
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :9] = 0
+    engine.prefill(ids[:, :60], mask, 8)
+    recalled = 0
+    for t in range(60, 240):
+        engine.decode(ids[:, t])
+        recalled += int(cache.store.marks.sum())
+        cache.store.take_counts()
+        assert int(cache.slots.next_rot.max()) <= 48
+    assert len(renumbered) >= 3 and cache.renumbered and recalled > 0
+    assert not any("dropped" in n for n in cache.pop_notices())
+    store, s = cache.store, cache.slots
+    n = store.count
+    for r in range(2):
+        for h in range(s.keys.shape[2]):
+            pos, rot = store.pos[0, r, h, :n], store.rot[0, r, h, :n]
+            kept = pos >= 0
+            assert int(kept.sum()) > 150 and int(rot[kept].max()) < 48
+            want = layer0_keys_from_scratch(model, ids[r, pos[kept] + (9 if r else 0)], rot[kept].long())[h]
+            torch.testing.assert_close(store.keys[0, r, h, :n][kept], want, atol=1e-4, rtol=1e-4)
+            both_pos = torch.cat((pos[kept], s.pos[0, r, h][s.pos[0, r, h] >= 0]))
+            both_rot = torch.cat((rot[kept].long(), s.rot[0, r, h][s.pos[0, r, h] >= 0]))
+            by_pos = both_rot[both_pos.argsort()]
+            assert (by_pos[1:] >= by_pos[:-1]).all()  # the numbers keep the order of the true positions
+
+
+def test_a_message_taken_back_across_a_renumbering_drops_what_was_stored_and_says_so():
+    """Ctrl-C while a long message is read restores the cache from before it; stored tokens renumbered during
+    that message cannot follow the restored held ones, so they are dropped (with a notice), never left rotated
+    at numbers the held tokens no longer have. Without a renumbering the store keeps what came before."""
+    model = tiny_model("llama", seed=17, max_positions=48)
+    cache = H2OCache.for_model(model, make_policy("recall", 16), "auto")
+    engine = Engine(model, cache, "eager")
+    engine.prefill(torch.randint(0, 256, (1, 20)))
+    before, stored = cache.snapshot(), cache.store.tokens()
+    engine.prefill(torch.randint(0, 256, (1, 6)))  # 26 positions: inside the context
+    assert not cache.store.renumbers
+    cache.restore(before)
+    assert cache.store.tokens() == stored > 0 and not cache.pop_notices()
+    engine.prefill(torch.randint(0, 256, (1, 60)), None, 8)  # past it: renumbers
+    assert cache.store.renumbers
+    cache.restore(before)
+    assert cache.store.tokens() == 0 and any("dropped" in n for n in cache.pop_notices())
+
+
 def test_a_rolling_decode_step_costs_what_an_absolute_one_costs():
     """No per-step ranking, gathering or rotating: the same operators run in every positions mode."""
     from collections import Counter
@@ -201,6 +276,13 @@ def test_soak_command_reports_memory_and_perplexity_per_window(monkeypatch, tmp_
     assert records[0]["kv_bytes"] == records[-1]["kv_bytes"]  # five fixed budgets: nothing grows
     bad = CliRunner().invoke(cli.app, ["soak", "--budget", "8", "--sinks", "8"])
     assert bad.exit_code == 2 and "sink" in bad.stderr
+    # the recall policy goes past the context too, its store renumbered with the held tokens (not dropped)
+    args = ["soak", "--shape", "llama-tiny", "--tokens", "300", "--window", "150", "--budget", "32", "-p", "recall"]
+    result = CliRunner().invoke(cli.app, [*args, "--context", "96"])
+    assert result.exit_code == 0, result.stderr
+    assert "recall 32: perplexity per window" in result.stdout and "dropped" not in result.stderr
+    bad = CliRunner().invoke(cli.app, ["soak", "-p", "full"])
+    assert bad.exit_code == 2 and "--policy for a soak must be one of h2o, snap, recall" in bad.stderr
 
 
 @pytest.mark.parametrize("positions", ["absolute", "rolling", "auto"])

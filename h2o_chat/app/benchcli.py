@@ -214,12 +214,16 @@ def soak_command(
         Path | None,
         typer.Option(metavar="FILE", help="UTF-8 text file (repeated as needed). Default: the shipped Alice."),
     ] = None,
+    policy: Annotated[
+        str,
+        typer.Option("--policy", "-p", help="The policy every configuration uses: h2o (the paper), snap or recall."),
+    ] = "h2o",
     json_out: Annotated[bool, typer.Option("--json", help="One JSON record per window instead of a table.")] = False,
     models: ModelOptions = ModelOptions(),
 ) -> None:
     """Read far past the trained context with a fixed budget: memory and perplexity per window.
 
-    Compares absolute and rolling positions, with and without attention sinks."""
+    Compares absolute and rolling positions, with and without attention sinks, for one policy."""
     with reported():
         import json
 
@@ -229,7 +233,11 @@ def soak_command(
             check_positive(name, value)
         if sinks < 0:
             raise H2OChatError(f"--sinks must be >= 0, got {sinks}")
-        build_policy("h2o", budget, {"sinks": sinks})  # validates budget and sinks
+        from h2o_chat.measure.soak import SOAK_POLICIES
+
+        if policy not in SOAK_POLICIES:
+            raise H2OChatError(f"--policy for a soak must be one of {', '.join(SOAK_POLICIES)}, got {policy!r}")
+        build_policy(policy, budget, {"sinks": sinks})  # validates budget and sinks
         loaded = _load(models, shape, budget)
         import torch
 
@@ -242,11 +250,11 @@ def soak_command(
         else:
             base = ev.token_ids(loaded.tokenizer, ev.read_text(text))
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
-        configs = soak_configs(budget, sinks)
+        configs = soak_configs(budget, sinks, policy)
         with progress_bar("soak") as bar:
             records = run_soak(loaded.model, ids, configs, window, context, progress=bar, decode=models.decode)
         if json_out:
             typer.echo("\n".join(json.dumps(r) for r in records))
         else:
             memory = {key: flatness(records, key) for key in ("rss", "gpu_allocated") if key in records[0]}
-            make_console().print(soak_table(records, loaded.spec.name, budget, memory))
+            make_console().print(soak_table(records, loaded.spec.name, f"{policy} {budget}", memory))

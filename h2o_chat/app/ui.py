@@ -546,11 +546,11 @@ def rich_table(table) -> Table:
     return out
 
 
-def soak_table(records, model: str, budget: int, flatness: dict[str, float]) -> Group:
-    """Per window: tokens seen, process memory, perplexity per configuration; then memory flatness (max / min
-    after the first window, per memory figure, as the soak measured it)."""
+def soak_table(records, model: str, policy: str, flatness: dict[str, float]) -> Group:
+    """Per window (`policy`, e.g. "h2o 256"): tokens seen, process memory, perplexity per configuration; then memory
+    flatness (max / min after the first window, per memory figure, as the soak measured it)."""
     labels = list(records[0]["ppl"]) if records else []
-    table = Table(title=f"soak: {model}, budget {budget}: perplexity per window", title_justify="left")
+    table = Table(title=f"soak: {model}, {policy}: perplexity per window", title_justify="left")
     table.add_column("tokens", justify="right")
     table.add_column("RSS", justify="right")
     for label in labels:

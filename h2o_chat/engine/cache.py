@@ -19,7 +19,8 @@ tokens get their true positions (the paper). When the next position would pass i
 smaller window (`rolling`), the row's held tokens are renumbered once by their order among the held tokens
 (0, 1, 2, ...; StreamingLLM's positions within the cache): each key is rotated by the difference, and new
 tokens continue from there. Decode steps cost the same as with absolute positions; the renumbering, a rotation
-of the held keys, happens once every (window - budget) tokens.
+of the held keys, happens once every (window - budget) tokens. The recall policy's evicted tokens follow: each is
+numbered where it stands among the held tokens and its stored key rotated (`Store.renumber`).
 """
 
 from __future__ import annotations
@@ -210,12 +211,6 @@ class H2OCache(Cache):
                 raise ConfigError(
                     "--positions rolling needs rotary position embeddings; this model has learned absolute "
                     f"positions (OPT), which cannot be re-assigned: it stops at its trained context ({context} tokens)"
-                )
-        for p, mode in zip(policies, modes, strict=True):
-            if isinstance(p, Recall) and mode == "rolling":
-                raise ConfigError(
-                    "the recall policy brings evicted tokens back at their true positions: use --positions "
-                    "absolute or auto (rolling renumbers the held tokens, which evicted ones cannot follow)"
                 )
         rows = rows or [None]
         self.groups = [_Group(p, n, m) for p, n, m in zip(policies, rows, modes, strict=True)]
@@ -499,7 +494,8 @@ class H2OCache(Cache):
         reading of a long message, the conversation continues from before it)."""
         host = {k: list(getattr(self, k)) for k in ("_rows", "_bound", "_switched", "_row_columns")}
         state = {"columns": self.columns, "renumbered": self.renumbered, "host": host}
-        state["stored"] = None if self.store is None else self.store.count  # the store only grows: a count
+        # the store only grows (a count), and is renumbered in place (which a restore cannot take back)
+        state["stored"] = None if self.store is None else (self.store.count, self.store.renumbers)
         state["slots"] = None if self.slots is None else self.slots.copy("cpu")
         return state
 
@@ -511,7 +507,14 @@ class H2OCache(Cache):
         for k, v in state["host"].items():
             setattr(self, k, list(v))
         if self.store is not None:
-            self.store.truncate(state.get("stored") or 0)
+            count, renumbers = state.get("stored") or (0, self.store.renumbers)
+            if renumbers != self.store.renumbers:  # its keys follow positions the restored slots no longer have
+                self.store.clear()
+                self._warn_once(
+                    "store-restored",
+                    "the evicted tokens kept for recall were dropped: they were renumbered for the message taken back",
+                )
+            self.store.truncate(count)
         saved = state["slots"]
         if saved is None:
             self.slots, self.rules = None, None
@@ -712,12 +715,6 @@ class H2OCache(Cache):
                 f"passed the trained context ({self.context} tokens): from here the kept tokens are renumbered "
                 "by their order whenever positions would pass it, so generation can go on",
             )
-        if self.store is not None and self.store.count:
-            self.store.clear()
-            self._warn_once(
-                "store-renumbered",
-                "the evicted tokens kept for recall were dropped: their positions cannot follow the renumbering",
-            )
         selected = torch.zeros(s.batch, dtype=torch.bool, device=s.pos.device)
         selected[rows] = True
         big = torch.iinfo(s.pos.dtype).max
@@ -732,6 +729,8 @@ class H2OCache(Cache):
             s.write((i,), self.rope.rotate_by(s.read("keys", (i,)), change))
             rot.copy_(torch.where(selected[:, None, None], torch.where(held, rank, -1), rot))
         s.next_rot.copy_(torch.where(selected, s.held(), s.next_rot))
+        if self.store is not None:  # evicted tokens are numbered where they stand among the held ones
+            self.store.renumber(rows, s.pos[..., : s.capacity], self.rope)
         for r in rows:
             self._switched[r] = True
             self._bound[r] = self._limit(r)

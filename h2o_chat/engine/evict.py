@@ -47,7 +47,7 @@ def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     prio = rules.priority(slots.score, slots.pos, slots.seen)  # newest = the spare's position
     victim = order(prio, tie(slots.pos)).argmin(dim=-1, keepdim=True)  # (L, B, H, 1)
     if store is not None:
-        store.append(*slots.gather_kv(victim), slots.pos.gather(3, victim))
+        store.append(*slots.gather_kv(victim), slots.pos.gather(3, victim), slots.rot.gather(3, victim))
     spare = slots.capacity  # the spare slot comes right after the capacity
     for buf in slots.buffers():
         buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
@@ -118,7 +118,9 @@ def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.
     for which, fresh in (("keys", new.keys), ("values", new.values)):
         both = torch.cat((slots.read(which, (slice(None), slice(None), slice(None), slice(0, C))), fresh), dim=3)
         kv.append(both.gather(3, per_slot(losers, both)))
-    store.append(*kv, pos.gather(-1, losers))
+    L, B, H, T = new.score.shape
+    rot = torch.cat((slots.rot[..., :C], new.rot[None, :, None, :].expand(L, B, H, T)), dim=-1)
+    store.append(*kv, pos.gather(-1, losers), rot.gather(-1, losers))
 
 
 def _pair_freed_with_survivors(

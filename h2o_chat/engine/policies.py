@@ -203,7 +203,8 @@ class Reread(Snap):
 
 @dataclass(frozen=True)
 class Recall(Snap):
-    """snap, plus a store of every evicted token (keys, values, true positions) off the accelerator, from which
+    """snap, plus a store of every evicted token (keys, values, positions; renumbered with the held tokens past the
+    trained context) off the accelerator, from which
     each decode step's own query, and each prompt chunk's queries together, bring back the `recalled` tokens
     they attend to most (ranked by their logit; with `block` > 1 in blocks ranked by an upper bound from the
     block's per-channel key minimum and maximum, as Quest does). The budget is the same memory: `budget -

@@ -1,9 +1,10 @@
 """The store of evicted tokens behind the `recall` policy, and what each step and prompt chunk brings back from it.
 
 Every token a row that recalls evicts -- in a decode step (`evict.step`) or a prompt chunk (`evict.chunk`) -- is
-appended here with its key (as stored: rotated at its true position), value and true position, per layer, row and KV
-head, in eviction order (a chunk's losers sorted by position, so a block holds neighbours). The store lives off the
-accelerator (on the host; on CPU that is the same memory): what the accelerator holds stays the budget.
+appended here with its key (as stored: rotated at its true position, or at the number the cache gave it), value,
+true position and the position its key is rotated at, per layer, row and KV head, in eviction order (a chunk's
+losers sorted by position, so a block holds neighbours). The store lives off the accelerator (on the host; on CPU
+that is the same memory): what the accelerator holds stays the budget.
 
 A decode step (`recall`) ranks the stored tokens of each (row, KV head) by their attention logit under the step's
 query (the maximum over the group's query heads), takes the `recalled` best, and attends over the held slots plus
@@ -13,9 +14,9 @@ held slots (transient: the accelerator holds them while the chunk is read). Both
 multi-turn recall evaluation's tuning texts at a 10% budget: steps alone kept 0.69 of the likelihood gain, however
 many tokens they recalled, chunks alone 0.01, both 0.97, 1.00 when a chunk recalls twice as many as a step): the
 answer's own queries are the ones that look for an early fact, but the keys and values of the question, read as a
-chunk, must have been computed with the fact in view. Recalled tokens are attended at their true positions and never
-enter the slots (nothing is duplicated; the held set evolves exactly as snap's); their attention mass is not
-accumulated.
+chunk, must have been computed with the fact in view. Recalled tokens are attended at their true positions (once the
+cache renumbers the held tokens past the trained context, at their rank among them: `renumber`) and never enter the
+slots (nothing is duplicated; the held set evolves exactly as snap's); their attention mass is not accumulated.
 
 With `block` > 1 the store ranks blocks of `block` entries instead, by Quest's page summary: the per-channel minimum
 and maximum of the block's keys, from which sum_d max(q_d * min_d, q_d * max_d) bounds every logit in the block from
@@ -88,11 +89,12 @@ def entry_bytes(
 ):
     """Host bytes one store entry takes over every layer, row and KV head: its key, the key's `rank_dim`
     principal coordinates (bf16), its value (`value_elem` bytes per value element when they are kept in 8 bits),
-    position (8), empty flag (1) and recall count (4), and with blocks its share of the block summaries."""
+    position (8), the position its key is rotated at (4), empty flag (1) and recall count (4), and with blocks its
+    share of the block summaries."""
     blocks = (2 * key_dim * 4 + 1) / block if block > 1 else 0
     rank_dim = rank_dim_for(key_dim, block) if rank_dim is None else rank_dim
     values = value_dim * (value_elem or elem)
-    return layers * rows * kv_heads * (key_dim * elem + rank_dim * 2 + values + 8 + 1 + 4 + blocks)
+    return layers * rows * kv_heads * (key_dim * elem + rank_dim * 2 + values + 8 + 4 + 1 + 4 + blocks)
 
 
 def rank_dim_for(key_dim: int, block: int = 1) -> int:
@@ -135,6 +137,7 @@ class Store:
         self.count = 0  # entries appended (the same for every row and head: see `append`)
         self.full = False  # it stopped growing: the host had no memory to spare; later evictions are not kept
         self.holes = False  # some entry before `count` holds nothing (padding, a row that does not recall)
+        self.renumbers = 0  # times the entries were renumbered (`renumber`; a snapshot from before cannot return)
         self._ones = None
         # a step's ranking in one C call per layer (`native`; float32 stores): None until the first step asks
         self._native: bool | None = None
@@ -179,6 +182,7 @@ class Store:
         self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
         self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
         self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
+        self.rot = torch.full((L, B, H, n), -1, dtype=torch.int32)  # the position its key is rotated at (`renumber`)
         self.empty = torch.ones(L, B, H, n, dtype=torch.bool)  # pos < 0, kept beside it: a step reads it
         self.kmin = torch.zeros(L, B, H, nb, self.D)
         self.kmax = torch.zeros(L, B, H, nb, self.D)
@@ -202,7 +206,7 @@ class Store:
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer, per entry (keys .. marks) and per block (kmin, kmax, filled)."""
-        names = ("keys", "low", "values", "vscale", "pos", "empty", "marks", "kmin", "kmax", "filled")
+        names = ("keys", "low", "values", "vscale", "pos", "rot", "empty", "marks", "kmin", "kmax", "filled")
         return {name: getattr(self, name) for name in names}
 
     def tokens(self) -> int:
@@ -233,21 +237,26 @@ class Store:
         return True
 
     # -- writing ------------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor | None = None
+    ) -> None:
         """Evicted tokens (L, B, H, n, D), (L, B, H, n, Dv), true positions (L, B, H, n) (-1: an empty slot or
-        padding lost; nothing to keep). Rows that do not recall keep nothing. Columns empty in every layer, row
-        and head (a prompt chunk's empty slots, sorted first) are dropped: a store without empty entries is ranked
-        without masks."""
+        padding lost; nothing to keep) and the positions their keys were rotated at (None: the true ones, as until
+        the cache renumbers). Rows that do not recall keep nothing. Columns empty in every layer, row and head (a
+        prompt chunk's empty slots, sorted first) are dropped: a store without empty entries is ranked without
+        masks."""
         if self.full or keys.shape[3] == 0:
             return
         pos = pos.to(self.device).masked_fill(~self.rows_recall[None, :, None, None], -1)
+        rot = pos if rot is None else rot.to(self.device)
         some = (pos >= 0).flatten(0, 2).any(0)  # (n,)
         if not bool(some.all()):
             keep = some.nonzero().flatten()
-            keys, values, pos = (
+            keys, values, pos, rot = (
                 keys[:, :, :, keep.to(keys.device)],
                 values[:, :, :, keep.to(values.device)],
                 pos[..., keep],
+                rot[..., keep],
             )
         n = keys.shape[3]
         if n == 0:
@@ -261,6 +270,7 @@ class Store:
         else:
             self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
         self.pos[:, :, :, c0:c1] = pos
+        self.rot[:, :, :, c0:c1] = rot
         self.empty[:, :, :, c0:c1] = empty = pos < 0
         self.holes = self.holes or bool(empty.any())
         self.row_tokens += (~empty).sum(-1).amax(dim=(0, 2))
@@ -344,6 +354,38 @@ class Store:
         self.marks[:, r] = 0
         self.row_tokens[r] = self.fitted[r] = 0
         self._set_two()
+
+    @torch.inference_mode()
+    def renumber(self, rows: list[int], held: torch.Tensor, rope) -> None:
+        """Rows `rows` just had their held tokens numbered by their order (`cache._renumber`: 0, 1, 2, ... by true
+        position, per layer and KV head; `held` (L, B, H, S) their true positions, -1 for an empty slot). Each
+        stored token of those rows is numbered where it stands among them -- the count of held tokens with a
+        smaller true position, so it shares the number of the held token after it -- and its key is rotated by the
+        change (`rope.rotate_by`). A recalled token is then as far from the query as the held tokens between
+        them, as a held one is. The coordinates of the rotated keys are fitted again (their first pass's basis)."""
+        n, (L, B, _) = self.count, self.shape
+        if n == 0:
+            return
+        selected = torch.zeros(B, dtype=torch.bool)
+        selected[torch.as_tensor(rows)] = True
+        selected = selected[:, None, None] & self.rows_recall[:, None, None]
+        big = torch.iinfo(torch.long).max
+        step = max(1, (1 << 22) // max(1, B * self.shape[2] * self.D))  # entries rotated at once (a few 16 MB)
+        for i in range(L):
+            order = torch.where(held[i] >= 0, held[i], big).sort(-1).values.to(self.device)  # (B, H, S)
+            for c0 in range(0, n, step):
+                pos, rot = self.pos[i, :, :, c0 : c0 + step], self.rot[i, :, :, c0 : c0 + step]
+                rank = torch.searchsorted(order, pos.contiguous()).to(rot.dtype)
+                change = torch.where(selected & (pos >= 0), rank - rot, 0)
+                keys = self.keys[i, :, :, c0 : c0 + step]
+                keys.copy_(rope.rotate_by(keys, change))
+                rot.copy_(torch.where(selected & (pos >= 0), rank, rot))
+        self.renumbers += 1
+        self._calls = {}  # the thresholds its first passes left are for the old keys
+        fitted = ((self.fitted > 0) & selected.flatten()).nonzero().flatten()
+        if len(fitted):
+            self._fit(fitted)
+        self._summarise(0, -(-n // self.block))
 
     def rows(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (in that order)."""

@@ -1,9 +1,9 @@
 """Soak: read far past the trained context with a fixed budget, and watch memory and perplexity per window.
 
-Every configuration (absolute vs rolling positions, with and without attention sinks, and auto) reads the
-same text as a row of one grouped cache, teacher-forced token by token; after each window of tokens the
-process memory and each configuration's perplexity over that window are recorded. A bounded cache should give
-flat memory after warm-up; positions decide whether perplexity stays flat past the trained context.
+Every configuration (absolute vs rolling positions, with and without attention sinks, and auto; of one policy, h2o
+by default) reads the same text as a row of one grouped cache, teacher-forced token by token; after each window of
+tokens the process memory and each configuration's perplexity over that window are recorded. A bounded cache should
+give flat memory after warm-up; positions decide whether perplexity stays flat past the trained context.
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ class SoakConfig:
     positions: str
 
 
-def soak_configs(budget: int, sinks: int) -> list[SoakConfig]:
-    h2o, pinned = make_policy("h2o", budget), make_policy("h2o", budget, sinks=sinks)
+SOAK_POLICIES = ("h2o", "snap", "recall")  # the policies with heavy hitters (and sinks) a soak compares
+
+
+def soak_configs(budget: int, sinks: int, policy: str = "h2o") -> list[SoakConfig]:
+    plain, pinned = make_policy(policy, budget), make_policy(policy, budget, sinks=sinks)
     return [
-        SoakConfig("absolute", h2o, "absolute"),
-        SoakConfig("rolling", h2o, "rolling"),
+        SoakConfig("absolute", plain, "absolute"),
+        SoakConfig("rolling", plain, "rolling"),
         SoakConfig(f"absolute + {sinks} sinks", pinned, "absolute"),
         SoakConfig(f"rolling + {sinks} sinks", pinned, "rolling"),
         SoakConfig(f"auto + {sinks} sinks", pinned, "auto"),
