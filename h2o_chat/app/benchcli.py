@@ -233,7 +233,7 @@ def soak_command(
             check_positive(name, value)
         if sinks < 0:
             raise H2OChatError(f"--sinks must be >= 0, got {sinks}")
-        from h2o_chat.measure.soak import SOAK_POLICIES
+        from h2o_chat.measure.soak import SOAK_POLICIES, flatness, run_soak, soak_configs
 
         if policy not in SOAK_POLICIES:
             raise H2OChatError(f"--policy for a soak must be one of {', '.join(SOAK_POLICIES)}, got {policy!r}")
@@ -242,7 +242,6 @@ def soak_command(
         import torch
 
         from h2o_chat.measure import evaluate as ev
-        from h2o_chat.measure.soak import flatness, run_soak, soak_configs
 
         if shape:  # random weights: any ids will do
             vocab = loaded.model.config.get_text_config().vocab_size

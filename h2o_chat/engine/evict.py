@@ -109,6 +109,13 @@ def chunk(
     slots.clear_spare()
 
 
+def _slots_then_chunk(held: torch.Tensor, chunk: torch.Tensor, C: int) -> torch.Tensor:
+    """A per-slot buffer's first C slots (L, B, H, S) followed by the chunk's per-row values (B, T): (L, B, H, C + T),
+    the candidates' order in a chunk's selection."""
+    L, B, H = held.shape[:3]
+    return torch.cat((held[..., :C], chunk[None, :, None, :].expand(L, B, H, chunk.shape[-1])), dim=-1)
+
+
 def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.Tensor, store: Store) -> None:
     """The chunk's losers (L, B, H, T) among stored + new candidates, in position order, into the store."""
     C = slots.capacity
@@ -118,9 +125,7 @@ def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.
     for which, fresh in (("keys", new.keys), ("values", new.values)):
         both = torch.cat((slots.read(which, (slice(None), slice(None), slice(None), slice(0, C))), fresh), dim=3)
         kv.append(both.gather(3, per_slot(losers, both)))
-    L, B, H, T = new.score.shape
-    rot = torch.cat((slots.rot[..., :C], new.rot[None, :, None, :].expand(L, B, H, T)), dim=-1)
-    store.append(*kv, pos.gather(-1, losers), rot.gather(-1, losers))
+    store.append(*kv, pos.gather(-1, losers), _slots_then_chunk(slots.rot, new.rot, C).gather(-1, losers))
 
 
 def _pair_freed_with_survivors(
@@ -129,7 +134,7 @@ def _pair_freed_with_survivors(
     """Per (layer, row, head): the T losers among C + T; the j-th surviving new token goes to the j-th freed
     slot (counts are equal: exactly T lose). Losing new tokens go to the spare slot. -> (L, B, H, T)"""
     C, (L, B, H, T) = slots.capacity, new.score.shape
-    pos = torch.cat((slots.pos[..., :C], new.pos[None, :, None, :].expand(L, B, H, T)), dim=-1)  # (L, B, H, C+T)
+    pos = _slots_then_chunk(slots.pos, new.pos, C)
     if priority is None:
         newest = new.pos.max(-1).values.clamp(min=0).maximum(slots.seen - 1)  # (B,)
         priority = rules.priority(torch.cat((slots.score[..., :C], new.score), dim=-1), pos, newest, stored=C)

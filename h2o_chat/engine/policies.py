@@ -204,15 +204,14 @@ class Reread(Snap):
 @dataclass(frozen=True)
 class Recall(Snap):
     """snap, plus a store of every evicted token (keys, values, positions; renumbered with the held tokens past the
-    trained context) off the accelerator, from which
-    each decode step's own query, and each prompt chunk's queries together, bring back the `recalled` tokens
-    they attend to most (ranked by their logit; with `block` > 1 in blocks ranked by an upper bound from the
-    block's per-channel key minimum and maximum, as Quest does). The budget is the same memory: `budget -
-    recalled` slots are held as snap holds them, `recalled` are filled per step (twice as many, transiently,
-    while a prompt chunk is read). A fact stated early in a chat is often not attended by the question that
-    asks for it (the embedded model attends to it only while writing the answer), so no choice made before the
-    answer can keep it at a small budget; a choice made per step can, once the question's own keys were read
-    with the fact recalled. See engine/store.py."""
+    trained context) off the accelerator, from which each decode step's own query, and each prompt chunk's queries
+    together, bring back the `recalled` tokens they attend to most (ranked by their logit; with `block` > 1 in
+    blocks ranked by an upper bound from the block's per-channel key minimum and maximum, as Quest does). The budget
+    is the same memory: `budget - recalled` slots are held as snap holds them, `recalled` are filled per step (twice
+    as many, transiently, while a prompt chunk is read). A fact stated early in a chat is often not attended by the
+    question that asks for it (the embedded model attends to it only while writing the answer), so no choice made
+    before the answer can keep it at a small budget; a choice made per step can, once the question's own keys were
+    read with the fact recalled. See engine/store.py."""
 
     name: ClassVar[str] = "recall"
     brings_back: ClassVar[bool] = True

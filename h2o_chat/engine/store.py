@@ -368,7 +368,7 @@ class Store:
             return
         selected = torch.zeros(B, dtype=torch.bool)
         selected[torch.as_tensor(rows)] = True
-        selected = selected[:, None, None] & self.rows_recall[:, None, None]
+        selected = selected[:, None, None]  # (rows that do not recall store nothing: their positions are -1)
         big = torch.iinfo(torch.long).max
         step = max(1, (1 << 22) // max(1, B * self.shape[2] * self.D))  # entries rotated at once (a few 16 MB)
         for i in range(L):
