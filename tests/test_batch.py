@@ -86,9 +86,11 @@ def test_input_file_errors(fast_load, tmp_path):
     assert result.exit_code == 2 and "not UTF-8" in result.stderr and "Traceback" not in result.output
 
 
-def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path):
+@pytest.mark.parametrize("policy", ["h2o", "recall"])
+def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path, policy):
     """Continuous batching: five prompts through two rows, so three are read into rows that others left; every
-    row's greedy text equals its prompt alone."""
+    row's greedy text equals its prompt alone (recall: what each prompt evicted goes to its row of the store, and
+    a row recalls only its own)."""
     prompts = [
         "Name three animals.",
         "What is 2+2? Answer briefly please.",
@@ -100,13 +102,13 @@ def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", lines)
     summary = Summary()
     items, _ = read_items(
-        inp, embedded.tokenizer, Defaults(max_new_tokens=24, budget=40), summary, lambda b: make_policy("h2o", b)
+        inp, embedded.tokenizer, Defaults(max_new_tokens=24, budget=40), summary, lambda b: make_policy(policy, b)
     )
-    records = list(generate_batch(embedded, items, make_policy("h2o", 40), rows=2))
+    records = list(generate_batch(embedded, items, make_policy(policy, 40), rows=2))
     together = {r["id"]: r["text"] for r in records}
     assert len(records) == 5 and {r["batch_rows"] for r in records} == {2}
     for item in items:
-        alone = next(generate_batch(embedded, [item], make_policy("h2o", 40)))
+        alone = next(generate_batch(embedded, [item], make_policy(policy, 40)))
         assert alone["text"] == together[item.id], item.id
         assert alone["batch_rows"] == 1
 

@@ -15,7 +15,7 @@ from conftest import tiny_model
 from h2o_chat.app import ui
 from h2o_chat.app.conversation import ChatSettings, Conversation
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import Recall, make_policy, with_budget
 from h2o_chat.engine.store import CANDIDATES, RANK_DIM, Store
@@ -159,10 +159,9 @@ def test_recall_refuses_what_it_cannot_do_in_one_clear_line():
         make_policy("recall", 20, recalled=20)
     with pytest.raises(ConfigError, match="whole blocks"):
         Recall(64, recalled=12, block=8)
-    cache = H2OCache.for_model(model, make_policy("recall", 32))
-    Engine(model, cache, "eager").prefill(torch.randint(4, 200, (2, 20)))
-    with pytest.raises(ConfigError, match="batch"):
-        cache.row(0)
+    cache = H2OCache.for_model(model, [make_policy("recall", 32), Recall(32, recalled=8, block=4)])
+    with pytest.raises(ConfigError, match="blocks of one size"):
+        Engine(model, cache, "eager").prefill(torch.randint(4, 200, (2, 20)))
 
 
 def test_quest_blocks_rank_by_an_upper_bound_of_every_logit_in_them(single_thread):
@@ -351,3 +350,81 @@ def test_a_row_recalls_as_it_would_alone_beside_rows_of_other_budgets(single_thr
         assert cache.store._two is True  # both rows past their own thresholds by the end
         assert cache.store.fitted[0] != cache.store.fitted[1]  # each fitted on its own schedule
         torch.testing.assert_close(both[:1], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_a_refilled_batch_row_recalls_only_its_own_prompt_and_the_store_stays_bounded(single_thread):
+    """Continuous batching with recall: ten prompts pass through two rows, each row refilled when its prompt's
+    steps are done. Every step's logits of a refilled row equal its prompt's alone (what the prompt evicted went
+    to its row of the store, nothing of the row's earlier prompts is recalled); after all of them, each row's
+    store holds exactly what its current prompt evicted, at its true positions, and the entries that finished
+    prompts left were reclaimed (the count stays within twice the busiest row's, where the run appended many
+    times that). Heads of 32 channels, so that the larger stores are ranked in two passes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from h2o_chat.engine.attention import prepare_model
+
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, initializer_range=0.2,
+    )  # fmt: skip
+    model = prepare_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    policy = make_policy("recall", 24, recalled=6)
+    gen = torch.Generator().manual_seed(5)
+    # the first row's prompt outlasts the second's and its successor's start, so that when it ends the second
+    # row holds a gap (its prompt's entries first, then its steps' after the count): the move is of a fitted row
+    prompts = [torch.randint(4, 200, (1, n), generator=gen) for n in (40, 20, 60, 20, 30, 25, 90, 45, 30, 20)]
+    steps = [200, 150, 100, 30, 40, 20, 60, 45, 80, 35]
+    forced = [torch.randint(4, 200, (s,), generator=gen) for s in steps]
+    alone = [_run_forced(model, policy, p, f) for p, f in zip(prompts, forced, strict=True)]
+
+    cache = H2OCache.for_model(model, policy)
+    engine = Engine(model, cache, "eager")
+    engine.prefill(*left_pad([p[0].tolist() for p in prompts[:2]], 0), 8)
+    item, t, waiting, appended = [0, 1], [0, 0], list(range(2, len(prompts))), 0
+    last, fed = list(item), [0, 0]  # each row's latest prompt, and the steps fed since (idle rows step too)
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    while any(i is not None for i in item):
+        before = cache.store.count
+        feed = torch.stack([forced[i][t[r]] if i is not None else torch.tensor(4) for r, i in enumerate(item)])
+        logits = engine.decode(feed)[0]
+        appended += max(0, cache.store.count - before)
+        fed = [f + 1 for f in fed]
+        for r, i in enumerate(item):
+            if i is None:
+                continue
+            got[i].append(logits[r].clone())
+            t[r] += 1
+            if t[r] == steps[i]:  # done: the next prompt takes the row
+                item[r], t[r] = (waiting.pop(0), 0) if waiting else (None, 0)
+                if item[r] is not None:
+                    got[item[r]], last[r], fed[r] = [], item[r], 0
+                    engine.refill(r, prompts[item[r]], 8)
+    for i in range(len(prompts)):
+        torch.testing.assert_close(torch.stack(got[i]), alone[i][1:], atol=1e-4, rtol=1e-4, msg=f"prompt {i}")
+    store, s = cache.store, cache.slots
+    assert store.shape[1] == 2 and store._two is not None  # a row past its two-pass threshold
+    for r, i in enumerate(last):
+        seen = prompts[i].shape[1] + fed[r]
+        for layer in range(s.pos.shape[0]):
+            for h in range(s.pos.shape[2]):
+                held = s.pos[layer, r, h][s.pos[layer, r, h] >= 0].tolist()
+                kept = store.pos[layer, r, h, : store.count]
+                assert sorted(held + kept[kept >= 0].tolist()) == list(range(seen))
+        if store.fitted[r] > 0:  # its coordinates moved with its keys
+            n, used = store.count, ~store.empty[:, r, :, : store.count, None]
+            want = (store.basis[:, r].mT @ store.keys[:, r, :, :n].float().mT).mT * used
+            torch.testing.assert_close(store.low[:, r, :, :, :n].float().mT * used, want, atol=0.05, rtol=0.02)
+    assert int(store.fitted.max()) > 0
+    busiest = int(store.row_tokens.max())
+    assert store.count <= 2 * busiest < appended
+
+
+def _run_forced(model, policy, ids, forced):
+    """A prompt alone, then `forced` tokens: the prefill's logits and every step's."""
+    cache = H2OCache.for_model(model, policy)
+    engine = Engine(model, cache, "eager")
+    out = [engine.prefill(ids, None, 8)[0].clone()]
+    for token in forced:
+        out.append(engine.decode(token[None])[0][0].clone())
+    return torch.stack(out)

@@ -21,7 +21,7 @@ from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import finish_reason, stop_token_ids
-from h2o_chat.engine.policies import Policy, Recall
+from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.slots import mean_count
 from h2o_chat.errors import ConfigError, H2OChatError, InputError
@@ -303,11 +303,6 @@ def run_batch(
 ) -> Summary:
     """Generate every well-formed line not yet in the output. Malformed and duplicate lines are passed to
     `on_skip` before anything is generated (a long run should not hide them until its end)."""
-    if isinstance(make_policy(defaults.budget), Recall):
-        raise ConfigError(
-            "batch generation refills rows in place, which the recall policy's store cannot follow yet: use snap "
-            "(the default), reread, h2o, sink, recent or full"
-        )
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
     if on_skip:

@@ -445,9 +445,8 @@ class H2OCache(Cache):
     def row(self, r: int) -> H2OCache:
         """Row r as a cache of its own that shares this cache's storage: a prompt read into it lands in row r
         while the other rows keep theirs (continuous batching). Notes go to this cache. `absorb` takes its host
-        bookkeeping back."""
-        if self.store is not None:
-            raise ConfigError("the recall policy cannot refill batch rows yet: use another policy for `batch`")
+        bookkeeping back, and what the prompt evicted into this cache's store when the row recalls (the view
+        keeps its own while it reads: its chunks recall only what this prompt evicted)."""
         view = self._twin(self.slots.row(r))
         view.rules = self.rules.rows(torch.tensor([r], device=self.slots.seen.device))
         view._rows, view._bound, view._switched = [self._rows[r]], [self._bound[r]], [self._switched[r]]
@@ -456,6 +455,7 @@ class H2OCache(Cache):
         view.groups = [_Group(self._rows[r].policy, None, self._rows[r].positions)]
         view.host_managed = True
         view._view = True
+        view._make_store()
         return view
 
     def absorb(self, view: H2OCache, r: int) -> None:
@@ -465,6 +465,8 @@ class H2OCache(Cache):
         self._bound[r], self._switched[r] = view._bound[0], view._switched[0]
         self._row_columns[r] = view.columns
         self.columns = max(self._row_columns)
+        if self.store is not None and view.store is not None:
+            self.store.put_row(r, view.store)
         self.renumbered |= view.renumbered
         self._warned |= view._warned
 

@@ -356,6 +356,70 @@ class Store:
         self._set_two()
 
     @torch.inference_mode()
+    def put_row(self, r: int, other: Store) -> None:
+        """Row r (emptied by `clear_row`) takes the one row of `other` (what a prompt read into row r alone
+        evicted: continuous batching), its entries first. A batch whose rows were refilled holds entries that
+        nothing uses (a finished row's, and each refilled row's gap up to the shared count): once they are half
+        of the busiest row's, every row's entries move to the front (`compact`), so the store stays the size of
+        what the rows hold, however many prompts pass through them."""
+        n = other.count
+        if self.full or other.shape[1] != 1 or other.shape[0] != self.shape[0] or other.block != self.block:
+            return  # (a full store keeps nothing new; the cache said so)
+        if n > self.capacity and not self._grow(n):
+            return
+        for name, t in self._buffers().items():
+            src = other._buffers()[name]
+            if name == "low":
+                t[:, r, ..., :n] = src[:, 0, ..., :n]
+            elif name in ("kmin", "kmax", "filled"):
+                nb = -(-n // self.block) if self.block > 1 else 0
+                t[:, r, :, :nb] = src[:, 0, :, :nb]
+            else:
+                t[:, r, :, :n] = src[:, 0, :, :n]
+        if other.basis is not None and self.basis is None:
+            self.basis = torch.zeros(*self.shape, self.D, self.rank_dim)
+        if self.basis is not None:  # (a row never fitted has zeros: its coordinates are not read)
+            self.basis[:, r] = 0 if other.basis is None else other.basis[:, 0]
+        self.row_tokens[r], self.fitted[r] = other.row_tokens[0], other.fitted[0]
+        old, self.count = self.count, max(self.count, n)
+        # the row's entries stop short of the others', or the others' of its
+        self.holes = self.holes or other.holes or n < old or (n > old and self.shape[1] > 1)
+        self.full = self.full or other.full
+        self._calls = {}
+        self.compact()
+        self._set_two()
+
+    @torch.inference_mode()
+    def compact(self, force: bool = False) -> None:
+        """Every row's entries moved to the front, in order (their positions, rotations, marks and coordinates
+        with them), when at least half of the entries up to the count hold nothing for the busiest row (or
+        `force`); the count becomes the busiest row's."""
+        n, (_, B, _) = self.count, self.shape
+        held = (~self.empty[:, :, :, :n]).any(0).any(1)  # (B, n): an entry some layer and head of the row uses
+        live = held.sum(1)
+        most = int(live.max()) if B else 0
+        if not n or (not force and 2 * most > n) or most == n:
+            return
+        for b in range(B):
+            keep = held[b].nonzero().flatten()
+            m = len(keep)
+            for name, t in self._buffers().items():
+                if name == "low":
+                    t[:, b, ..., :m] = t[:, b, ..., keep]
+                elif name not in ("kmin", "kmax", "filled"):
+                    t[:, b, :, :m] = t[:, b, :, keep]
+            self.pos[:, b, :, m:n] = -1
+            self.rot[:, b, :, m:n] = -1
+            self.empty[:, b, :, m:n] = True
+            self.marks[:, b, :, m:n] = 0
+        self.count = most
+        self.holes = bool(self.empty[:, :, :, :most].any())
+        if self.block > 1:
+            self.filled[:] = False
+            self._summarise(0, -(-most // self.block))
+        self._calls = {}
+
+    @torch.inference_mode()
     def renumber(self, rows: list[int], held: torch.Tensor, rope) -> None:
         """Rows `rows` just had their held tokens numbered by their order (`cache._renumber`: 0, 1, 2, ... by true
         position, per layer and KV head; `held` (L, B, H, S) their true positions, -1 for an empty slot). Each
