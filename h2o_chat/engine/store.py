@@ -73,7 +73,8 @@ RANK_DIM = 16  # principal directions of the stored keys whose coordinates a ste
 CANDIDATES = 4  # a step ranks exactly this many times what it recalls: the first pass's best
 TWO_PASS_FROM = 2  # ... once the store holds this many times the candidates (below, one exact pass costs less)
 LOW_DTYPE = torch.bfloat16  # the stored keys' coordinates in the basis (see `_allocate`)
-RANK_BLOCK = 1 << 24  # (queries x stored) logits ranked at once by a prompt chunk (64 MB in fp32)
+RANK_BLOCK = 1 << 19  # (queries x stored) logits ranked at once by a prompt chunk: 2 MB in fp32, reduced while
+# still in the processor's cache (blocks of 64 MB, written out to memory and read back, took twice as long)
 
 
 def entry_bytes(
