@@ -332,16 +332,7 @@ def test_a_row_recalls_as_it_would_alone_beside_rows_of_other_budgets(single_thr
     with its neighbour's budget (they did: a 10% row's perplexity was 27.10 beside a 20% row, 26.72 alone).
     Heads of 32 channels, so that a large store is ranked in two passes; both rows pass their thresholds at
     different times."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from h2o_chat.engine.attention import prepare_model
-
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, initializer_range=0.2,
-    )  # fmt: skip
-    model = prepare_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    model = _wide_heads_model(seed=3)
     ids = torch.randint(4, 200, (1, 40), generator=torch.Generator().manual_seed(3))
     small, large = make_policy("recall", 24, recalled=6), make_policy("recall", 64, recalled=16)
     for first, other in ((small, large), (large, small)):  # each policy the first row (the same forced tokens)
@@ -359,16 +350,7 @@ def test_a_refilled_batch_row_recalls_only_its_own_prompt_and_the_store_stays_bo
     store holds exactly what its current prompt evicted, at its true positions, and the entries that finished
     prompts left were reclaimed (the count stays within twice the busiest row's, where the run appended many
     times that). Heads of 32 channels, so that the larger stores are ranked in two passes."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from h2o_chat.engine.attention import prepare_model
-
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, initializer_range=0.2,
-    )  # fmt: skip
-    model = prepare_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    model = _wide_heads_model(seed=5)
     policy = make_policy("recall", 24, recalled=6)
     gen = torch.Generator().manual_seed(5)
     # the first row's prompt outlasts the second's and its successor's start, so that when it ends the second
@@ -428,3 +410,17 @@ def _run_forced(model, policy, ids, forced):
     for token in forced:
         out.append(engine.decode(token[None])[0][0].clone())
     return torch.stack(out)
+
+
+def _wide_heads_model(seed: int):
+    """A tiny llama with heads of 32 channels, so that a large store is ranked in two passes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from h2o_chat.engine.attention import prepare_model
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, initializer_range=0.2,
+    )  # fmt: skip
+    return prepare_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
