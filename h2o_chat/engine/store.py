@@ -364,8 +364,8 @@ class Store:
         of the busiest row's, every row's entries move to the front (`compact`), so the store stays the size of
         what the rows hold, however many prompts pass through them."""
         n = other.count
-        if self.full or other.shape[1] != 1 or other.shape[0] != self.shape[0] or other.block != self.block:
-            return  # (a full store keeps nothing new; the cache said so)
+        if self.full:
+            return  # a full store keeps nothing new (the cache said so)
         if n > self.capacity and not self._grow(n):
             return
         for name, t in self._buffers().items():
@@ -391,15 +391,15 @@ class Store:
         self._set_two()
 
     @torch.inference_mode()
-    def compact(self, force: bool = False) -> None:
+    def compact(self) -> None:
         """Every row's entries moved to the front, in order (their positions, rotations, marks and coordinates
-        with them), when at least half of the entries up to the count hold nothing for the busiest row (or
-        `force`); the count becomes the busiest row's."""
+        with them), when at least half of the entries up to the count hold nothing for the busiest row; the count
+        becomes the busiest row's."""
         n, (_, B, _) = self.count, self.shape
         held = (~self.empty[:, :, :, :n]).any(0).any(1)  # (B, n): an entry some layer and head of the row uses
         live = held.sum(1)
         most = int(live.max()) if B else 0
-        if not n or (not force and 2 * most > n) or most == n:
+        if not n or 2 * most > n:
             return
         for b in range(B):
             keep = held[b].nonzero().flatten()
