@@ -2,12 +2,12 @@
 with keys that have the low-rank structure real keys have, and one decode step's ranking over every layer.
 
     python scripts/store_rank_cost.py [--shape llama-2-7b] [--stored 2048,4096,7680] [--budget 512]
-                                      [--dtype float32|float16] [--threads 2] [--rounds 6]
+                                      [--dtype float32|float16|bfloat16] [--threads 2] [--rounds 6]
 
-float32 is the CPU's store (ranked by csrc/recall_step.c); float16 is what a CUDA model's store holds (ranked by
-PyTorch operators on the host). Prints one JSON line per stored count: min and median ms per step (every layer),
-the store's host MB, and the step's time beside `--step-ms` (a GPU decode step to compare with; default 8.9, h2o
-512 on an H100 at Llama-2-7B's shape).
+float32 is the CPU's store; float16 and bfloat16 are what a CUDA model's store holds. All are ranked by
+csrc/recall_step.c where it builds (H2O_CHAT_NATIVE=0: by PyTorch operators). Prints one JSON line per stored
+count: min and median ms per step (every layer), the store's host MB, and the step's time beside `--step-ms` (a
+GPU decode step to compare with; default 8.9, h2o 512 on an H100 at Llama-2-7B's shape).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-2-7b", choices=sorted(SHAPES))
     parser.add_argument("--stored", default="2048,4096,7680", help="evicted tokens in the store, comma-separated")
     parser.add_argument("--budget", type=int, default=512, help="recall brings back a quarter of it per step")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--step-ms", type=float, default=8.9)

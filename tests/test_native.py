@@ -12,16 +12,17 @@ from h2o_chat.engine.store import CANDIDATES, TWO_PASS_FROM, Store
 needs_native = pytest.mark.skipif(not native.available(), reason=f"C kernels not built: {native.why()}")
 
 
-def _store(B, H, D, recalled, n, gen, ties=False):
+def _store(B, H, D, recalled, n, gen, ties=False, dtype=torch.float32, keys=None, values=None):
     L = 2
-    store = Store(L, torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D), [recalled] * B, 1)
-    keys = torch.randn(L, B, H, n, D, generator=gen)
+    template = torch.zeros(B, H, 1, D, dtype=dtype)
+    store = Store(L, template, template, [recalled] * B, 1)
+    keys = torch.randn(L, B, H, n, D, generator=gen) if keys is None else keys
     if ties:  # groups of 8 identical keys: every logit is shared by 8 entries
         keys = keys[:, :, :, : n // 8].repeat_interleave(8, 3)
         n = keys.shape[3]
-    values = torch.randn(L, B, H, n, D, generator=gen)  # unique: they identify the entry recalled
+    values = torch.randn(L, B, H, n, D, generator=gen) if values is None else values  # unique: they name the entry
     with torch.inference_mode():
-        store.append(keys, values, torch.arange(n).expand(L, B, H, n))
+        store.append(keys.to(dtype), values.to(dtype), torch.arange(n).expand(L, B, H, n))
     return store
 
 
@@ -69,6 +70,35 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
         torch.set_num_threads(old)
     scratch = {tail[-2:] for _, _, tail, *_ in store._calls.values()}  # its pointers, the last two arguments
     assert len(store._calls) == 2 and len(scratch) == 1  # one scratch for every layer, not one each
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("D", "G", "n"), [(64, 3, 900), (64, 3, 6000), (128, 4, 3000)])
+def test_a_16_bit_store_is_ranked_as_a_float32_store_holding_the_same_numbers(dtype, D, G, n):
+    """A GPU model's store holds its keys and values in float16 or bfloat16; the C ranking widens them as it reads
+    them and ranks in float32: the same entries, logits and marks as the operators ranking a float32 store of the
+    same numbers (exact and two-pass), and the values come back in the store's dtype, unchanged. A kernel that
+    read 16-bit entries as float32, at a float32 stride, or narrowed the values, would not."""
+    gen = torch.Generator().manual_seed(n + D)
+    H, recalled = 2, 64
+    keys = torch.randn(2, 1, H, n, D, generator=gen).to(dtype).float()
+    values = torch.randn(2, 1, H, n, D, generator=gen).to(dtype).float()
+    half = _store(1, H, D, recalled, n, gen, dtype=dtype, keys=keys, values=values)
+    wide = _store(1, H, D, recalled, n, gen, keys=keys, values=values)
+    assert half._two is wide._two is (True if n > TWO_PASS_FROM * CANDIDATES * recalled else None)
+    for i in range(2):
+        q = torch.randn(1, H * G, 1, D, generator=gen).to(dtype)
+        with torch.inference_mode():
+            half._native = True
+            got = half._recall_step(i, q)
+        assert got.values.dtype == dtype
+        ent_h, log_h, marks_h = _recalled(half, i, q, True)
+        ent_w, log_w, marks_w = _recalled(wide, i, q.float(), False)
+        assert torch.equal(ent_h, ent_w)
+        torch.testing.assert_close(log_h, log_w, rtol=1e-5, atol=1e-4)
+        assert torch.equal(marks_h, marks_w)
+    assert half._calls  # it ranked in C
 
 
 @needs_native

@@ -96,7 +96,7 @@ def _library() -> ctypes.CDLL | None:
         _why.append(f"the build failed ({e})")
         return None
     i, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.recall_step.argtypes = [i, i, i, i, i, i64, i, i, i, p, p, p, p, p, p, p, p, p, p, p, i]
+    lib.recall_step.argtypes = [i, i, i, i, i, i64, i, i, i, p, p, p, p, p, p, p, p, p, p, p, i, i]
     lib.recall_step.restype = i
     return lib
 

@@ -44,13 +44,14 @@ of each recalled one kept its gain on the tuning texts, every 4th lost 0.3, a ra
 channels was measured no faster on CPU (its gathers cost what they save).
 
 On a CPU each of those operators costs microseconds whatever its size, and a step ran about 17 per layer, two of
-them top-k sorts; a float32 store (the CPU's) ranks a step in one call per layer of `csrc/recall_step.c` instead
-(`native`: the same ranking, its selections made without sorting, each head's passes shared by the machine's
-threads), and falls back to the operators where it cannot be built or the store is not float32, 8-bit or uneven
-(rows that recall different counts, holes). The coordinates are kept in bfloat16 (the first pass's bytes are its
-cost; it only chooses candidates). The C ranking also lists, during its first pass, the entries that score at
-least a threshold the same layer and head left at its last step, and takes the candidates from that list when it
-holds enough (the same entries: every one above the k-th best is in it), which spares ranking every entry again.
+them top-k sorts; a store of float32 (the CPU's), float16 or bfloat16 keys (a GPU model's) ranks a step in one call
+per layer of `csrc/recall_step.c` instead (`native`: the same ranking in float32 arithmetic, its selections made
+without sorting, each head's passes shared by the machine's threads), and falls back to the operators where it
+cannot be built or the store is 8-bit or uneven (rows that recall different counts, holes). The coordinates are kept
+in bfloat16 (the first pass's bytes are its cost; it only chooses candidates). The C ranking also lists, during its
+first pass, the entries that score at least a threshold the same layer and head left at its last step, and takes the
+candidates from that list when it holds enough (the same entries: every one above the k-th best is in it), which
+spares ranking every entry again.
 
 A chunk's ranking is a (G T x D) @ (D x stored) product, in blocks of queries: what a full cache's attention over
 the same tokens costs. On CUDA the store stays on the host, so a step sends each layer's query down and the recalled
@@ -72,6 +73,8 @@ CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
 CANDIDATES = 4  # a step ranks exactly this many times what it recalls: the first pass's best
 TWO_PASS_FROM = 2  # ... once the store holds this many times the candidates (below, one exact pass costs less)
+# the C ranking's store dtypes (`csrc/recall_step.c`'s kinds): keys and values as the model makes them
+NATIVE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 LOW_DTYPE = torch.bfloat16  # the stored keys' coordinates in the basis (see `_allocate`)
 RANK_BLOCK = 1 << 19  # (queries x stored) logits ranked at once by a prompt chunk: 2 MB in fp32, reduced while
 # still in the processor's cache (blocks of 64 MB, written out to memory and read back, took twice as long)
@@ -140,7 +143,7 @@ class Store:
         self.holes = False  # some entry before `count` holds nothing (padding, a row that does not recall)
         self.renumbers = 0  # times the entries were renumbered (`renumber`; a snapshot from before cannot return)
         self._ones = None
-        # a step's ranking in one C call per layer (`native`; float32 stores): None until the first step asks
+        # a step's ranking in one C call per layer (`native`; not 8-bit stores): None until the first step asks
         self._native: bool | None = None
         self._calls: dict[int, tuple] = {}  # per layer, what its calls pass but the step (`_native_call`)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # the C ranking's, shared by every layer
@@ -536,13 +539,13 @@ class Store:
         the processor's caches)."""
         n, (_, B, H), device = self.count, self.shape, query.device
         BH, N, D = B * H, self.capacity, self.D
-        if query.device != self.device or query.dtype != self.dtype:
-            query = query.to(self.device, self.dtype)
         k = min(self.select, n)
         if self._native is None:
-            self._native = self.dtype == torch.float32 and not self.quant and self.block == 1 and native.available()
+            self._native = self.dtype in NATIVE_KINDS and not self.quant and self.block == 1 and native.available()
         if self._native and self.uniform and not self.holes and (self._two is None or self._two is True):
-            return self._native_step(i, query, k, device)
+            return self._native_step(i, query.to(self.device, torch.float32), k, device)
+        if query.device != self.device or query.dtype != self.dtype:
+            query = query.to(self.device, self.dtype)
         q, keys, empty = query.view(BH, -1, D), self.keys[i].view(BH, N, D), self.empty[i].view(BH, N)
         if self._two is None:
             tok, logits, best = self._exact(q, keys, empty, n, k)
@@ -581,10 +584,10 @@ class Store:
         _, head, tail, logits, values, _ = call  # (the last: the thresholds, kept alive)
         many = min(self.candidates * self.select, n) if two else n
         self.listed += native.recall_step(
-            *head, n, many, k, query.contiguous().data_ptr(), *tail, torch.get_num_threads()
+            *head, n, many, k, query.contiguous().data_ptr(), *tail, torch.get_num_threads(), NATIVE_KINDS[self.dtype]
         )
-        if device != self.device:
-            values, logits = values.to(device), logits.to(device)
+        if device != self.device or values.dtype != self.dtype:  # (values come out in float32)
+            values, logits = values.to(device, self.dtype), logits.to(device)
         return Recalled(None, values, None, logits)
 
     def _native_call(self, i: int, two: bool, k: int, G: int) -> tuple:

@@ -20,11 +20,15 @@
    A layer has few (row, head)s (3 on the embedded model), so the threads share each one's passes over its
    entries and its candidates (`PARTS` ranges each), not whole heads.
 
+   Keys and values are float32 (a CPU model's store), float16 or bfloat16 (a GPU model's: `kind`), read as they
+   are stored and widened to float32 in registers (F16C or AVX-512 converts float16 in vectors); the arithmetic
+   is float32 throughout, so a 16-bit store ranks as a float32 store holding the same numbers.
+
    Plain C (no PyTorch headers: it builds in a second), called through ctypes by engine/native.py. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -175,15 +179,59 @@ static inline float widen(uint16_t h) {
     return v.f;
 }
 
+enum { F32 = 0, F16 = 1, BF16 = 2 }; /* how keys and values are stored (`kind`) */
+
+/* IEEE half (float16) to float32, without the processor's conversion instructions */
+static inline float half_to_float(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0) { /* zero or subnormal: man x 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exp == 31) { /* infinity or NaN */
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+/* n elements stored as `kind` at src, widened into dst */
+static inline void widen_row(float *dst, const char *src, int n, int kind) {
+    if (kind == F32) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src;
+    int i = 0;
+    if (kind == BF16) {
+        for (; i < n; i++) dst[i] = widen(h[i]);
+        return;
+    }
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) dst[i] = half_to_float(h[i]);
+}
+
+#define MAX_D 256 /* a 16-bit store's key channels, widened per candidate into a buffer on the stack */
+
 /* A layer's ranking is cut into parts of equal work so that the machine's threads share it evenly (a layer has
    few (row, head)s: 3 on the embedded model, which two threads would split 2:1): the first pass and the
    candidates' exact logits in `PARTS` ranges of entries per (row, head), the selections per (row, head). */
 #define PARTS 8
 
 typedef struct {
-    int G, D, Dv, r, n, many, k, nc;
+    int G, D, Dv, r, n, many, k, nc, kind, esize;
     int64_t N;
-    const float *q, *basis, *keys, *values;
+    const float *q, *basis;
+    const char *keys, *values; /* `kind`, esize bytes an element */
     const uint16_t *low;
     int32_t *marks;
     float *out_logits, *out_values, *fscratch;
@@ -292,17 +340,21 @@ static inline __attribute__((always_inline)) float dots(const float *qh, const f
    scattered rows of a store larger than the caches are most of this pass's time otherwise); score[c] = their
    maximum over the group */
 static void exact_logits(const Step *s, int bh, int c0, int c1) {
-    int G = s->G, D = s->D, nc = s->nc;
+    int G = s->G, D = s->D, nc = s->nc, row = D * s->esize;
     const float *qh = s->q + (int64_t)bh * G * D;
-    const float *kh = s->keys + (int64_t)bh * s->N * D;
+    const char *kh = s->keys + (int64_t)bh * s->N * row;
     const int32_t *cand = CAND(s, bh);
-    float *score = SCORE(s, bh), *exact = EXACT(s, bh);
+    float *score = SCORE(s, bh), *exact = EXACT(s, bh), wide[MAX_D];
     for (int c = c0; c < c1; c++) {
         if (c + PREFETCH < c1) {
-            const char *ahead = (const char *)(kh + (int64_t)cand[c + PREFETCH] * D);
-            for (int b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
+            const char *ahead = kh + (int64_t)cand[c + PREFETCH] * row;
+            for (int b = 0; b < row; b += 64) __builtin_prefetch(ahead + b);
         }
-        const float *kk = kh + (int64_t)cand[c] * D;
+        const float *kk = (const float *)(kh + (int64_t)cand[c] * row);
+        if (s->kind != F32) {
+            widen_row(wide, (const char *)kk, D, s->kind);
+            kk = wide;
+        }
         score[c] = D == 64    ? dots(qh, kk, G, 64, exact + c, nc)
                    : D == 128 ? dots(qh, kk, G, 128, exact + c, nc)
                               : dots(qh, kk, G, D, exact + c, nc);
@@ -317,13 +369,13 @@ static void recall_out(const Step *s, int bh, int j0, int j1) {
     const float *exact = EXACT(s, bh);
     float *ol = s->out_logits + (int64_t)bh * G * k;
     float *ov = s->out_values + (int64_t)bh * k * Dv;
-    const float *vh = s->values + (int64_t)bh * s->N * Dv;
+    const char *vh = s->values + (int64_t)bh * s->N * Dv * s->esize;
     int32_t *mk = s->marks + (int64_t)bh * s->N;
     for (int j = j0; j < j1; j++) {
         int c = top[j];
         int e = cand[c];
         for (int g = 0; g < G; g++) ol[g * k + j] = exact[g * nc + c];
-        memcpy(ov + (int64_t)j * Dv, vh + (int64_t)e * Dv, sizeof(float) * Dv);
+        widen_row(ov + (int64_t)j * Dv, vh + (int64_t)e * Dv * s->esize, Dv, s->kind);
         mk[e] += 1;
     }
 }
@@ -361,19 +413,21 @@ static int candidates(const Step *s, int bh, const int *hits, float *threshold) 
     return listed;
 }
 
-/* Every (row, head) of a layer, shared by `threads` (OpenMP, PyTorch's own runtime). `low`: the stored keys'
+/* Every (row, head) of a layer, shared by `threads` (OpenMP, PyTorch's own runtime). `keys` and `values` stored
+   as `kind` (F32, F16, BF16); the query, basis, logits and values out in float32. `low`: the stored keys'
    coordinates in bf16, (BH, r, N); NULL for an exact ranking. `thresholds` (BH; may be NULL): what each
    (row, head)'s last step left for this one (NaN: nothing), updated. Scratch: per (row, head), (G + 2) N floats
    and 3 N int32. Returns how many (row, head)s took their candidates from the first pass's lists (>= 0), or < 0
    for arguments it cannot take. */
 int recall_step(int BH, int G, int D, int Dv, int r, int64_t N, int n, int many, int k, const float *q,
-                const float *basis, const uint16_t *low, const float *keys, const float *values, int32_t *marks,
+                const float *basis, const uint16_t *low, const void *keys, const void *values, int32_t *marks,
                 float *thresholds, float *out_logits, float *out_values, float *fscratch, int32_t *iscratch,
-                int threads) {
+                int threads, int kind) {
     if (k > n || n > N || (low != NULL && k > many) || G * r > 1024 || r > 16 || G > 64 || threads < 1) return -1;
+    if (kind < F32 || kind > BF16 || (kind != F32 && D > MAX_D)) return -1;
     int two = low != NULL && many < n;
-    Step s = {G, D, Dv, r, n, many, k, two ? many : n, N, q, basis, keys, values, low, marks,
-              out_logits, out_values, fscratch, iscratch};
+    Step s = {G, D, Dv, r, n, many, k, two ? many : n, kind, kind == F32 ? 4 : 2, N, q, basis,
+              (const char *)keys, (const char *)values, low, marks, out_logits, out_values, fscratch, iscratch};
     Step *sp = &s;
     int hits[two ? BH * PARTS : 1], listed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
