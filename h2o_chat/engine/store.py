@@ -542,10 +542,10 @@ class Store:
         k = min(self.select, n)
         if self._native is None:
             self._native = self.dtype in NATIVE_KINDS and not self.quant and self.block == 1 and native.available()
-        if self._native and self.uniform and not self.holes and (self._two is None or self._two is True):
-            return self._native_step(i, query.to(self.device, torch.float32), k, device)
         if query.device != self.device or query.dtype != self.dtype:
-            query = query.to(self.device, self.dtype)
+            query = query.to(self.device, self.dtype)  # (the C ranking widens it: the operators' numbers)
+        if self._native and self.uniform and not self.holes and (self._two is None or self._two is True):
+            return self._native_step(i, query.float(), k, device)
         q, keys, empty = query.view(BH, -1, D), self.keys[i].view(BH, N, D), self.empty[i].view(BH, N)
         if self._two is None:
             tok, logits, best = self._exact(q, keys, empty, n, k)
