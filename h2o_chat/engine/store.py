@@ -76,6 +76,7 @@ TWO_PASS_FROM = 2  # ... once the store holds this many times the candidates (be
 # the C ranking's store dtypes (`csrc/recall_step.c`'s kinds): keys and values as the model makes them
 NATIVE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 LOW_DTYPE = torch.bfloat16  # the stored keys' coordinates in the basis (see `_allocate`)
+BLOCK_BUFFERS = ("kmin", "kmax", "filled")  # the Quest summaries, per block of entries (the rest are per entry)
 RANK_BLOCK = 1 << 19  # (queries x stored) logits ranked at once by a prompt chunk: 2 MB in fp32, reduced while
 # still in the processor's cache (blocks of 64 MB, written out to memory and read back, took twice as long)
 
@@ -210,8 +211,17 @@ class Store:
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer, per entry (keys .. marks) and per block (kmin, kmax, filled)."""
-        names = ("keys", "low", "values", "vscale", "pos", "rot", "empty", "marks", "kmin", "kmax", "filled")
+        names = ("keys", "low", "values", "vscale", "pos", "rot", "empty", "marks", *BLOCK_BUFFERS)
         return {name: getattr(self, name) for name in names}
+
+    def _entries(self) -> dict[str, torch.Tensor]:
+        """The per-entry buffers, each a view with the entries along dimension 3 (the coordinates' moved there
+        from last), for the copies that move entries whatever the buffer."""
+        return {
+            name: t.movedim(-1, 3) if name == "low" else t
+            for name, t in self._buffers().items()
+            if name not in BLOCK_BUFFERS
+        }
 
     def tokens(self) -> int:
         """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
@@ -229,15 +239,13 @@ class Store:
         if size * entry + HOST_RESERVE > host_available():
             self.full = True
             return False
-        old = self._buffers()
+        old, old_blocks = self._entries(), {name: getattr(self, name) for name in BLOCK_BUFFERS}
         self._allocate(size)
-        n, nb = self.count, min(old["kmin"].shape[3], self.kmin.shape[3])
-        for name, new in self._buffers().items():
-            if name == "low":  # entries along the last dimension
-                new[..., :n] = old[name][..., :n]
-                continue
-            k = nb if name in ("kmin", "kmax", "filled") else n
-            new[:, :, :, :k] = old[name][:, :, :, :k]
+        n, nb = self.count, min(old_blocks["kmin"].shape[3], self.kmin.shape[3])
+        for name, new in self._entries().items():
+            new[:, :, :, :n] = old[name][:, :, :, :n]
+        for name, t in old_blocks.items():
+            getattr(self, name)[:, :, :, :nb] = t[:, :, :, :nb]
         return True
 
     # -- writing ------------------------------------------------------------------------------------
@@ -371,23 +379,19 @@ class Store:
             return  # a full store keeps nothing new (the cache said so)
         if n > self.capacity and not self._grow(n):
             return
-        for name, t in self._buffers().items():
-            src = other._buffers()[name]
-            if name == "low":
-                t[:, r, ..., :n] = src[:, 0, ..., :n]
-            elif name in ("kmin", "kmax", "filled"):
-                nb = -(-n // self.block) if self.block > 1 else 0
-                t[:, r, :, :nb] = src[:, 0, :, :nb]
-            else:
-                t[:, r, :, :n] = src[:, 0, :, :n]
+        theirs = other._entries()
+        for name, t in self._entries().items():
+            t[:, r, :, :n] = theirs[name][:, 0, :, :n]
+        nb = -(-n // self.block) if self.block > 1 else 0
+        for name in BLOCK_BUFFERS:
+            getattr(self, name)[:, r, :, :nb] = getattr(other, name)[:, 0, :, :nb]
         if other.basis is not None and self.basis is None:
             self.basis = torch.zeros(*self.shape, self.D, self.rank_dim)
         if self.basis is not None:  # (a row never fitted has zeros: its coordinates are not read)
             self.basis[:, r] = 0 if other.basis is None else other.basis[:, 0]
         self.row_tokens[r], self.fitted[r] = other.row_tokens[0], other.fitted[0]
-        old, self.count = self.count, max(self.count, n)
-        # the row's entries stop short of the others', or the others' of its
-        self.holes = self.holes or other.holes or n < old or (n > old and self.shape[1] > 1)
+        self.count = max(self.count, n)
+        self.holes = bool(self.empty[:, :, :, : self.count].any())  # (the row's entries may stop short of others')
         self.full = self.full or other.full
         self._calls = {}
         self.compact()
@@ -400,18 +404,14 @@ class Store:
         becomes the busiest row's."""
         n, (_, B, _) = self.count, self.shape
         held = (~self.empty[:, :, :, :n]).any(0).any(1)  # (B, n): an entry some layer and head of the row uses
-        live = held.sum(1)
-        most = int(live.max()) if B else 0
+        most = int(held.sum(1).max())
         if not n or 2 * most > n:
             return
         for b in range(B):
             keep = held[b].nonzero().flatten()
             m = len(keep)
-            for name, t in self._buffers().items():
-                if name == "low":
-                    t[:, b, ..., :m] = t[:, b, ..., keep]
-                elif name not in ("kmin", "kmax", "filled"):
-                    t[:, b, :, :m] = t[:, b, :, keep]
+            for t in self._entries().values():
+                t[:, b, :, :m] = t[:, b, :, keep]
             self.pos[:, b, :, m:n] = -1
             self.rot[:, b, :, m:n] = -1
             self.empty[:, b, :, m:n] = True
