@@ -235,3 +235,17 @@ def test_a_line_sets_its_own_top_k_and_min_p(embedded):
     greedy = [parse_line('{"id": 5, "prompt": "hi", "temperature": 0}', 5, embedded.tokenizer, defaults)]
     one = next(r for r in generate_batch(embedded, items, make_policy("h2o", 64)) if r["id"] == "4")
     assert one["text"] == next(generate_batch(embedded, greedy, make_policy("h2o", 64)))["text"]  # top-k 1: greedy
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_before_loading(fast_load, tmp_path):
+    """Issue 38.1: `-o /dev/full` read the device to its (absent) end to find finished ids, and grew to 14 GB;
+    /dev/null took the results and lost them. -o is refused as /load refuses such a file, before weights load."""
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi", "max_new_tokens": 2}])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for device in ("/dev/null", "/dev/full", str(fifo)):
+        result = runner.invoke(cli.app, ["batch", str(inp), "-o", device])
+        assert result.exit_code == 2, (device, result.stderr)
+        why = f"-o {device} is not a regular file (a device, a pipe or a socket): give a file name"
+        assert result.stderr == f"h2o-chat: error: {why}\n"
+    assert fast_load == []  # refused before any model loads

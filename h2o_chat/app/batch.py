@@ -10,6 +10,7 @@ appended, so a killed run loses nothing it finished, and a rerun skips the ids a
 from __future__ import annotations
 
 import json
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -162,6 +163,25 @@ def read_items(
         seen.add(item.id)
         items.append(item)
     return items, policies
+
+
+def check_output(output: Path, input_path: Path) -> None:
+    """-o, before anything loads: a regular file, or a new one in an existing folder; never the input. A device
+    or a pipe is refused, as /load refuses one: resuming reads the output to its end, and /dev/full has none."""
+    try:
+        st = output.stat()
+    except FileNotFoundError:
+        if not output.parent.is_dir():
+            raise InputError(f"output folder does not exist: {output.parent}") from None
+        return
+    except OSError as e:
+        raise InputError(f"cannot use -o {output}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"-o {output} is not a regular file (a device, a pipe or a socket): give a file name")
+    if output.samefile(input_path):  # a symlink or a hard link of it too
+        raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
 
 
 def finished_ids(out: Path) -> set[str]:

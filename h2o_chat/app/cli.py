@@ -199,7 +199,7 @@ def batch_command(
 ) -> None:
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
-        from h2o_chat.app.batch import Defaults, run_batch
+        from h2o_chat.app.batch import Defaults, check_output, run_batch
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
 
@@ -210,12 +210,7 @@ def batch_command(
             raise InputError(f"input file {input_path} is a folder: give a .jsonl file")
         if not input_path.exists():
             raise InputError(f"input file not found: {input_path}")
-        if output.is_dir():
-            raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
-        if not output.parent.exists():
-            raise InputError(f"output folder does not exist: {output.parent}")
-        if output.exists() and output.samefile(input_path):  # a symlink or a hard link of it too
-            raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
+        check_output(output, input_path)
         cache = cache.sized(models, rows=batch_size)  # --kv-memory: the budget it holds, per row
         cache.build(knobs)  # fail before loading weights
         loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
