@@ -113,11 +113,15 @@ def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path, policy
         assert alone["batch_rows"] == 1
 
 
-def test_torn_last_line_is_cut_and_redone(tmp_path):
+def test_torn_last_line_is_set_aside_and_redone(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": "a", "text": "x"}\n{"id": "b", "te')
-    assert finished_ids(out) == {"a"}
-    assert out.read_text() == '{"id": "a", "text": "x"}\n'
+    out.write_text('{"id": "a", "text": "x", "finish_reason": "stop"}\n{"id": "b", "te')
+    notes = []
+    assert finished_ids(out, notes.append) == {"a"}
+    assert out.read_text() == '{"id": "a", "text": "x", "finish_reason": "stop"}\n'
+    assert (tmp_path / "out.jsonl.partial").read_text() == '{"id": "b", "te'  # nothing is dropped
+    assert notes == ["out.jsonl ended in a partial line (15 bytes, a killed run's): moved to out.jsonl.partial; "
+                     "its row runs again"]  # fmt: skip
 
 
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
@@ -249,3 +253,47 @@ def test_an_output_that_is_not_a_regular_file_is_refused_before_loading(fast_loa
         why = f"-o {device} is not a regular file (a device, a pipe or a socket): give a file name"
         assert result.stderr == f"h2o-chat: error: {why}\n"
     assert fast_load == []  # refused before any model loads
+
+
+def test_an_output_that_is_not_batchs_own_is_refused_untouched(fast_load, tmp_path):
+    """Issue 38.2: a text file lost its last line (no newline), a binary file all of it, and non-JSON lines were
+    appended to without a word. Now only batch's own JSONL is appended to; anything else is refused as it is."""
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Say hi.", "max_new_tokens": 2}])
+    ours = json.dumps({"id": "z", "text": "earlier", "finish_reason": "stop"})
+    for name, content in (
+        ("notes.txt", b"first line\nlast line without a newline"),
+        ("image.bin", bytes(range(256)) * 4),
+        ("mixed.jsonl", f"{ours}\nnot json\n".encode()),
+        ("input-like.jsonl", b'{"id": "a", "prompt": "Say hi."}'),  # whole JSON, not a result: not a torn line
+    ):
+        out = tmp_path / name
+        out.write_bytes(content)
+        result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+        assert result.exit_code == 2, (name, result.stderr)
+        assert result.stderr.startswith(f"h2o-chat: error: -o {out} is not batch's output (line ")
+        assert result.stderr.count("\n") == 1 and out.read_bytes() == content, name
+    assert fast_load == [] and not list(tmp_path.glob("*.partial*"))  # refused before loading, nothing moved
+
+
+def test_a_killed_runs_last_line_is_completed_or_set_aside_with_a_word(fast_load, tmp_path):
+    """Issue 38.2: a last line without its newline is a killed run's: a whole record gets its newline (its row is
+    done), a record cut short is moved to <file>.partial and its row runs again; one line on stderr says which."""
+    lines = [{"id": i, "prompt": "Say hi.", "max_new_tokens": 2} for i in ("a", "b")]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    whole = json.dumps({"id": "a", "text": "hi", "finish_reason": "length"})
+    out = tmp_path / "whole.jsonl"
+    out.write_text(whole)
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    assert "h2o-chat: whole.jsonl: its last line lacked its newline (a killed run's); added it" in result.stderr
+    assert out.read_text().startswith(whole + "\n") and [r["id"] for r in records(out)] == ["a", "b"]
+    torn = whole + "\n" + json.dumps({"id": "b", "text": "hel"})[:20]
+    out = tmp_path / "torn.jsonl"
+    out.write_text(torn)
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    assert "torn.jsonl ended in a partial line (20 bytes, a killed run's): moved to torn.jsonl.partial" in (
+        result.stderr
+    )
+    assert (tmp_path / "torn.jsonl.partial").read_text() == torn.split("\n")[1]
+    assert [r["id"] for r in records(out)] == ["a", "b"] and "1 done, 1 already in torn.jsonl" in result.stderr

@@ -10,7 +10,6 @@ appended, so a killed run loses nothing it finished, and a rerun skips the ids a
 from __future__ import annotations
 
 import json
-import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_chat.app.batch_output import finished_ids
 from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
@@ -165,44 +165,6 @@ def read_items(
     return items, policies
 
 
-def check_output(output: Path, input_path: Path) -> None:
-    """-o, before anything loads: a regular file, or a new one in an existing folder; never the input. A device
-    or a pipe is refused, as /load refuses one: resuming reads the output to its end, and /dev/full has none."""
-    try:
-        st = output.stat()
-    except FileNotFoundError:
-        if not output.parent.is_dir():
-            raise InputError(f"output folder does not exist: {output.parent}") from None
-        return
-    except OSError as e:
-        raise InputError(f"cannot use -o {output}: {e.strerror}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"-o {output} is not a regular file (a device, a pipe or a socket): give a file name")
-    if output.samefile(input_path):  # a symlink or a hard link of it too
-        raise InputError(f"-o {output} is the input file: results would be appended to the prompts")
-
-
-def finished_ids(out: Path) -> set[str]:
-    """Ids already written; a torn last line (a killed write) is cut off so appending stays valid JSONL."""
-    if not out.exists():
-        return set()
-    data = out.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        out.write_bytes(data)
-    ids = set()
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "id" in record:
-            ids.add(str(record["id"]))
-    return ids
-
-
 def generate_batch(
     loaded: Loaded,
     items: list[Item],
@@ -320,9 +282,11 @@ def run_batch(
     decode: str = "auto",
     on_skip: Callable[[str], None] | None = None,
     kv_quant: str = "none",
+    done: set[str] | None = None,
 ) -> Summary:
-    """Generate every well-formed line not yet in the output. Malformed and duplicate lines are passed to
-    `on_skip` before anything is generated (a long run should not hide them until its end)."""
+    """Generate every well-formed line not yet in the output (`done`: its ids, when the caller has read them
+    already). Malformed and duplicate lines are passed to `on_skip` before anything is generated (a long run
+    should not hide them until its end)."""
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
     if on_skip:
@@ -332,7 +296,7 @@ def run_batch(
         raise InputError(f"no line of {input_path.name} can be run: all {len(summary.malformed)} were skipped")
     if not items:
         raise InputError(f"{input_path.name} has no lines to run: give one JSON object per line")
-    done = finished_ids(output_path)
+    done = finished_ids(output_path) if done is None else done
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)
     policies = {b: by_budget[b] for b in {it.budget for it in todo}}

@@ -199,7 +199,8 @@ def batch_command(
 ) -> None:
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
-        from h2o_chat.app.batch import Defaults, check_output, run_batch
+        from h2o_chat.app.batch import Defaults, run_batch
+        from h2o_chat.app.batch_output import check_output, finished_ids
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
 
@@ -213,6 +214,7 @@ def batch_command(
         check_output(output, input_path)
         cache = cache.sized(models, rows=batch_size)  # --kv-memory: the budget it holds, per row
         cache.build(knobs)  # fail before loading weights
+        done = finished_ids(output, note=status)  # batch's own output, or refused untouched: before loading
         loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
 
         def policy_for(line_budget: int | None):
@@ -247,6 +249,7 @@ def batch_command(
             kv_quant=cache.kv_quant,
             decode=models.decode,
             on_skip=lambda problem: status(f"skipped {problem}"),
+            done=done,
         )
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
         skipped = (
