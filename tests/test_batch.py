@@ -250,7 +250,7 @@ def test_an_output_that_is_not_a_regular_file_is_refused_before_loading(fast_loa
     for device in ("/dev/null", "/dev/full", str(fifo)):
         result = runner.invoke(cli.app, ["batch", str(inp), "-o", device])
         assert result.exit_code == 2, (device, result.stderr)
-        why = f"-o {device} is not a regular file (a device, a pipe or a socket): give a file name"
+        why = f"-o {device} is not a regular file (a device, a pipe or a socket): give a file name, or -o - for stdout"
         assert result.stderr == f"h2o-chat: error: {why}\n"
     assert fast_load == []  # refused before any model loads
 
@@ -297,3 +297,27 @@ def test_a_killed_runs_last_line_is_completed_or_set_aside_with_a_word(fast_load
     )
     assert (tmp_path / "torn.jsonl.partial").read_text() == torn.split("\n")[1]
     assert [r["id"] for r in records(out)] == ["a", "b"] and "1 done, 1 already in torn.jsonl" in result.stderr
+
+
+def test_dash_writes_the_results_to_stdout_and_a_terminal_is_refused(fast_load, tmp_path, monkeypatch):
+    """Issue 38.3: `-o -` created a file named "-"; `-o /dev/stdout` on a terminal read the keyboard as earlier
+    results. `-o -` now writes the results to stdout (progress and summary on stderr, nothing to resume); a
+    terminal given by name is refused, pointing to `-o -`."""
+    lines = [{"id": i, "prompt": "Say hi.", "max_new_tokens": 2} for i in ("a", "b")]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", "-"])
+    assert result.exit_code == 0, result.stderr
+    assert sorted(json.loads(line)["id"] for line in result.stdout.splitlines()) == ["a", "b"]
+    assert "h2o-chat: a: 2 tokens" in result.stderr and "h2o-chat: batch: 2 done, 0 skipped |" in result.stderr
+    assert not (tmp_path / "-").exists()
+    leader, follower = os.openpty()
+    try:
+        terminal = os.ttyname(follower)
+        result = runner.invoke(cli.app, ["batch", str(inp), "-o", terminal])
+    finally:
+        os.close(leader), os.close(follower)
+    assert result.exit_code == 2 and result.stderr == (
+        f"h2o-chat: error: -o {terminal} is not a regular file (a device, a pipe or a socket): give a file name, "
+        "or -o - for stdout\n"
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.app.batch_output import finished_ids
+from h2o_chat.app.batch_output import appending, finished_ids
 from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
@@ -284,9 +284,9 @@ def run_batch(
     kv_quant: str = "none",
     done: set[str] | None = None,
 ) -> Summary:
-    """Generate every well-formed line not yet in the output (`done`: its ids, when the caller has read them
-    already). Malformed and duplicate lines are passed to `on_skip` before anything is generated (a long run
-    should not hide them until its end)."""
+    """Generate every well-formed line not yet in the output (`-`: stdout; `done`: its ids, when the caller has
+    read them already). Malformed and duplicate lines are passed to `on_skip` before anything is generated (a
+    long run should not hide them until its end)."""
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
     if on_skip:
@@ -301,11 +301,7 @@ def run_batch(
     summary.skipped = len(items) - len(todo)
     policies = {b: by_budget[b] for b in {it.budget for it in todo}}
     t0 = time.perf_counter()
-    try:
-        out = output_path.open("a", encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot write {output_path}: {e.strerror}") from None
-    with out:
+    with appending(output_path) as out:
         for budget, policy in sorted(policies.items(), key=lambda kv: kv[0] or 0):
             group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
             records = generate_batch(

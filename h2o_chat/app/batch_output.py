@@ -1,4 +1,5 @@
-"""Batch's output file: checked before anything loads, read for the ids a rerun skips, only ever appended to.
+"""Batch's output file: checked before anything loads, read for the ids a rerun skips, only ever appended to;
+or stdout, for `-o -` (nothing to resume there).
 
 A file is batch's own when every line is a record batch wrote (a JSON object that starts `{"id": ` and has
 "text" and "finish_reason"); any other file is refused untouched. The one repair is a killed run's last line:
@@ -8,11 +9,14 @@ its complete lines, the row runs again). No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 from h2o_chat.errors import InputError
 
@@ -21,9 +25,17 @@ RECORD_KEYS = {"id", "text", "finish_reason"}
 MAX_LINE = 256 * 2**20  # a longer line is no record of ours (and reading it whole would cost as much memory)
 
 
+def is_stdout(output: Path) -> bool:
+    """`-o -`: results on stdout, as Unix tools read `-`."""
+    return str(output) == "-"
+
+
 def check_output(output: Path, input_path: Path) -> None:
     """-o, before anything loads: a regular file, or a new one in an existing folder; never the input. A device
-    or a pipe is refused, as /load refuses one: resuming reads the output to its end, and /dev/full has none."""
+    or a pipe is refused, as /load refuses one: resuming reads the output to its end, and /dev/full has none
+    (`-o -` is the way to stdout, whatever it is)."""
+    if is_stdout(output):
+        return
     if not _existing(output):
         if not output.parent.is_dir():
             raise InputError(f"output folder does not exist: {output.parent}")
@@ -43,7 +55,9 @@ def _existing(output: Path) -> bool:
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"-o {output} is a folder: give a file name, e.g. -o {output / 'results.jsonl'}")
     if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"-o {output} is not a regular file (a device, a pipe or a socket): give a file name")
+        raise InputError(
+            f"-o {output} is not a regular file (a device, a pipe or a socket): give a file name, or -o - for stdout"
+        )
     return True
 
 
@@ -73,7 +87,7 @@ def _record_id(line: bytes) -> str | None:
 def finished_ids(out: Path, note: Callable[[str], None] | None = None) -> set[str]:
     """The ids already in `out` (none when it does not exist yet). A file that is not batch's own is refused
     (InputError) and left untouched; a killed run's last line is completed or set aside, and `note` told which."""
-    if not _existing(out):  # a regular file: a device would never end
+    if is_stdout(out) or not _existing(out):  # a regular file: a device would never end
         return set()
     ids: set[str] = set()
     with out.open("rb") as f:
@@ -126,3 +140,17 @@ def _free_name(out: Path) -> Path:
         n += 1
         aside = out.with_name(f"{out.name}.partial.{n}")
     return aside
+
+
+@contextlib.contextmanager
+def appending(output: Path) -> Iterator[TextIO]:
+    """Where result lines go: stdout for `-o -` (left open), else the file, opened to append."""
+    if is_stdout(output):
+        yield sys.stdout
+        return
+    try:
+        f = output.open("a", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot write {output}: {e.strerror}") from None
+    with f:
+        yield f

@@ -188,7 +188,9 @@ def batch_command(
             "top_k, min_p, repetition_penalty, budget.",
         ),
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Results, appended as each row finishes.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Results, appended as each row finishes (-: to stdout).")
+    ],
     batch_size: Annotated[int, typer.Option(help="Rows generated together.")] = 8,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
@@ -200,7 +202,7 @@ def batch_command(
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
         from h2o_chat.app.batch import Defaults, run_batch
-        from h2o_chat.app.batch_output import check_output, finished_ids
+        from h2o_chat.app.batch_output import check_output, finished_ids, is_stdout
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
 
@@ -256,8 +258,9 @@ def batch_command(
             f"{plural(len(summary.malformed), 'line')} skipped (listed above)" if summary.malformed else "0 skipped"
         )
         # every valid row finished: exit 0, whatever was skipped (it was reported before generation started)
+        already = "" if is_stdout(output) else f", {summary.skipped} already in {output.name}"
         status(
-            f"batch: {summary.done} done, {summary.skipped} already in {output.name}, {skipped} | "
+            f"batch: {summary.done} done{already}, {skipped} | "
             f"{plural(summary.tokens, 'token')} in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
         )
 
