@@ -8,7 +8,7 @@ import torch
 
 from conftest import cached, tiny_model
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
+from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.rope import Rope
 from h2o_chat.engine.sampling import Sampler
@@ -106,6 +106,8 @@ def test_recalled_tokens_are_renumbered_by_their_rank_among_the_held_ones(positi
         renumbered.append(rows)
         n = store.count
         for i, r, h in itertools.product(*map(range, store.shape)):
+            if r not in rows:  # a row renumbers by its own tokens: the padded one passes the context later
+                continue
             order = sorted(p for p in held[i, r, h].tolist() if p >= 0)
             for p, rot in zip(store.pos[i, r, h, :n].tolist(), store.rot[i, r, h, :n].tolist(), strict=True):
                 assert p < 0 or rot == bisect_left(order, p)
@@ -363,3 +365,29 @@ def test_scaled_rotary_embeddings_renumber_exactly():
     held, rot = s.pos[0, 0, 0, :16], s.rot[0, 0, 0, :16]
     expected = layer0_keys_from_scratch(model, ids[0, held], rot)[0]
     torch.testing.assert_close(s.keys[0, 0, 0, :16], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, budget", [("h2o", 16), ("snap", 16), ("recall", 32)])
+def test_a_padded_row_past_the_context_renumbers_when_it_would_alone(name, budget):
+    """Issue 41.1: under --positions auto a row renumbers by its own tokens, never by the batch's columns (its
+    left padding included): prompts of 150 and 90 tokens read together past a 64-token trained context give
+    each row, at the prompt's last position and for 40 decode steps, the logits of its prompt alone."""
+    model = tiny_model("llama", seed=21, max_positions=64)
+    g = torch.Generator().manual_seed(21)
+    rows = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (150, 90)]
+
+    def run(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        cache = H2OCache.for_model(model, make_policy(name, budget), "auto")
+        engine = Engine(model, cache, "eager")
+        logits = [engine.prefill(ids, mask, chunk_size=16)]
+        tokens = logits[0].argmax(-1)
+        for _ in range(40):
+            out, tokens = engine.decode(tokens)
+            logits.append(out.clone())
+        assert cache.renumbered
+        return torch.stack(logits, 1)  # (B, 41, V)
+
+    together = run(*left_pad(rows, 0))
+    for r, row in enumerate(rows):
+        alone = run(torch.tensor([row]), None)[0]
+        torch.testing.assert_close(together[r], alone, atol=1e-4, rtol=1e-4, msg=f"{name}: row {r}")

@@ -7,8 +7,8 @@ slot. Each (layer, row, KV head) keeps its own set of tokens; each row may follo
 A forward is begun and ended explicitly -- by the decode engine, or for `model.generate` by hooks on the
 model's base module -- and says what it is:
 
-1. `before_forward(T)` (host only, never inside a captured step): context checks, renumbering positions, room
-   in a full cache.
+1. `before_forward(T, real)` (host only, never inside a captured step): context checks, renumbering positions,
+   room in a full cache; `real` says how many of the T columns are each row's own tokens (left padding is not).
 2. `begin(kind, mask)`: a decode step writes the new token's position into the spare slot; a prompt chunk
    numbers its tokens and builds its attention mask, once for every layer. Returns the model's position ids.
 3. The model runs; each layer's attention (`H2OLayer.attend`) adds the mass it gives to the scores.
@@ -229,7 +229,9 @@ class H2OCache(Cache):
         self._skipped: torch.Tensor | None = None  # (B,) tokens to count as read before the next chunk
         self._rows: list[_Group] = []  # each row's group, set when storage is allocated
         self._row_columns: list[int] = []  # per row: columns fed (rows refilled with new prompts differ)
-        self._bound: list[int] = []  # per row: an upper bound on the next position a key is rotated at
+        # per row, counted from its own tokens (never its padding): an upper bound on the next position a key is
+        # rotated at; a row renumbers when it would pass its window, exactly when it would alone
+        self._bound: list[int] = []
         self._switched: list[bool] = []  # per row: passed the trained context and renumbers from now on
         self._reserved = 0  # a full cache makes room for this many tokens when it allocates
         self._view = False  # a row's view of another cache's storage (see row()): never re-allocates
@@ -355,7 +357,8 @@ class H2OCache(Cache):
         elif sum(counts) != B:
             raise CacheUsageError(f"the cache's policies cover {sum(counts)} rows, the batch has {B}")
         self._rows = [g for g, n in zip(self.groups, counts, strict=True) for _ in range(n)]
-        self._bound = [self.columns] * B  # before_forward has counted this forward's columns
+        if len(self._bound) != B:  # before_forward was not told each row's real tokens: every column counts
+            self._bound = [self.columns] * B
         self._row_columns = [self.columns] * B
         self._switched = [g.positions == "rolling" and self.rope is not None for g in self._rows]
         self._install(Slots.allocate(len(self.layers), key, value, self._capacity(self.columns), self.kv_quant))
@@ -528,17 +531,22 @@ class H2OCache(Cache):
 
     # -- a forward ----------------------------------------------------------------------------------
     @_inference
-    def before_forward(self, new_tokens: int) -> None:
+    def before_forward(self, new_tokens: int, real: list[int] | None = None) -> None:
         """Host bookkeeping before a forward of `new_tokens` columns (never inside a captured step): stop models
         that cannot go on, warn once, renumber rows whose positions would pass their window, make room in a
-        full cache; then count the columns."""
-        self._check_context(new_tokens)
+        full cache; then count the columns. `real`: each row's own tokens among them, host ints (a left-padded
+        row has fewer); None: every column of every row (a decode step, an unpadded prompt)."""
+        if real is None:
+            real = [new_tokens] * len(self._bound)
+        elif not self._bound:  # the first rows' counts, before storage exists (allocate keeps them)
+            self._bound = [self.columns] * len(real)
+        self._check_context(new_tokens, real)
         if self.slots is not None and any(g.policy.capacity is None for g in self.groups):
             need = self.columns + new_tokens
             if need > self.slots.capacity:
                 self._resize(max(2 * self.slots.capacity, need))
         self.columns += new_tokens
-        self._bound = [b + new_tokens for b in self._bound]
+        self._bound = [b + n for b, n in zip(self._bound, real, strict=True)]
         self._row_columns = [c + new_tokens for c in self._row_columns]
 
     def begin(self, kind: str, mask: torch.Tensor | None = None, columns: int = 1, batch: int | None = None):
@@ -548,8 +556,8 @@ class H2OCache(Cache):
         `before_forward`), or by the model's hook for `model.generate`."""
         if self.forward is not None:  # the last forward never ended (an exception inside the model)
             self.abort()
-        if not self.host_managed:
-            self.before_forward(columns)
+        if not self.host_managed:  # model.generate: a prompt's mask is read once (it syncs on it already)
+            self.before_forward(columns, None if mask is None else mask.sum(-1).tolist())
         if kind == "step":
             return self._begin_step()
         if kind != "chunk":
@@ -646,7 +654,7 @@ class H2OCache(Cache):
         """Count `columns` columns (`real` (B,) real tokens per row) as read and evicted without feeding them:
         the next chunk's tokens get the positions they would have after them (snap's probe reads only the end of
         a long prompt)."""
-        self.before_forward(columns)
+        self.before_forward(columns, real.tolist())  # snap's probe, once per prompt
         self._skipped = real if self._skipped is None else self._skipped + real
 
     def abort(self) -> None:
@@ -661,32 +669,35 @@ class H2OCache(Cache):
             self._warned.add(key)
             self.notices.append(text)
 
-    def _check_context(self, new_tokens: int) -> None:
+    def _check_context(self, new_tokens: int, real: list[int]) -> None:
+        """`real`: each row's own tokens among the `new_tokens` columns (empty before storage exists and rows
+        are known)."""
         if self.context is None:
             return
-        if self.columns + new_tokens > self.context and (self.rope is None and self.rope_problem is None):
+        ends = [b + n for b, n in zip(self._bound, real, strict=True)] or [self.columns + new_tokens]
+        if max(ends) > self.context and (self.rope is None and self.rope_problem is None):
             raise ContextLimitError(
                 f"the model's learned positions end at {self.context} tokens (OPT): it cannot read or write past "
                 "them, whatever the budget; start a new conversation (/reset) or shorten the input"
             )
         if not self._rows:  # nothing stored yet: the first chunk starts at position 0
-            if new_tokens > self.context:
+            if max(ends) > self.context:
                 self._past_context_warning()
             return
         renumber = []
         for r, group in enumerate(self._rows):
             limit = group.policy.capacity
             if group.positions == "absolute" or self.rope is None or limit is None:
-                if self._bound[r] + new_tokens > self.context:
+                if ends[r] > self.context:
                     self._past_context_warning()
                 continue
             window = self.context if group.positions == "auto" else min(self.context, 2 * limit)
-            window = max(window, limit + new_tokens)
-            if self._bound[r] + new_tokens > window:
+            window = max(window, limit + real[r])
+            if ends[r] > window:
                 renumber.append(r)
         if renumber:
             self._renumber(renumber)
-            over = max(self._bound[r] + new_tokens for r in renumber)
+            over = max(self._bound[r] + real[r] for r in renumber)
             if over > self.context:
                 self._warn_once(
                     "window",

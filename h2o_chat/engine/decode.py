@@ -215,8 +215,12 @@ class Engine:
         # chunks end where the prompt ends: left-padded rows then meet the same chunk boundaries (counted from
         # their last token) as they would alone, so a row's eviction does not depend on its neighbours
         first = L % chunk_size or chunk_size
-        for s, e in zip([0, *range(first, L, chunk_size)], range(first, L + 1, chunk_size), strict=True):
-            cache.before_forward(e - s)
+        spans = list(zip([0, *range(first, L, chunk_size)], range(first, L + 1, chunk_size), strict=True))
+        # each row's own tokens per chunk, read once per pass (compress_prompt has just read the device): a row's
+        # positions, and when they are renumbered, follow its tokens, not the batch's columns
+        real = torch.stack([mask[:, s:e].sum(-1) for s, e in spans]).tolist() if spans else []
+        for (s, e), counts in zip(spans, real, strict=True):
+            cache.before_forward(e - s, counts)
             positions = cache.begin("chunk", mask[:, s:e], e - s)
             try:
                 logits = self._forward(ids[:, s:e], positions, cache)
