@@ -40,6 +40,11 @@ class ContextLimitError(H2OChatError):
     """The model cannot read past its trained context (learned absolute positions, e.g. OPT)."""
 
 
+class StdoutError(OSError):
+    """Writing to stdout failed (a full disk, /dev/full, an I/O error), not the reader going away (EPIPE, which
+    ends quietly): the CLI says so on one line and exits 1."""
+
+
 def out_of_memory(error: BaseException) -> bool:
     """Whether `error` is the device running out of memory: torch's OutOfMemoryError (CUDA), or the CPU
     allocator's "can't allocate" RuntimeError (named here without importing torch)."""

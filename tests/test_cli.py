@@ -471,6 +471,23 @@ def test_sigpipe_ends_quietly():
     assert "Traceback" not in err and "error" not in err
 
 
+def test_a_failed_write_to_stdout_is_one_line_for_every_command(tmp_path):
+    """Issue 38.4: `echo hi | h2o-chat --max-new-tokens 3 > /dev/full` ended in a 42-line traceback. A write to
+    stdout that fails (not the reader going away: that stays quiet) is one line, exit 1, whatever wrote it."""
+    from test_chat import _installed_command
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "Say hi.", "max_new_tokens": 2}\n')
+    for args in (["--max-new-tokens", "3"], ["models"], ["--help"], ["batch", str(inp), "-o", "-"]):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [*_installed_command(), *args], input="hi", stdout=full, stderr=subprocess.PIPE, text=True, timeout=300
+            )
+        last = done.stderr.splitlines()[-1:]
+        assert done.returncode == 1 and last == ["h2o-chat: cannot write to stdout: No space left on device"], args
+        assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_soak_help_names_the_text_option_a_file():
     """Issue 22.19: soak --text took a path but showed <str>."""
     text = invoke(["soak", "--help"]).stdout

@@ -25,7 +25,7 @@ from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.slots import mean_count
-from h2o_chat.errors import ConfigError, H2OChatError, InputError
+from h2o_chat.errors import ConfigError, H2OChatError, InputError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
@@ -308,8 +308,16 @@ def run_batch(
                 loaded, group, policy, top_p, seed, chunk_size, positions, decode, rows=batch_size, kv_quant=kv_quant
             )
             for record in records:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()  # a killed run keeps every finished row
+                try:
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    out.flush()  # a killed run keeps every finished row
+                except StdoutError:
+                    raise  # -o -: the CLI's one line for stdout
+                except OSError as e:  # a full disk: what is written stays, a rerun resumes (a cut line set aside)
+                    raise InputError(
+                        f"cannot write {output_path}: {e.strerror}; {summary.done} rows written, a rerun with the "
+                        "same -o resumes"
+                    ) from None
                 summary.done += 1
                 summary.tokens += record["generated_tokens"]
                 if on_record:

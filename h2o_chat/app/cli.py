@@ -18,9 +18,12 @@ from h2o_chat.app.options import (
     SamplingOptions,
     check_positive,
     grouped,
+    guard_stdout,
     reported,
     status,
+    stdout_failed,
 )
+from h2o_chat.errors import StdoutError
 from h2o_chat.models.registry import load_registry
 
 
@@ -278,7 +281,14 @@ def main() -> None:
 
     if hasattr(signal, "SIGPIPE"):  # `h2o-chat ... | head`: when the reader goes, end quietly as other tools do
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    app()
+    guard_stdout()
+    try:
+        try:
+            app()
+        finally:
+            sys.stdout.flush()  # here, where a failure can be told on one line, not at the interpreter's exit
+    except StdoutError as e:  # > /dev/full, a full disk: one line, for every command
+        stdout_failed(e)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import copy
 import dataclasses
 import functools
 import inspect
+import io
+import os
+import sys
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from h2o_chat.engine.policies import DEFAULT_POLICY
-from h2o_chat.errors import H2OChatError, out_of_memory
+from h2o_chat.errors import H2OChatError, StdoutError, out_of_memory
 from h2o_chat.models.registry import load_registry
 
 
@@ -341,6 +344,54 @@ def reported() -> Iterator[None]:
             typer.echo(f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); {hint}", err=True)
             raise typer.Exit(3) from None
         raise
+
+
+class _Fd(io.RawIOBase):
+    """A file descriptor whose write errors are named StdoutError (EPIPE apart, which ends quietly as before)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self.fd)
+
+    def write(self, data) -> int:
+        try:
+            return os.write(self.fd, data)
+        except (BrokenPipeError, BlockingIOError):
+            raise
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+
+def guard_stdout() -> None:
+    """Make a failed write to stdout, wherever it comes from (streamed text, a table, --help), a StdoutError:
+    sys.stdout becomes the same text stream over the same descriptor, whose errors say they are stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (a test runner's capture): nothing to guard
+    old = sys.stdout
+    old.flush()
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(_Fd(fd)), encoding=old.encoding, errors=old.errors, line_buffering=old.line_buffering
+    )
+
+
+def stdout_failed(error: OSError) -> typing.NoReturn:
+    """One line for a failed write to stdout, exit 1. Stdout then points to the null device: what is still
+    buffered would fail again at the interpreter's exit, and be printed as an ignored exception."""
+    typer.echo(f"h2o-chat: cannot write to stdout: {error.strerror or error}", err=True)
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    raise SystemExit(1)
 
 
 def status(message: str) -> None:
