@@ -10,7 +10,7 @@ from conftest import FAMILIES, cached, tiny_model
 from h2o_chat.engine import layer as layer_module
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad
-from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.policies import POLICIES, make_policy
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.errors import CacheUsageError
 
@@ -280,3 +280,30 @@ def test_stats_tell_allocated_from_in_use_bytes():
     record = stats.as_dict()
     assert record["kept"] == 32 and type(record["kept"]) is int and type(record["evicted"]) is int
     assert record["kv_used_bytes"] == 32 * 512
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_reset_cache_reads_the_next_sequence_as_a_fresh_one(name):
+    """Issue 41.3: reset() forgets everything of the sequence before (recall's store of evicted tokens, the
+    positions, the numbering): a second sequence after it gives a fresh cache's logits, prompt and steps, past a
+    48-token trained context (auto positions renumber) so that every piece of the numbering is used."""
+    model = tiny_model("llama", seed=22, max_positions=48)
+    g = torch.Generator().manual_seed(22)
+    first, second = (torch.randint(1, 256, (1, n), generator=g) for n in (70, 40))
+
+    def read(cache, ids: torch.Tensor) -> torch.Tensor:
+        engine = Engine(model, cache, "eager")
+        logits = [engine.prefill(ids, chunk_size=8)]
+        tokens = logits[0].argmax(-1)
+        for _ in range(30):
+            out, tokens = engine.decode(tokens)
+            logits.append(out.clone())
+        return torch.stack(logits)
+
+    def make():
+        return H2OCache.for_model(model, make_policy(name, 16 if name != "recall" else 24), "auto")
+
+    reused = make()
+    read(reused, first)
+    reused.reset()
+    torch.testing.assert_close(read(reused, second), read(make(), second), atol=1e-5, rtol=1e-5)

@@ -215,13 +215,19 @@ class H2OCache(Cache):
         rows = rows or [None]
         self.groups = [_Group(p, n, m) for p, n, m in zip(policies, rows, modes, strict=True)]
         self.rope, self.context, self.rope_problem = rope, context, rope_problem
+        self.host_managed = False  # True when a decode engine begins and ends forwards itself
+        self.version = 0  # bumps whenever storage is re-allocated (captured steps are then stale)
+        self.notices: list[str] = []  # things the user should be told once (the UI pops them)
+        self._reserved = 0  # a full cache makes room for this many tokens when it allocates
+        self._view = False  # a row's view of another cache's storage (see row()): never re-allocates
+        self._start()
+
+    def _start(self) -> None:
+        """The state of one sequence, declared once: a new cache starts with it and `reset` returns to it."""
         self.slots: Slots | None = None
         self.rules: Rules | None = None
         self.store: Store | None = None  # evicted tokens of rows that recall (`engine/store.py`)
         self.columns = 0  # token columns fed, padding included: what the model calls "seen"
-        self.host_managed = False  # True when a decode engine begins and ends forwards itself
-        self.version = 0  # bumps whenever storage is re-allocated (captured steps are then stale)
-        self.notices: list[str] = []  # things the user should be told once (the UI pops them)
         self.forward: Forward | None = None
         self.probe = None  # snap's pass 1 (`snap.Probe`), while it runs
         self.observation = None  # snap's pass 2 (`snap.Observation`), while it runs
@@ -233,9 +239,7 @@ class H2OCache(Cache):
         # rotated at; a row renumbers when it would pass its window, exactly when it would alone
         self._bound: list[int] = []
         self._switched: list[bool] = []  # per row: passed the trained context and renumbers from now on
-        self._reserved = 0  # a full cache makes room for this many tokens when it allocates
-        self._view = False  # a row's view of another cache's storage (see row()): never re-allocates
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # notices given once per sequence
 
     @classmethod
     def for_model(
@@ -336,9 +340,9 @@ class H2OCache(Cache):
         return (self.policy.capacity or -1) if len(self.groups) == 1 else -1
 
     def reset(self) -> None:
-        self.slots, self.rules, self.columns, self.forward = None, None, 0, None
-        self._rows, self._bound, self._switched, self.renumbered = [], [], [], False
-        self._row_columns = []
+        """Forget the sequence (storage, recall's store, positions and their numbering): the next one is read
+        as by a new cache. Captured steps are stale (the version says so); a full cache's reservation stays."""
+        self._start()
         self.version += 1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
