@@ -263,6 +263,26 @@ def test_rows_can_leave_a_batch_mid_stream():
     assert cache.slots.batch == 2
 
 
+def test_a_new_sampler_gets_a_new_step_key_where_a_freed_one_lived():
+    """Issue 41.4: a captured step is keyed on its sampler's serial number, not its id(): a sampler made after the
+    last one was freed often lives at the same address, and must not replay a step that reads the freed one's
+    tensors. Forty samplers of one shape, each made after the last was freed: forty keys."""
+    import gc
+
+    model = tiny_model("llama", seed=2)
+    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
+    tokens = engine.prefill(torch.randint(1, 256, (1, 12))).argmax(-1)
+    keys, addresses = set(), set()
+    for _ in range(40):
+        engine.set_sampler(None, 1)  # the last sampler is freed
+        gc.collect()
+        engine.set_sampler(HOT, 1)
+        addresses.add(id(engine.sampler))
+        engine.decode(tokens)
+        keys.add(engine._key)
+    assert len(keys) == 40, f"{len(keys)} keys for 40 samplers at {len(addresses)} addresses"
+
+
 # -- CUDA only ------------------------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("batch", [1, 3])

@@ -265,7 +265,7 @@ class Engine:
             else:
                 self._tokens.copy_(tokens)
         sampler = self.sampler
-        key = (cache.version, self._tokens.shape[0], id(sampler), sampler and sampler.shape_key)
+        key = (cache.version, self._tokens.shape[0], sampler and sampler.serial, sampler and sampler.shape_key)
         if key != self._key:
             self._key, self._warmups, self._graph, self._out = key, 0, None, None
         if self.mode == "graph" and cache.store is not None:  # its size changes every step: not capturable

@@ -13,6 +13,7 @@ to be registered with a graph. Sampling uses the exponential race: argmax(p / E)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ NUCLEUS_CAP = 512  # top-p and min-p choose among at most this many of the most 
 MAX_TEMPERATURE = 10.0  # far past any useful setting: the distribution is flat noise well before
 MAX_PENALTY = 10.0
 _M32 = 0xFFFFFFFF
+_serials = itertools.count()  # names a RowSampler's tensors for the captured steps that read them (ids are reused)
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,10 @@ class RowSampler:
         self._static()
 
     def _static(self) -> None:
-        """Fixed addresses: a captured step updates the window and the counter in place."""
+        """Fixed addresses: a captured step updates the window and the counter in place. A new serial names
+        these tensors (a captured step is keyed on it, never on id(), which a later object may reuse)."""
         mark_static(*self._state())
+        self.serial = next(_serials)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (
