@@ -161,12 +161,12 @@ def test_what_a_captured_step_reads_keeps_its_address_across_prefills_and_renumb
     engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (1, 20)), chunk_size=8)))
     version = cache.version
     buffers = [t.data_ptr() for t in (*cache.slots.buffers(), cache.slots.seen, cache.slots.next_rot)]
-    sampler = [t.data_ptr() for t in (engine.sampler.recent, engine.sampler.step, engine._tokens)]
+    sampler = [t.data_ptr() for t in (engine.sampler.recent, engine.sampler.draws, engine._tokens)]
     for length, chunk in ((9, 8), (120, 16), (17, 16)):  # a turn, a long message past the context, 1 + 16
         engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (1, length)), chunk_size=chunk)))
     assert cache.renumbered and cache.version == version
     assert [t.data_ptr() for t in (*cache.slots.buffers(), cache.slots.seen, cache.slots.next_rot)] == buffers
-    assert [t.data_ptr() for t in (engine.sampler.recent, engine.sampler.step, engine._tokens)] == sampler
+    assert [t.data_ptr() for t in (engine.sampler.recent, engine.sampler.draws, engine._tokens)] == sampler
 
 
 def test_a_one_column_chunk_of_a_padded_batch_is_a_chunk():

@@ -190,7 +190,7 @@ class Engine:
             return logits.argmax()
         if sampling:
             self.sampler.set_row(row, **sampling)
-        self.sampler.observe_row(row, ids)
+        self.sampler.start_row(row, ids)
         return self.sampler.first_of_row(row, logits)
 
     def _read(self, cache, ids, mask, chunk_size, progress) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """Sampling on the device: temperature, top-k, top-p, min-p and a repetition penalty, with no host sync per token.
 
 `Sampler` holds the settings (frozen, validated); `RowSampler` is its state for a batch of rows on the device:
-per-row temperatures, penalties, top-k and min-p, a ring of each row's recent tokens for the penalty, and a step
-counter.
+per-row temperatures, penalties, top-k and min-p, a ring of each row's recent tokens for the penalty, and each
+row's seed and count of draws.
 Calling it on logits (B, V) is pure tensor work with static shapes, so it runs inside a captured decode step.
 
-Randomness comes from a counter-based hash of (seed, step, row, token id) instead of a torch.Generator: the
-same seed gives the same text eagerly, compiled or replayed from a CUDA graph, on any device, and nothing has
-to be registered with a graph. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+Randomness comes from a counter-based hash of (the row's seed, the row's draws so far, token id) instead of a
+torch.Generator: the same seed gives the same text eagerly, compiled or replayed from a CUDA graph, on any device,
+and nothing has to be registered with a graph. The noise belongs to the row, not to its slot in the batch: a row
+samples as its prompt would alone, whichever rows beside it come and go. Sampling uses the exponential race:
+argmax(p / E) with E ~ Exp(1) draws from p.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Sampler:
             vocab,
             top_k=per_row["top_k"],
             min_p=per_row["min_p"],
+            seeded=self.seed is not None,
         )
 
 
@@ -108,7 +111,11 @@ def check_min_p(value: float, name: str = "--min-p") -> None:
 
 class RowSampler:
     """Sampling state for B rows on the device. `__call__(logits (B, V)) -> tokens (B,)`; `observe(ids, mask)`
-    feeds prompt tokens into the penalty window. Which operations run is fixed at construction (graph-safe)."""
+    starts a prompt in every row, `start_row` in one. Which operations run is fixed at construction (graph-safe).
+
+    Each row draws its noise from its own seed and its own count of draws, which move with the row when others
+    leave (`select_rows`). With a seed given every row's seed is that seed, so a row gives the text its prompt
+    gives alone with it; without one, rows take successive seeds drawn from the random one, so they differ."""
 
     def __init__(
         self,
@@ -120,6 +127,7 @@ class RowSampler:
         vocab: int,
         top_k=None,
         min_p=None,
+        seeded: bool = True,
     ):
         B = len(temperatures)
         top_k, min_p = top_k or [0] * B, min_p or [0.0] * B
@@ -134,25 +142,33 @@ class RowSampler:
         self.cut = min(vocab, max(NUCLEUS_CAP, *top_k))
         self.top_k = torch.tensor([k or self.cut for k in top_k], dtype=torch.long, device=device)  # (B,)
         self.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)  # (B,)
-        self.recent = torch.full((B, PENALTY_WINDOW), -1, dtype=torch.long, device=device)  # ring of last tokens
-        self.step = torch.zeros((), dtype=torch.long, device=device)
-        self.seed = torch.tensor(seed, dtype=torch.long, device=device)
-        self.row = torch.arange(B, device=device)
+        # per row: a ring of its last tokens (the next draw writes slot draws % PENALTY_WINDOW, its oldest), how
+        # many tokens it has drawn since its prompt, and its seed
+        self.recent = torch.full((B, PENALTY_WINDOW), -1, dtype=torch.long, device=device)
+        self.draws = torch.zeros(B, dtype=torch.long, device=device)
+        self._seed, self._seeded, self._started = seed, seeded, 0
+        self.seeds = torch.tensor([self._next_seed() for _ in range(B)], dtype=torch.long, device=device)
         self.ids = torch.arange(vocab, device=device)
         self.rank = torch.arange(self.cut, device=device)
         self._static()
 
     def _static(self) -> None:
-        """Fixed addresses: a captured step updates the window and the counter in place. A new serial names
+        """Fixed addresses: a captured step updates the window and the counters in place. A new serial names
         these tensors (a captured step is keyed on it, never on id(), which a later object may reuse)."""
         mark_static(*self._state())
         self.serial = next(_serials)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (
-            self.temperature, self.penalty, self.top_k, self.min_p, self.recent, self.step, self.seed, self.row,
-            self.ids, self.rank,
+            self.temperature, self.penalty, self.top_k, self.min_p, self.recent, self.draws, self.seeds, self.ids,
+            self.rank,
         )  # fmt: skip
+
+    def _next_seed(self) -> int:
+        """The seed of the next row to start a prompt: the given seed, or the next of a sequence from the random
+        one (host arithmetic; the hash mixes it on the device)."""
+        k, self._started = self._started, self._started + 1
+        return self._seed if self._seeded else (self._seed + k * 0x9E3779B9) & 0x7FFFFFFF
 
     @property
     def shape_key(self) -> tuple:
@@ -160,57 +176,56 @@ class RowSampler:
         return (self.batch, self.hot, self.penalized, self.top_p, self.filtered, self.cut)
 
     def load(self, other: RowSampler) -> None:
-        """Take `other`'s settings in place (same shape key): a captured step keeps reading these tensors."""
-        for mine, theirs in zip(self._state()[:4], other._state()[:4], strict=True):
+        """Become `other` in place (same shape key): a captured step keeps reading these tensors."""
+        for mine, theirs in zip(self._state(), other._state(), strict=True):
             mine.copy_(theirs)
-        self.seed.copy_(other.seed)
+        self._seed, self._seeded, self._started = other._seed, other._seeded, other._started
 
     def set_row(self, r: int, temperature: float, penalty: float, top_k: int = 0, min_p: float = 0.0) -> None:
         """Row r's settings, in place (a new prompt takes the row; the step's shape key must allow them)."""
         self.temperature[r], self.penalty[r] = temperature, penalty
         self.top_k[r], self.min_p[r] = top_k or self.cut, min_p
 
-    def observe_row(self, r: int, ids: torch.Tensor) -> None:
-        """Row r's penalty window from a new prompt (1, L) read into that row alone."""
+    def start_row(self, r: int, ids: torch.Tensor) -> None:
+        """A new prompt (1, L) takes row r (continuous batching): the row gets the seed of a row that starts, and
+        its draws start again, so it samples as the prompt would alone; its penalty window is the prompt's tail."""
+        self.seeds[r] = self._next_seed()
+        self.draws[r] = 0
         if not self.penalized:
             return
-        tail = ids.reshape(-1)[-(PENALTY_WINDOW - 1) :]
+        tail = ids.reshape(-1)[-PENALTY_WINDOW:]
         self.recent[r].fill_(-1)
-        # the ring is indexed by the shared step counter: the tail ends just before the slot of the row's first
-        # token (first_of_row), which comes just before the next step's
-        slots = (self.step - 1 - tail.numel() + torch.arange(tail.numel(), device=self.device)) % PENALTY_WINDOW
-        self.recent[r].scatter_(0, slots, tail.to(self.device))
+        self.recent[r, PENALTY_WINDOW - tail.numel() :] = tail.to(self.device)  # ends at the last slot
 
     @property
     def batch(self) -> int:
         return self.temperature.shape[0]
 
     def observe(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Put the last real tokens of a (left-padded) prompt (B, L) into the penalty window."""
+        """A (left-padded) prompt (B, L) in every row: the rows' draws start again, and their last real tokens
+        fill the penalty window, ending at its last slot (a row's first draw then replaces the oldest)."""
+        self.draws.zero_()
         if not self.penalized:
             return
         if mask is not None:
             ids = ids.masked_fill(mask == 0, -1)
         tail = ids[:, -PENALTY_WINDOW:]
         self.recent.fill_(-1)
-        self.recent[:, : tail.shape[1]] = tail
-        self.step.fill_(tail.shape[1])
+        self.recent[:, PENALTY_WINDOW - tail.shape[1] :] = tail
 
     def select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device)
         self.temperature, self.penalty = self.temperature[index], self.penalty[index]
         self.top_k, self.min_p = self.top_k[index], self.min_p[index]
-        self.recent = self.recent[index]
-        self.row = torch.arange(index.numel(), device=self.device)
+        self.recent, self.draws, self.seeds = self.recent[index], self.draws[index], self.seeds[index]
         self._static()
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits -> (B,) tokens; advances the step and records the tokens for the penalty."""
+        """(B, V) logits -> (B,) tokens; records them for the penalty and counts a draw in every row."""
         tokens = self._draw(logits)
         if self.penalized:
-            slot = (self.step % PENALTY_WINDOW).expand(self.batch, 1)
-            self.recent.scatter_(1, slot, tokens[:, None])
-        self.step += 1
+            self.recent.scatter_(1, (self.draws % PENALTY_WINDOW)[:, None], tokens[:, None])
+        self.draws += 1
         return tokens
 
     def _draw(self, logits: torch.Tensor) -> torch.Tensor:
@@ -223,11 +238,12 @@ class RowSampler:
         return tokens
 
     def first_of_row(self, r: int, logits: torch.Tensor) -> torch.Tensor:
-        """Row r's first token from its new prompt's logits (V,), drawn with the row's settings; the other rows'
-        state is untouched and the step counter does not move (the next step is shared by every row)."""
+        """Row r's first token from its new prompt's logits (V,), drawn with the row's settings and noise, and
+        counted as its draw (the next step's noise is the row's next); the other rows' state is untouched."""
         token = self._draw(logits.reshape(1, -1).expand(self.batch, -1))[r]
         if self.penalized:
-            self.recent[r, (self.step - 1) % PENALTY_WINDOW] = token
+            self.recent[r].scatter_(0, (self.draws[r] % PENALTY_WINDOW).reshape(1), token.reshape(1))
+        self.draws[r] += 1
         return token
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
@@ -255,9 +271,9 @@ class RowSampler:
         return ids.gather(-1, race.argmax(dim=-1, keepdim=True)).squeeze(-1)
 
     def _exponential(self, ids: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise for token ids (B or 1, k) from a hash of (seed, step, row, token id): reproducible and
-        graph-safe, the same for a token wherever it ranks."""
-        base = _hash32((self.seed * 0x2545F491 + self.step * 0x9E3779B1 + self.row * 0x85EBCA77) & _M32)  # (B,)
+        """Exp(1) noise for token ids (B or 1, k) from a hash of (the row's seed, its draws, token id):
+        reproducible and graph-safe, the same for a token wherever it ranks."""
+        base = _hash32((_hash32(self.seeds) + self.draws * 0x9E3779B1) & _M32)  # (B,)
         x = _hash32((base[:, None] + ids * 0x27D4EB2D) & _M32)  # (B, k)
         u = ((x >> 8).float() + 0.5) / float(1 << 24)  # uniform in (0, 1), 24 bits: never 0 or 1
         return -torch.log(u)
