@@ -68,7 +68,7 @@ def test_slash_commands_budget_save_load(embedded, tmp_path):
     assert f"saved 2 messages to {saved}" in out
     assert "loaded 2 messages" in out
     assert "unknown command /nope" in out
-    assert "error: /budget takes a number of tokens or a size such as 64MB, got 'x'" in out
+    assert "error: /budget takes a number of tokens (512), a memory (64MB) or a share of the trained" in out
     data = json.loads(saved.read_text())
     assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert [m["role"] for m in chat.conv.messages] == ["user", "assistant", "user", "assistant"]

@@ -594,7 +594,7 @@ def test_a_prompt_too_big_for_memory_is_read_in_smaller_chunks_or_refused(fast_l
      ("10b", 10), (".5m", 2**19)],
 )  # fmt: skip
 def test_sizes_are_read_in_the_units_h2o_chat_prints(text, size):
-    from h2o_chat.app.options import parse_size
+    from h2o_chat.app.budget import parse_size
 
     assert parse_size("--kv-memory", text) == size
 
@@ -631,3 +631,55 @@ def test_the_kv_memory_sets_the_budget_it_holds_as_the_cache_stores_it(fast_load
         ("100", "holds no token"),
     ):
         assert_one_line_error(invoke(["--kv-memory", bad], "hi"), "--kv-memory", words)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "command"),
+    [
+        (["batch", "in.jsonl"], "Missing option '--output' / '-o'.", " batch"),
+        (["models", "extra"], "Got unexpected extra argument(s) (extra)", " models"),
+        (["--nope"], "No such option: --nope", ""),
+        (["eval", "ppl", "--tokens", "x"], "Invalid value for '--tokens'", " eval ppl"),
+        (["bench", "--steps", "many"], "Invalid value for '--steps'", " bench"),
+    ],
+)
+def test_usage_errors_are_two_plain_lines(args, error, command):
+    """Issue 38.5: Typer's boxed usage errors broke the promise of one line on stderr; now the error and where
+    the help is, plain, exit 2."""
+    result = invoke(args, "hi")
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"h2o-chat: error: {error}"), result.stderr
+    assert re.fullmatch(rf"Try '\S+{command} --help'", lines[1]), lines[1]  # the program's name: the runner's
+
+
+def test_budget_takes_tokens_a_memory_or_a_share_of_the_trained_context(fast_load, embedded, tmp_path):
+    """Issue 38.5: --budget 64MB and --budget 10% were usage errors while /budget 64MB worked in the chat. Now
+    --budget reads what /budget reads: a memory as --kv-memory does, a share of the trained context (8,192 here),
+    and says what it came to; a number without a unit is a whole number of tokens."""
+    text = embedded.model.config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * 64 * 4  # fp32 keys and values, D = 64
+    for given, tokens, how in (
+        ("64MB", 64 * 2**20 // per_token, f"({per_token:,} bytes a token)"),
+        ("10%", 819, "(10% of the trained context, 8,192)"),
+        ("300", 300, None),
+    ):
+        result = invoke(["--budget", given, "--max-new-tokens", "2", "--temperature", "0", "--json"], "Say hi.")
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["cache"]["budget"] == tokens
+        said = f"h2o-chat: --budget {given}: a budget of {tokens:,} tokens {how}"
+        assert (said in result.stderr) if how else ("a budget of" not in result.stderr)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "Say hi."}\n')
+    out = tmp_path / "out.jsonl"
+    result = invoke(["batch", str(inp), "-o", str(out), "-b", "5%", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(out.read_text())["cache"]["budget"] == 410
+    for bad, words in (
+        ("2.5", "--budget 2.5: a number of tokens is a whole number, and a memory needs its unit (e.g. 2.5MB)"),
+        ("lots", "--budget takes a number of tokens (512), a memory (64MB) or a share of the trained context (10%)"),
+        ("0%", "a percentage budget must be above 0%"),
+        ("0MB", "--budget must be more than 0 bytes"),
+        ("1KB", "--budget 1KB holds no token"),
+    ):
+        assert_one_line_error(invoke(["--budget", bad], "hi"), words)

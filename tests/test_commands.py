@@ -66,7 +66,9 @@ def test_bad_commands_are_shown_not_raised(embedded):
     cmds.run("/budget 0")
     cmds.run("/load /nonexistent.json")
     cmds.run("/budget 1KB")  # a size, but not one token's keys and values (46,080 bytes here)
-    assert view.errors[0] == "/budget takes a number of tokens or a size such as 64MB, got 'lots'"
+    assert view.errors[0] == (
+        "/budget takes a number of tokens (512), a memory (64MB) or a share of the trained context (10%), got 'lots'"
+    )
     assert "positive" in view.errors[1] and "not found" in view.errors[2]
     assert view.errors[3] == "/budget 1KB holds no token: a token's keys and values take 46,080 bytes"
     assert conv.policy == make_policy("snap", 64)  # nothing changed
@@ -115,3 +117,16 @@ def test_a_chat_that_cannot_bring_messages_back_is_told_once_how_to_keep_them():
     from h2o_chat.engine.policies import POLICIES
 
     assert {name for name, cls in POLICIES.items() if cls.brings_back} == {"recall", "reread"}  # what chat passes
+
+
+def test_budget_reads_tokens_a_memory_or_a_share_as_the_command_line_does(embedded):
+    """Issue 38.5/38.7: /budget and --budget share one reader: 10% is of the trained context (8,192 here), and
+    2.5 is refused (it was 2.5 bytes): a number of tokens is whole, a memory needs its unit."""
+    cmds, conv, view = commands(embedded)
+    cmds.run("/budget 10%")
+    assert conv.policy == make_policy("snap", 819)
+    assert view.said[0] == "/budget 10%: a budget of 819 tokens (10% of the trained context, 8,192)"
+    cmds.run("/budget 2.5")
+    why = "a number of tokens is a whole number, and a memory needs its unit (e.g. 2.5MB)"
+    assert view.errors == [f"/budget 2.5: {why}"]
+    assert conv.policy == make_policy("snap", 819)

@@ -104,8 +104,7 @@ def main_command(
             from h2o_chat.errors import InputError
 
             raise InputError("--stop needs some text to stop at")
-        cache = cache.sized(models)  # --kv-memory: the budget it holds
-        policy = cache.build(knobs)
+        policy = cache.build(knobs, cache.tokens(models))  # a memory or a share: the tokens it comes to
         interactive = argument is None and sys.stdin.isatty()
         prompt = argument
         if argument is not None and not argument.strip():
@@ -217,22 +216,22 @@ def batch_command(
         if not input_path.exists():
             raise InputError(f"input file not found: {input_path}")
         check_output(output, input_path)
-        cache = cache.sized(models, rows=batch_size)  # --kv-memory: the budget it holds, per row
-        cache.build(knobs)  # fail before loading weights
+        budget = cache.tokens(models, rows=batch_size)  # a memory or a share: the tokens it comes to, per row
+        cache.build(knobs, budget)  # fail before loading weights
         done = finished_ids(output, note=status)  # batch's own output, or refused untouched: before loading
-        loaded = models.load(kv_tokens=cache.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
+        loaded = models.load(kv_tokens=budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
 
         def policy_for(line_budget: int | None):
             """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
             policy = cache.build(knobs, line_budget)
-            if policy.budget is not None and policy.budget != cache.budget:  # the default one was checked above
+            if policy.budget is not None and policy.budget != budget:  # the default one was checked above
                 loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)
             return policy
 
         defaults = Defaults(
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
-            budget=cache.budget,
+            budget=budget,
             system=system,
             raw=raw,
             repetition_penalty=sampling.repetition_penalty,

@@ -18,7 +18,7 @@ from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
 HELP = """\
 /help              this list
-/budget N|SIZE     set the cache budget (tokens per layer, or the memory: 64MB); a smaller one evicts now
+/budget N|SIZE|%   set the budget: tokens, a memory (64MB) or a share of the context (10%); a smaller one evicts now
 /policy NAME       snap | reread | recall | h2o | sink | recent | full
 /set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
 /regen             answer the last message again (the conversation is re-read)
@@ -96,26 +96,22 @@ class SlashCommands:
         if not arg:
             self.view.say(f"cache: {self.conv.policy.describe()}")
             return
-        try:
-            budget = int(arg)
-        except ValueError:
-            budget = self._tokens_in(arg)
+        budget = self._tokens(arg)
         name = self.conv.policy.name
         self._set_policy(DEFAULT_POLICY if name == "full" else name, budget)
 
-    def _tokens_in(self, arg: str) -> int:
-        """/budget 64MB: the most tokens whose keys and values fit, as this chat's cache stores them."""
-        from h2o_chat.app.options import parse_size, tokens_in
+    def _tokens(self, arg: str) -> int:
+        """/budget as --budget reads it: tokens, a memory (the most tokens whose keys and values fit, as this
+        chat's cache stores them) or a share of the model's trained context."""
+        from h2o_chat.app.budget import BudgetText
         from h2o_chat.models.memory import kv_token_bytes
 
-        try:
-            memory = parse_size("/budget", arg)
-        except H2OChatError:
-            raise InputError(f"/budget takes a number of tokens or a size such as 64MB, got {arg!r}") from None
         loaded, kv_quant = self.conv.loaded, self.conv.settings.kv_quant
-        per_token = kv_token_bytes(loaded.model.config, loaded.dtype, kv_quant)
-        tokens = tokens_in("/budget", arg, memory, per_token, kv_quant=kv_quant)
-        self.view.say(f"/budget {arg}: {tokens:,} tokens ({per_token:,} bytes a token)")
+        tokens, how = BudgetText.parse("/budget", arg).resolve(
+            lambda: kv_token_bytes(loaded.model.config, loaded.dtype, kv_quant), lambda: loaded.context, 1, kv_quant
+        )
+        if how:
+            self.view.say(how)
         return tokens
 
     def cmd_policy(self, arg: str) -> None:

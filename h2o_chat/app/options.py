@@ -25,6 +25,7 @@ from typing import Annotated, ClassVar
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from h2o_chat.app.budget import BudgetText
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import H2OChatError, StdoutError, out_of_memory
 from h2o_chat.models.registry import load_registry
@@ -47,7 +48,32 @@ class Command(_FlagsTakeNoValue, TyperCommand):
 
 
 class Group(_FlagsTakeNoValue, TyperGroup):
-    """The class of every h2o-chat command group (pass as cls=)."""
+    """The class of every h2o-chat command group (pass as cls=). As the top command, it says a usage error (a
+    missing option, an unknown one, a value of the wrong type) in two plain lines, as every other error is said,
+    where Typer draws a box."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)  # Exit(n) comes back as n
+        except typer.TyperException as e:  # click's exceptions, Typer's own copy of them
+            usage_error(e)
+        except typer.Abort:  # end of input at a prompt Typer asked
+            typer.echo("h2o-chat: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def usage_error(error: typer.TyperException) -> typing.NoReturn:
+    """`h2o-chat: error: Missing option '--output' / '-o'.` and `Try 'h2o-chat batch --help'`, then exit 2."""
+    if type(error).__name__ == "NoArgsIsHelpError":  # `h2o-chat eval`: Typer has printed the help
+        sys.exit(error.exit_code)
+    typer.echo(f"h2o-chat: error: {error.format_message()}", err=True)
+    ctx = getattr(error, "ctx", None)
+    if ctx is not None:
+        typer.echo(f"Try '{ctx.command_path} --help'", err=True)
+    sys.exit(error.exit_code)
 
 
 # -- options shared by several commands ------------------------------------------------------------------
@@ -61,6 +87,17 @@ Model = Annotated[
     ),
 ]
 Budget = Annotated[int, typer.Option("--budget", "-b", help="KV cache budget in tokens per layer (and head).")]
+CacheBudget = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        "-b",
+        metavar="TOKENS|SIZE|SHARE",
+        help="KV cache budget per layer (and head): tokens (512, the default), the memory its keys and values take "
+        "(64MB, as --kv-memory) or a share of the model's trained context (10%).",
+        show_default=False,
+    ),
+]
 HeavyRatio = Annotated[
     float, typer.Option(help="Share of the budget for heavy hitters (h2o); the rest is the recent window.")
 ]
@@ -194,6 +231,20 @@ class ModelOptions:
         spec = load_registry(self.models_file).resolve(self.model)
         return kv_token_bytes_of(spec, self.device, self.dtype, self.quantize, self.download, kv_quant)
 
+    def trained_context(self) -> int | None:
+        """The model's trained context in tokens (models.toml, else its config), as Loaded.context gives it, before
+        anything loads."""
+        spec = load_registry(self.models_file).resolve(self.model)
+        if spec.context:
+            return spec.context
+        from transformers import AutoConfig
+
+        from h2o_chat.models.loading import weights_location
+
+        location = weights_location(spec, self.download, status)
+        config = AutoConfig.from_pretrained(location, local_files_only=not self.download)
+        return getattr(config.get_text_config(), "max_position_embeddings", None)
+
     def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none"):
         self.use_threads()
         return load_model(
@@ -224,7 +275,7 @@ class CacheOptions:
 
     PANEL: ClassVar[str] = "Cache"
 
-    budget: Budget = 512
+    budget: CacheBudget = None  # 512 tokens
     policy: PolicyName = DEFAULT_POLICY
     chunk_size: ChunkSize = 512
     positions: Positions = "auto"
@@ -235,26 +286,27 @@ class CacheOptions:
         check_positive("--chunk-size", self.chunk_size)
         check_positions(self.positions)
         check_kv_quant(self.kv_quant)
+        self.asked()
+
+    def asked(self) -> BudgetText:
+        """The budget as typed: --budget (tokens, a memory or a share), --kv-memory (a memory), else 512 tokens."""
         if self.kv_memory is not None:
-            parse_size("--kv-memory", self.kv_memory)
+            return BudgetText.of_memory("--kv-memory", self.kv_memory)
+        return BudgetText.parse("--budget", "512" if self.budget is None else self.budget)
 
-    def sized(self, models: ModelOptions, rows: int = 1) -> CacheOptions:
-        """These options with the budget --kv-memory holds (unchanged without it); says which, on stderr."""
-        if self.kv_memory is None:
-            return self
-        memory = parse_size("--kv-memory", self.kv_memory)
-        per_token = models.kv_token_bytes(self.kv_quant)
-        tokens = tokens_in("--kv-memory", self.kv_memory, memory, per_token, rows, self.kv_quant)
-        stored = " in 8 bits" if self.kv_quant == "8bit" else ""
-        each = f" for each of {rows} rows" if rows > 1 else ""
-        status(
-            f"--kv-memory {self.kv_memory}: a budget of {tokens:,} tokens{each} ({per_token:,} bytes a token{stored})"
+    def tokens(self, models: ModelOptions, rows: int = 1) -> int:
+        """The budget in tokens for each of `rows` rows (a memory is theirs together); how a memory or a share
+        became that many is said on stderr. Nothing loads: the model's config gives its sizes."""
+        tokens, how = self.asked().resolve(
+            lambda: models.kv_token_bytes(self.kv_quant), models.trained_context, rows, self.kv_quant
         )
-        return dataclasses.replace(self, budget=tokens)
+        if how:
+            status(how)
+        return tokens
 
-    def build(self, knobs: PolicyKnobs, budget: int | None = None):
-        """The policy at this budget (or another, e.g. a batch line's own)."""
-        return build_policy(self.policy, self.budget if budget is None else budget, knobs.kwargs())
+    def build(self, knobs: PolicyKnobs, budget: int | None):
+        """The policy at `budget` tokens (the command's, or e.g. a batch line's own)."""
+        return build_policy(self.policy, budget, knobs.kwargs())
 
 
 @dataclass(frozen=True)
@@ -443,37 +495,6 @@ def check_positions(value: str) -> str:
     from h2o_chat.engine.cache import check_positions as check  # torch: only once a command runs, never for --help
 
     return check(value)
-
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_size(name: str, text: str) -> int:
-    """Bytes from '256MB', '1.5 GiB', '512k' or a plain number; K, M, G and T are powers of 1,024 (as the panel
-    and every memory figure h2o-chat prints)."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b)?)\s*", text, re.IGNORECASE)
-    if m is None:
-        raise H2OChatError(f"{name} must be a size such as 256MB or 1.5GB, got {text!r}")
-    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if size <= 0:
-        raise H2OChatError(f"{name} must be more than 0 bytes, got {text!r}")
-    return size
-
-
-def tokens_in(flag: str, text: str, memory: int, per_token: int, rows: int = 1, kv_quant: str = "none") -> int:
-    """The budget `memory` bytes hold (`flag` `text` as the user wrote it): the most tokens per row whose keys and
-    values, `per_token` bytes a row, fit for `rows` rows; an error when not one does."""
-    tokens = memory // (per_token * rows)
-    if tokens < 1:
-        stored = " in 8 bits" if kv_quant == "8bit" else ""
-        rows_words = f" for {rows} rows" if rows > 1 else ""
-        raise H2OChatError(
-            f"{flag} {text} holds no token: a token's keys and values take {per_token * rows:,} bytes"
-            f"{stored}{rows_words}"
-        )
-    return tokens
 
 
 def check_positive(name: str, value: int | None) -> None:
