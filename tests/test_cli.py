@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -174,6 +175,8 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         ([], b"   \n\t", ["stdin is empty"]),
         ([], b"caf\xe9 latin-1", ["not UTF-8", "0xe9"]),
         (["--models", "/nonexistent/models.toml"], "hi", ["models file not found"]),
+        # issue 38.6: --budget was ignored without a word
+        (["--kv-memory", "1GB", "--budget", "5"], "hi", ["--budget 5 and --kv-memory 1GB both set the budget"]),
     ],
 )
 def test_bad_input_gets_one_clear_line(fast_load, args, stdin, fragments):
@@ -683,3 +686,39 @@ def test_budget_takes_tokens_a_memory_or_a_share_of_the_trained_context(fast_loa
         ("1KB", "--budget 1KB holds no token"),
     ):
         assert_one_line_error(invoke(["--budget", bad], "hi"), words)
+
+
+def test_options_before_a_command_are_honoured_or_refused(fast_load, tmp_path):
+    """Issue 38.6: `h2o-chat --models m1.toml models` ignored --models; it now lists that file's aliases too. The
+    chat's options before another command's name, which it would ignore as silently, are refused."""
+    extra = tmp_path / "m1.toml"
+    extra.write_text('[models.my-tiny]\nsource = "/nonexistent/tiny"\nfamily = "llama"\n')
+    result = invoke(["--models", str(extra), "models"])
+    assert result.exit_code == 0 and any(line.startswith("my-tiny ") for line in result.stdout.splitlines())
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "hi"}\n')
+    result = invoke(["--budget", "5", "--models", str(extra), "batch", str(inp), "-o", str(tmp_path / "o.jsonl")])
+    assert_one_line_error(result, "--models, --budget before 'batch' would be ignored: put them after it")
+    assert fast_load == [] and not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_json_and_raw_in_a_terminal_say_what_they_need(tmp_path):
+    """Issue 38.6: `h2o-chat --json --raw` in a terminal started the chat and ignored both; now one line says
+    they need piped input or a prompt argument, before anything loads."""
+    from test_chat import Pty
+
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
+    term = Pty(["--json", "--raw"], env, 24, 200)
+    try:
+        assert term.read_until(b"the interactive chat takes neither", 60), term.screen[-2000:]
+        _, status = os.waitpid(term.pid, 0)
+    except BaseException:
+        term.close()
+        raise
+    assert os.waitstatus_to_exitcode(status) == 2
+    text = term.screen.decode().replace("\r\n", "\n").strip()
+    assert text == (
+        'h2o-chat: error: --json and --raw need piped input or a prompt argument (h2o-chat --json --raw "PROMPT"); '
+        "the interactive chat takes neither"
+    )

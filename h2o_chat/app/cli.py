@@ -45,6 +45,23 @@ class PromptOrCommand(Group):
 
 
 PROMPT = "h2o_chat.prompt"
+MODELS_FILE = "h2o_chat.models_file"  # --models before `models`
+
+
+def _options_before(ctx: typer.Context, command: str) -> None:
+    """Options before a command's name are the chat's, which that command would silently ignore
+    (`h2o-chat --budget 5 batch ...`): refused, saying where they go. --models before `models` is honoured."""
+    given = [p for p in ctx.command.params if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
+    ignored = [p.opts[0] for p in given if not (command == "models" and p.name == "models_file")]
+    if ignored:
+        from h2o_chat.errors import InputError
+
+        it = "it" if len(ignored) == 1 else "them"
+        raise InputError(
+            f"{', '.join(ignored)} before '{command}' would be ignored: put {it} after it "
+            f"(h2o-chat {command} {ignored[0]} ...)"
+        )
+
 
 app = typer.Typer(
     cls=PromptOrCommand,
@@ -95,17 +112,28 @@ def main_command(
 ) -> None:
     """Chat (terminal) or generate once for the whole of stdin (pipe)."""
     if ctx.invoked_subcommand is not None:
+        with reported():
+            _options_before(ctx, ctx.invoked_subcommand)
+        ctx.meta[MODELS_FILE] = models.models_file  # `h2o-chat --models m.toml models` lists that file's aliases too
         return
     argument = ctx.meta.get(PROMPT)
     with reported():
         for group in (models, cache, sampling):
             group.check()
+        interactive = argument is None and sys.stdin.isatty()
+        if interactive and (json_out or raw):  # the chat would ignore them
+            from h2o_chat.errors import InputError
+
+            given = " and ".join(flag for flag, on in (("--json", json_out), ("--raw", raw)) if on)
+            raise InputError(
+                f"{given} {'need' if json_out and raw else 'needs'} piped input or a prompt argument "
+                f'(h2o-chat {given.replace(" and ", " ")} "PROMPT"); the interactive chat takes neither'
+            )
         if stop is not None and not all(stop):
             from h2o_chat.errors import InputError
 
             raise InputError("--stop needs some text to stop at")
         policy = cache.build(knobs, cache.tokens(models))  # a memory or a share: the tokens it comes to
-        interactive = argument is None and sys.stdin.isatty()
         prompt = argument
         if argument is not None and not argument.strip():
             from h2o_chat.errors import InputError
@@ -148,8 +176,9 @@ def main_command(
 
 
 @app.command("models", cls=Command)
-def models_command(models_file: ModelsFile = None) -> None:
+def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
     """List the model aliases and whether their weights are on this machine."""
+    models_file = models_file or ctx.meta.get(MODELS_FILE)
     with reported():
         from h2o_chat.app.ui import make_console, models_tables
         from h2o_chat.files import user_cache_dir

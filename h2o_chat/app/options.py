@@ -286,6 +286,11 @@ class CacheOptions:
         check_positive("--chunk-size", self.chunk_size)
         check_positions(self.positions)
         check_kv_quant(self.kv_quant)
+        if self.kv_memory is not None and self.budget is not None:  # one would be ignored
+            raise H2OChatError(
+                f"--budget {self.budget} and --kv-memory {self.kv_memory} both set the budget: give one "
+                f"(--budget takes a memory too: --budget {self.kv_memory})"
+            )
         self.asked()
 
     def asked(self) -> BudgetText:
