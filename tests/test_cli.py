@@ -84,6 +84,8 @@ def test_piped_json_record(fast_load):
     assert record["cache"]["evicted"] == record["cache"]["seen"] - 32
     assert record["generated_tokens"] <= 24 and record["finish_reason"] in ("stop", "length")
     assert record["decode"] == "eager"  # the embedded model on the CPU: eager steps
+    # it runs from the GGUF's 4-bit weights, and says so with the bytes they hold (~141 MB, not fp32's 513)
+    assert record["weights"]["format"].startswith("int4") and 100e6 < record["weights"]["bytes"] < 200e6
 
 
 def test_piped_prompt_far_beyond_the_budget_gets_a_note_first(fast_load):
@@ -143,7 +145,9 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         (["-m", "llama-2-7b"], "hi", ["not on this machine", "--download"]),
         (["-b", "0"], "hi", ["budget must be a positive"]),
         (["-b", "-3"], "hi", ["budget must be a positive"]),
-        (["--heavy-ratio", "1.0"], "hi", ["heavy_ratio"]),
+        # issue 38.7: the option's name, not the policy's keyword
+        (["--heavy-ratio", "1.0"], "hi", ["--heavy-ratio must be in [0, 1)", "got 1"]),
+        (["--heavy-ratio", "2", "--policy", "h2o"], "hi", ["--heavy-ratio must be in [0, 1)", "got 2"]),
         (["-b", "6", "--policy", "sink", "--sinks", "8"], "hi", ["sink"]),
         (["--policy", "lru"], "hi", ["unknown policy", "h2o"]),
         (["--snap-window", "0"], "hi", ["snap window"]),

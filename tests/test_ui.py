@@ -103,6 +103,20 @@ def test_summary_leaves_a_one_time_setup_out_of_tok_s():
     assert line.startswith(
         "11 tokens, 20.0 tok/s, CUDA graph (1 captured, 1.2 s) (prompt 1 token, 50 tok/s; one-time setup 1.2 s"
     )
+    weighed = ui.summary_line(record, stats(), "eager", (50.0, 20.0, 0.0), "int4 groups of 32, 141.1 MB")
+    assert weighed.endswith(" | weights int4 groups of 32, 141.1 MB")
+
+
+def test_the_device_line_says_the_weights_format_and_bytes():
+    from types import SimpleNamespace
+
+    import torch
+
+    loaded = SimpleNamespace(
+        device=torch.device("cpu"), dtype=torch.float32, quantize="4bit", weights="int4 groups of 32",
+        weight_bytes=141 * 2**20,
+    )  # fmt: skip
+    assert ui.describe_device(loaded) == "cpu, int4 groups of 32, 141.0 MB, float32 compute"
 
 
 def test_the_reading_bar_says_which_part_snap_reads_twice():

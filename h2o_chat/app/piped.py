@@ -11,7 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from h2o_chat.app.conversation import ChatSettings, Conversation
-from h2o_chat.app.ui import ProgressBar, duration, make_console, reading_label, summary_line, wrap
+from h2o_chat.app.ui import (
+    ProgressBar,
+    describe_weights,
+    duration,
+    make_console,
+    reading_label,
+    summary_line,
+    wrap,
+)
 from h2o_chat.engine.policies import Policy
 from h2o_chat.errors import InputError
 from h2o_chat.models.loading import Loaded
@@ -156,7 +164,7 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        say(summary_line(last, conv.cache.stats(), conv.engine.describe(), conv.speeds(last)))
+        say(summary_line(last, conv.cache.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded)))
     sys.stdout.flush()
     return record
 
@@ -174,5 +182,6 @@ def _record(loaded: Loaded, conv: Conversation, pieces: list[str], last, finish_
         "decode_tps": round(decode_tps, 2),
         "setup_seconds": round(setup, 2),
         "decode": conv.engine.describe(),
+        "weights": {"format": loaded.weights, "bytes": loaded.weight_bytes},
         "cache": conv.cache.stats().as_dict(),
     }

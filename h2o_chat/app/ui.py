@@ -51,7 +51,9 @@ def reading_label(total: int, prompt_tokens: int) -> str:
     return "reading the prompt" + (" (twice: snap)" if total >= 2 * prompt_tokens else " (its end twice: snap)")
 
 
-def summary_line(response, stats, decode: str = "", speeds: tuple[float, float, float] | None = None) -> str:
+def summary_line(
+    response, stats, decode: str = "", speeds: tuple[float, float, float] | None = None, weights: str = ""
+) -> str:
     """One line for stderr after a piped run; `decode` says how decode steps ran (eager, CUDA graph, ...);
     `speeds` are (prompt tok/s, decode tok/s, one-time setup seconds) with the setup (a capture or compilation)
     left out of both speeds, which is then stated apart."""
@@ -62,7 +64,7 @@ def summary_line(response, stats, decode: str = "", speeds: tuple[float, float, 
         f"{plural(response.generation_tokens, 'token')}, {decode_tps:.1f} tok/s{steps} "
         f"(prompt {plural(response.prompt_tokens, 'token')}, {prompt_tps:.0f} tok/s{once}) | "
         f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
-        f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}"
+        f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}" + (f" | weights {weights}" if weights else "")
     )
 
 
@@ -414,8 +416,14 @@ def describe_device(loaded) -> str:
         name += " " + torch.cuda.get_device_name(device)
     dtype = str(loaded.dtype).removeprefix("torch.")
     if loaded.quantize != "none":
-        return f"{name}, {loaded.quantize} ({dtype} compute)"
-    return f"{name}, {dtype}"
+        return f"{name}, {describe_weights(loaded)}, {dtype} compute"
+    return f"{name}, {describe_weights(loaded)}"
+
+
+def describe_weights(loaded) -> str:
+    """The weights' format and bytes as held: e.g. 'int4 groups of 32, int8 embedding, 141 MB'."""
+    size = f", {human_bytes(loaded.weight_bytes)}" if getattr(loaded, "weight_bytes", 0) else ""
+    return f"{loaded.weights}{size}"
 
 
 def eviction_table(reports) -> Table:

@@ -88,7 +88,7 @@ def run_throughput(
     dtype = loaded.dtype
     fp = footprint(model.config)
     vocab = model.config.get_text_config().vocab_size
-    weights = fp.weight_bytes(dtype, loaded.quantize)
+    weights = loaded.weight_bytes or fp.weight_bytes(dtype, loaded.quantize, loaded.device.type == "cpu")
     shape, elem = ModelShape.of(model.config), torch.tensor([], dtype=dtype).element_size()
     total = prompt_tokens + generated_tokens
     warmup = min(4, generated_tokens - 1)

@@ -41,6 +41,16 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     quantize: str
+    weight_bytes: int = 0  # as held (packed weights at their packed size)
+
+    @property
+    def weights(self) -> str:
+        """The weights' format, for the panel and records: 'float32', 'int4 (groups of 32)', 'nf4', ..."""
+        if self.quantize == "none":
+            return str(self.dtype).removeprefix("torch.")
+        if self.device.type == "cuda":
+            return "nf4 (bitsandbytes)" if self.quantize == "4bit" else "int8 (bitsandbytes)"
+        return "int4 groups of 32, int8 embedding" if self.quantize == "4bit" else "int8 per channel"
 
     @property
     def context(self) -> int | None:
@@ -81,17 +91,28 @@ def resolve_dtype(spec: ModelSpec, device: torch.device, dtype: str | None, quan
 
 
 def resolve_quantize(spec: ModelSpec, device: torch.device, quantize: str | None) -> str:
-    """Explicit --quantize must be possible here; the spec's default applies on CUDA only."""
+    """Explicit --quantize must be possible here. Default: the spec's setting on CUDA (bitsandbytes); on CPU a
+    GGUF model (the embedded one included) runs from its own 4-bit weights, other models in floats."""
     if quantize is None:
-        return spec.quantize if device.type == "cuda" and _has_bitsandbytes() else "none"
+        if device.type == "cuda":
+            return spec.quantize if _has_bitsandbytes() else "none"
+        return "4bit" if spec.kind in ("embedded", "gguf") and cpu_kernels() else "none"
     if quantize not in ("none", "4bit", "8bit"):
         raise DeviceError(f"--quantize must be none, 4bit or 8bit, got {quantize!r}")
     if quantize != "none":
-        if device.type != "cuda":
-            raise DeviceError(f"--quantize {quantize} needs a CUDA GPU (bitsandbytes); this run is on {device.type}")
-        if not _has_bitsandbytes():
+        if device.type == "cpu" and not cpu_kernels():
+            raise DeviceError(
+                f"--quantize {quantize} on CPU needs PyTorch's int4/int8 CPU kernels (torch >= 2.6); "
+                f"this torch is {torch.__version__}: use --quantize none"
+            )
+        if device.type == "cuda" and not _has_bitsandbytes():
             raise DeviceError(f"--quantize {quantize} needs bitsandbytes: pip install 'h2o-chat[cuda]'")
     return quantize
+
+
+def cpu_kernels() -> bool:
+    """Whether this torch has the weight-only int4 / int8 CPU kernels `cpu_quant` uses."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 def resolve_settings(spec: ModelSpec, device: str, dtype: str | None, quantize: str | None):
@@ -322,10 +343,10 @@ def load(
     elif kv_tokens:
         from h2o_chat.models.memory import check_fits_in_memory
 
-        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows, kv_quant)
+        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows, kv_quant, quant)
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
-    if quant != "none":
+    if quant != "none" and dev.type == "cuda":
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = (
@@ -351,10 +372,43 @@ def load(
         raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None
     if dev.type != "cuda":
         model.to(dev)
+        if quant != "none":
+            _pack_for_cpu(model, spec, quant, status)
     model.eval()
     prepare_model(model)
     warm_up(model, dev)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return Loaded(model=model, tokenizer=tokenizer, spec=spec, device=dev, dtype=torch_dtype, quantize=quant)
+    from h2o_chat.models.cpu_quant import weight_bytes
+
+    return Loaded(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        device=dev,
+        dtype=torch_dtype,
+        quantize=quant,
+        weight_bytes=weight_bytes(model),
+    )
+
+
+def gguf_file(spec: ModelSpec) -> Path | None:
+    """The .gguf file a model's weights come from, if any."""
+    if spec.kind == "embedded":
+        return embedded_gguf(spec.source)
+    if spec.kind == "gguf":
+        return Path(spec.source).expanduser()
+    return None
+
+
+def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status) -> None:
+    """CPU weight-only quantization in place: a GGUF's 4-bit linears as the file holds them, the rest (and any
+    other model) quantized from its floats."""
+    from h2o_chat.models.cpu_quant import gguf_int4_blocks, quantize_model
+
+    path = gguf_file(spec)
+    blocks = gguf_int4_blocks(path, model.config) if path is not None and quant == "4bit" else {}
+    if status and not blocks:
+        status(f"quantizing the weights to {quant} for CPU")
+    quantize_model(model, quant, blocks)

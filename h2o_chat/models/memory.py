@@ -21,6 +21,9 @@ from h2o_chat.errors import DeviceError
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
+# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles + a plain copy for prompt chunks + a
+# bfloat16 scale and zero per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
+_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 1.0 + 4 / 32}
 OVERHEAD = 1.15  # activations, CUDA context and allocator slack on top of weights + KV
 
 
@@ -32,19 +35,24 @@ class Footprint:
     kv_heads: int
     head_dim: int
     kv_quant: str = "none"  # "8bit": the cache holds keys and values in int8 with a scale per token
+    table_params: int = 0  # the embedding and LM head tables (once if tied), within other_params
 
-    def weight_bytes(self, dtype: torch.dtype, quantize: str = "none") -> int:
+    def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
+        """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
         per = _DTYPE_BYTES[dtype]
-        linear = _LINEAR_BYTES[quantize] or per
-        return int(self.linear_params * linear + self.other_params * per)
+        linear = (_CPU_LINEAR_BYTES if cpu else _LINEAR_BYTES)[quantize] or per
+        tables = 1.0 if cpu and quantize != "none" else per
+        rest = self.other_params - self.table_params
+        return int(self.linear_params * linear + self.table_params * tables + rest * per)
 
     def kv_bytes(self, tokens: int, dtype: torch.dtype, batch: int = 1) -> int:
         """Keys and values for `tokens` per row in every layer, as the cache stores them."""
         elem = bytes_per_element(self.kv_quant, dtype, self.head_dim)
         return int(2 * self.layers * self.kv_heads * self.head_dim * tokens * batch * elem)
 
-    def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1) -> int:
-        return int(OVERHEAD * (self.weight_bytes(dtype, quantize) + self.kv_bytes(kv_tokens, dtype, batch)))
+    def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False) -> int:
+        weights = self.weight_bytes(dtype, quantize, cpu)
+        return int(OVERHEAD * (weights + self.kv_bytes(kv_tokens, dtype, batch)))
 
 
 def footprint(config) -> Footprint:
@@ -59,7 +67,10 @@ def footprint(config) -> Footprint:
         m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head_weight
     )
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    return Footprint(linear_params=linear, other_params=total - linear, **_kv_shape(config))
+    tables = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), out_head) if m is not None}
+    return Footprint(
+        linear_params=linear, other_params=total - linear, **_kv_shape(config), table_params=sum(tables.values())
+    )
 
 
 def _kv_shape(config) -> dict[str, int]:
@@ -94,14 +105,15 @@ def check_fits(
 ) -> None:
     """Raise a DeviceError saying what would fit when the weights plus a KV cache of `kv_tokens` for each of
     `rows` batch rows do not fit in `free_bytes` (of the GPU, or of this machine's memory when not `gpu`)."""
-    need = fp.total_bytes(dtype, quantize, kv_tokens, rows)
+    cpu = not gpu
+    need = fp.total_bytes(dtype, quantize, kv_tokens, rows, cpu)
     if need <= free_bytes:
         return
     options = []
-    for q in ("4bit", "8bit", "none") if gpu else ():
-        if q != quantize and fp.total_bytes(dtype, q, kv_tokens, rows) <= free_bytes:
-            options.append(f"--quantize {q} needs ~{gb(fp.total_bytes(dtype, q, kv_tokens, rows))}")
-    weights_only = fp.total_bytes(dtype, quantize, 0)
+    for q in ("4bit", "8bit", "none"):
+        if q != quantize and fp.total_bytes(dtype, q, kv_tokens, rows, cpu) <= free_bytes:
+            options.append(f"--quantize {q} needs ~{gb(fp.total_bytes(dtype, q, kv_tokens, rows, cpu))}")
+    weights_only = fp.total_bytes(dtype, quantize, 0, cpu=cpu)
     if weights_only <= free_bytes:  # the weights fit: a smaller budget would
         per_token = fp.kv_bytes(1, dtype, rows) * OVERHEAD
         budget = int((free_bytes - weights_only) / per_token)
@@ -123,7 +135,7 @@ def _cache_words(kv_tokens: int, rows: int, kv_quant: str) -> str:
 
 
 def check_fits_in_memory(
-    name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1, kv_quant: str = "none"
+    name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1, kv_quant: str = "none", quantize="none"
 ) -> None:
     """On CPU: the KV cache is allocated whole at the first token, so a budget beyond this machine's memory
     fails there with "can't allocate"; say before loading which budget would fit."""
@@ -132,7 +144,7 @@ def check_fits_in_memory(
     if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
         return
     fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
-    check_fits(name, fp, dtype, "none", kv_tokens, available, rows=rows, gpu=False)
+    check_fits(name, fp, dtype, quantize, kv_tokens, available, rows=rows, gpu=False)
 
 
 def check_budget(

@@ -1,0 +1,250 @@
+"""Weight-only int4 / int8 linears for CPU: the bytes a decode step reads, cut 8x / 4x from float32.
+
+A CPU decode step is a matrix-vector product per linear, bound by the bytes of the weights it reads (the
+embedded model's 540 MB of float32 per token). PyTorch ships the kernels that read packed weights:
+
+- int4: `aten._weight_int4pack_mm_for_cpu`, groups of 32 input channels, each with a scale and a zero
+  (w = (q - 8) * scale + zero, q in 0..15). GGUF's Q4_1 blocks (w = q * d + m, 32 values) are exactly this
+  form (scale = d, zero = m + 8 d) and Q4_0 (w = (q - 8) d) too (zero = 0): a GGUF model runs from its own
+  4-bit values, only the scales rounded to bfloat16.
+- int8: `aten._weight_int8pack_mm`, one scale per output channel. Used for the embedding / LM head, which the
+  GGUF stores as Q8_0 (a scale per 32 values) and which is re-scaled per row: one int8 table serves the input
+  embedding (a row gather) and the tied LM head (the product).
+
+Both kernels are fast only with bfloat16 activations (their float32 paths are 10-30x slower), so a packed
+linear takes its input in bfloat16 and returns the model's dtype.
+
+A prompt chunk is a matrix product, not a matrix-vector one: there the packed kernels are no faster than a
+dense product, so a chunk of `DENSE_TOKENS` tokens per row or more dequantizes the weight (in blocks of output
+channels, kept in the processor's cache) and multiplies densely in bfloat16. The choice depends on the tokens
+per row, never on the batch: a row computes the same way alone and beside others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32  # input channels per int4 scale/zero (GGUF's block size)
+COMPUTE = torch.bfloat16  # what the packed kernels are fast with
+DENSE_TOKENS = 16  # a forward of this many tokens per row or more multiplies densely (a prompt chunk)
+FORMATS = ("none", "4bit", "8bit")
+
+
+def _int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int values 0..15 -> the CPU kernel's packed layout (N, K / 2) uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W (N, K) held as 4-bit values in groups of `GROUP` along K."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
+        # q (N, K) in 0..15; scale, zero (N, K / GROUP): w = (q - 8) * scale + zero
+        super().__init__()
+        N, K = q.shape
+        if K % GROUP:
+            raise ValueError(f"int4 weights need input channels in multiples of {GROUP}, got {K}")
+        self.in_features, self.out_features = K, N
+        self.register_buffer("packed", _int4_pack(q))  # (N, K / 2) uint8
+        sz = torch.stack((scale.float().t(), zero.float().t()), dim=-1)  # (K / GROUP, N, 2)
+        self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
+        # the nibbles as (N, K / 2) uint8 in plain order, for the dense path: the kernel's packing is its own
+        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Asymmetric 4-bit per group of 32 (min/max, as GGUF's Q4_1)."""
+        w = weight.detach().float()
+        N, K = w.shape
+        g = w.view(N, K // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-10)
+        q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).view(N, K)
+        return cls(q.to(torch.uint8), scale, lo + 8 * scale, bias)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """W (N, K) in bfloat16, as the kernel sees it (its scales and zeros), for output channels `rows`."""
+        nib = self.nibbles[rows]
+        q = torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1, GROUP).to(COMPUTE)  # (n, K/G, G)
+        sz = self.scales_zeros[:, rows]  # (K / G, n, 2)
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
+        return ((q - 8) * scale + zero).view(nib.shape[0], -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE)  # (M, K)
+        if (shape[-2] if x.dim() > 2 else 1) >= DENSE_TOKENS:
+            y = torch.cat([x2 @ self.dequantize(slice(n, n + 2048)).t() for n in range(0, self.out_features, 2048)], -1)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W (N, K) held as int8 with one scale per output channel. Also an embedding table:
+    `embed(ids)` gathers rows (a tied embedding / LM head holds one table)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight_int8", q.to(torch.int8).contiguous())  # (N, K)
+        self.register_buffer("scales", scale.float().to(COMPUTE).contiguous())  # (N,)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """Symmetric int8 per output channel."""
+        w = weight.detach().float()
+        scale = (w.abs().amax(-1) / 127).clamp(min=1e-10)
+        return cls((w / scale[:, None]).round_().clamp_(-127, 127), scale, bias)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        return self.weight_int8[rows].to(COMPUTE) * self.scales[rows, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding that reads its rows from an `Int8Linear`'s table (the tied LM head's, or its own)."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype, padding_idx: int | None = None):
+        super().__init__()
+        self.table, self.dtype, self.padding_idx = table, dtype, padding_idx
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table dequantized (for code that reads an embedding's weight: its dtype and device, mostly)."""
+        return self.table.dequantize().to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        return (t.weight_int8[ids].to(self.dtype) * t.scales[ids, None].to(self.dtype)).to(self.dtype)
+
+
+# -- GGUF blocks -> the kernels' forms --------------------------------------------------------------------
+def gguf_q4(kind: str, data: np.ndarray, shape: tuple[int, int]):
+    """A GGUF Q4_0 / Q4_1 tensor's raw blocks (N, K / 32 * block bytes) -> (q (N, K) uint8 0..15, scale, zero
+    (N, K / 32) float32) with w = (q - 8) * scale + zero, exactly the file's values."""
+    N, K = shape
+    head = 4 if kind == "Q4_1" else 2  # d (and m) as float16, then 16 bytes of nibbles
+    blocks = np.ascontiguousarray(data).reshape(N, K // GROUP, head + 16)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    qs = blocks[..., head:]
+    q = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(N, K)  # x[j] low nibble, x[j + 16] high
+    zero = m + 8 * d if m is not None else np.zeros_like(d)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def gguf_q8(data: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """A GGUF Q8_0 tensor's raw blocks -> its values (N, K) float32 (d * q, the file's exact numbers)."""
+    N, K = shape
+    blocks = np.ascontiguousarray(data).reshape(N, K // GROUP, 34)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (N, K/32, 1)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    return torch.from_numpy((q * d).reshape(N, K))
+
+
+def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers gives a llama GGUF's q/k weights (llama.cpp stores them permuted for its
+    rotary layout): rows[i] is the file's row that becomes row i."""
+    dim = n_rows // heads // 2
+    return torch.arange(n_rows).view(heads, dim, 2).transpose(1, 2).reshape(n_rows)
+
+
+_LLAMA_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+
+def gguf_int4_blocks(path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A llama-family GGUF's Q4_0 / Q4_1 linears as {module name: (q, scale, zero)} in the converted model's row
+    order; empty for other architectures (their linears are quantized from the converted floats)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"]
+    if bytes(arch.parts[arch.data[0]]).decode() not in ("llama", "mistral"):
+        return {}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    out = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # blk.{i}.{kind}.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LLAMA_NAMES:
+            continue
+        kind = t.tensor_type.name
+        if kind not in ("Q4_0", "Q4_1"):
+            continue
+        K, N = (int(x) for x in t.shape)  # GGUF lists the fastest dimension first
+        q, scale, zero = gguf_q4(kind, t.data, (N, K))
+        if parts[2] in ("attn_q", "attn_k"):
+            rows = _unpermute_rows(N, heads if parts[2] == "attn_q" else kv_heads)
+            q, scale, zero = q[rows], scale[rows], zero[rows]
+        out[f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}"] = (q, scale, zero)
+    return out
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as held: parameters and the packed linears' buffers (the dense path's nibbles
+    included), each tensor once (a tied table counts once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen or t.is_floating_point() and t.dim() < 1:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def quantize_model(model: nn.Module, fmt: str, int4_blocks: dict | None = None) -> None:
+    """Replace the model's linears in place with packed ones (`fmt` "4bit": int4 groups of 32, "8bit": int8 per
+    channel), the embedding and the LM head with one int8 table (shared when they are tied). `int4_blocks`
+    (`gguf_int4_blocks`): linears whose file holds 4-bit values, taken as they are."""
+    int4_blocks = int4_blocks or {}
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear) or child is head:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            if full in int4_blocks and fmt == "4bit":
+                new = Int4Linear(*int4_blocks[full], bias=child.bias)
+            elif fmt == "4bit" and child.in_features % GROUP == 0:
+                new = Int4Linear.from_float(child.weight, child.bias)
+            else:
+                new = Int8Linear.from_float(child.weight, child.bias)
+            setattr(module, child_name, new)
+    dtype = embed.weight.dtype
+    if head is not None:
+        table = Int8Linear.from_float(head.weight, head.bias)
+        model.set_output_embeddings(table)
+        if tied:
+            model.set_input_embeddings(Int8Embedding(table, dtype, getattr(embed, "padding_idx", None)))
+    if not tied and embed is not None:
+        model.set_input_embeddings(
+            Int8Embedding(Int8Linear.from_float(embed.weight), dtype, getattr(embed, "padding_idx", None))
+        )

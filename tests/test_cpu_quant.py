@@ -1,0 +1,172 @@
+"""CPU weight-only int4 / int8 linears (models/cpu_quant.py): they compute what their dequantized weights do, a
+GGUF's 4-bit blocks arrive as the file holds them, and a row computes the same alone and in a batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from h2o_chat.models import cpu_quant
+from h2o_chat.models.cpu_quant import GROUP, Int4Linear, Int8Linear, gguf_q4, quantize_model
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="this torch lacks the int4 CPU kernel"
+)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in float64 with x rounded to bfloat16, as the kernels take it."""
+    return (x.to(torch.bfloat16).double() @ w.double().t()).float()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # the packed kernel (a decode step) and the dense chunk path
+def test_int4_linear_computes_its_dequantized_weight(tokens):
+    torch.manual_seed(0)
+    w, b = torch.randn(208, 96), torch.randn(208)
+    lin = Int4Linear.from_float(w, b)
+    deq = lin.dequantize().float()
+    # within half a step of the 4-bit grid (plus the bfloat16 rounding of scales and zeros) of the original
+    step = (w.view(208, -1, GROUP).amax(-1) - w.view(208, -1, GROUP).amin(-1)) / 15
+    err = (deq - w).abs().view(208, -1, GROUP).amax(-1)
+    assert bool((err <= step * 0.5 + 0.02 * w.abs().max()).all())
+    x = torch.randn(2, tokens, 96)
+    y = lin(x)
+    assert y.shape == (2, tokens, 208) and y.dtype == torch.float32
+    ref = _reference(x.view(-1, 96), deq).view(2, tokens, 208) + b
+    # the kernels return bfloat16: the error is its rounding at the outputs' scale
+    assert (y - ref).abs().max() <= 2**-7 * ref.abs().max(), (y - ref).abs().max()
+
+
+def test_int8_linear_and_embedding_compute_their_table():
+    torch.manual_seed(1)
+    w = torch.randn(300, 64)
+    lin = Int8Linear.from_float(w)
+    deq = lin.dequantize().float()
+    assert (deq - w).abs().max() <= w.abs().amax(-1).max() / 127  # a step of the per-row grid
+    x = torch.randn(5, 64)
+    assert torch.allclose(lin(x), _reference(x, deq), atol=0.05, rtol=0.02)
+    emb = cpu_quant.Int8Embedding(lin, torch.float32)
+    ids = torch.tensor([[0, 7, 299]])
+    rows = lin.weight_int8[[0, 7, 299]].float() * lin.scales[[0, 7, 299], None].float()
+    assert torch.equal(emb(ids)[0], rows)
+
+
+def test_a_row_computes_the_same_alone_and_in_a_batch():
+    """The path (packed kernel or dense) depends on tokens per row, never on the batch: batch rows decode as
+    their prompts alone."""
+    torch.manual_seed(2)
+    lin = Int4Linear.from_float(torch.randn(128, 64))
+    for tokens in (1, 8, 16, 33):
+        x = torch.randn(6, tokens, 64)
+        together = lin(x)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(6)])
+        assert torch.equal(together, alone), tokens
+
+
+def _q4_blocks(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """GGUF blocks for values q (N, K) 0..15: [d (f16), (m (f16)), 16 bytes: x[j] low nibble, x[j+16] high]."""
+    N, K = q.shape
+    g = q.reshape(N, K // 32, 32).astype(np.uint8)
+    qs = g[..., :16] | (g[..., 16:] << 4)
+    parts = [d.astype(np.float16)[..., None].view(np.uint8)]
+    if m is not None:
+        parts.append(m.astype(np.float16)[..., None].view(np.uint8))
+    return np.concatenate([*parts, qs], axis=-1).reshape(N, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_become_the_kernels_scale_and_zero(kind):
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (64, 64))
+    d = rng.uniform(0.01, 0.1, (64, 2))
+    m = rng.uniform(-1, 0, (64, 2)) if kind == "Q4_1" else None
+    got_q, scale, zero = gguf_q4(kind, _q4_blocks(kind, q, d, m), (64, 64))
+    assert np.array_equal(got_q.numpy(), q)
+    d16 = np.repeat(d.astype(np.float16).astype(np.float32), 32, 1)
+    m16 = np.repeat(m.astype(np.float16).astype(np.float32), 32, 1) if m is not None else 0
+    file_values = q * d16 + m16 if kind == "Q4_1" else (q - 8) * d16  # ggml's own dequantization
+    ours = (got_q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+    assert np.allclose(ours.numpy(), file_values, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def embedded_files():
+    from safetensors import safe_open
+
+    from h2o_chat.models.loading import converted_folder, embedded_gguf
+    from h2o_chat.models.registry import load_registry
+
+    gguf = embedded_gguf(load_registry().resolve(None).source)
+    folder = converted_folder(gguf)
+    return gguf, safe_open(str(folder / "model.safetensors"), "pt")
+
+
+def test_the_embedded_ggufs_4bit_blocks_dequantize_to_todays_conversion(embedded_files):
+    """The file's Q4_1 linears, taken as they are (q and k rows in transformers' order), dequantize to the float32
+    weights the conversion gives, within the bfloat16 rounding of their scales and zeros."""
+    from transformers import AutoConfig
+
+    from h2o_chat.models.cpu_quant import gguf_int4_blocks
+    from h2o_chat.models.loading import converted_folder
+
+    gguf, floats = embedded_files
+    config = AutoConfig.from_pretrained(converted_folder(gguf))
+    blocks = gguf_int4_blocks(gguf, config)
+    assert len(blocks) == 7 * config.num_hidden_layers
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
+        q, scale, zero = blocks[name]
+        exact = (q.float() - 8) * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1)
+        converted = floats.get_tensor(name + ".weight")
+        assert torch.allclose(exact, converted, atol=1e-5), name  # the file's values, in the model's row order
+        deq = Int4Linear(q, scale, zero).dequantize().float()
+        bound = (scale.abs() * 8 + zero.abs()).repeat_interleave(GROUP, 1) * 2**-6  # four bfloat16 roundings
+        assert bool(((deq - converted).abs() <= bound + 1e-6).all()), name
+
+
+@pytest.mark.parametrize("fmt", ["4bit", "8bit"])
+def test_a_quantized_model_computes_what_its_dequantized_weights_do(fmt):
+    """Every linear packed, the tied embedding / LM head one int8 table; the logits those of the same model with
+    each weight replaced by its dequantized value (only the activations' bfloat16 rounding differs)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", layers=2)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied
+    reference = tiny_model("llama", layers=2)
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.inference_mode():
+        quantize_model(model, fmt)
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert model.model.embed_tokens.table is model.lm_head  # one table
+        packed = dict(model.named_modules())
+        for name, module in reference.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(packed[name].dequantize().float())
+        reference.model.embed_tokens.weight.copy_(model.lm_head.dequantize().float())
+        reference.lm_head.weight = reference.model.embed_tokens.weight
+        got, want = model(ids).logits, reference(ids).logits
+    assert (got - want).abs().mean() < 0.02 * want.abs().mean()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_the_kernels_portable_paths_compute_the_same():
+    """PyTorch picks the kernels' vector width at start-up (AVX-512 here, AVX2 on other CPUs): the AVX2 and the
+    scalar builds of these kernels give the dequantized product too."""
+    code = (
+        "import torch; from h2o_chat.models.cpu_quant import Int4Linear, Int8Linear;"
+        "torch.manual_seed(0); w = torch.randn(128, 64); x = torch.randn(3, 1, 64);"
+        "a = Int4Linear.from_float(w); b = Int8Linear.from_float(w);"
+        "ref = lambda l: (x.view(3, 64).to(torch.bfloat16).double() @ l.dequantize().double().t()).float();"
+        "assert torch.allclose(a(x).view(3, -1), ref(a), atol=0.06, rtol=0.02);"
+        "assert torch.allclose(b(x).view(3, -1), ref(b), atol=0.06, rtol=0.02);"
+        "print(torch.backends.cpu.get_cpu_capability())"
+    )
+    for level in ("avx2", "default"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": level}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().lower() in (level.lower(), "default", "avx2"), out.stdout
