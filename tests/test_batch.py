@@ -48,14 +48,14 @@ def test_malformed_lines_are_reported_and_the_rest_run(fast_load, tmp_path):
     )
     out = tmp_path / "out.jsonl"
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out), "--max-new-tokens", "12", "-b", "48"])
-    assert result.exit_code == 0, result.stderr  # every valid row finished; the skipped ones were reported
+    assert result.exit_code == 4, result.stderr  # every valid row finished; the skipped ones were reported (38.7)
     lines = result.stderr.splitlines()
     skipped = [line for line in lines if line.startswith("h2o-chat: skipped")]
     assert [s.split(" line ")[1].split(":")[0] for s in skipped] == ["2", "4", "5", "6", "7", "9", "10"]
     assert "not valid JSON" in skipped[0] and 'duplicate id "a"' in skipped[1] and "budget" in skipped[2]
     first_row = next(i for i, line in enumerate(lines) if line.startswith(("h2o-chat: a:", "h2o-chat: b:")))
     assert lines.index(skipped[-1]) < first_row  # reported before generation started, not at the end
-    assert "3 done, 0 already in out.jsonl, 7 lines skipped" in lines[-1]
+    assert "3 done, 0 already in out.jsonl, 7 lines skipped (listed above; exit status 4) |" in lines[-1]
     assert "Traceback" not in result.output
     got = {r["id"]: r for r in records(out)}
     assert set(got) == {"a", "b", "f"}
@@ -177,13 +177,14 @@ def test_a_line_whose_budget_cannot_fit_in_memory_is_skipped_before_generation(f
     )
     out = tmp_path / "out.jsonl"
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out), "-b", "32", "--batch-size", "2"])
-    assert result.exit_code == 0, result.stderr
+    assert result.exit_code == 4, result.stderr
     skipped = [line for line in result.stderr.splitlines() if line.startswith("h2o-chat: skipped")]
     assert [line.split(" line ")[1].split(":")[0] for line in skipped] == ["2", "3"]
     assert '"budget" 99999999999: a 99999999999-token KV cache for each of 2 rows needs' in skipped[0]
     assert re.search(r'"budget" \d+ fits', skipped[0])
     assert [r["id"] for r in records(out)] == ["ok"]
-    assert "1 done, 0 already in out.jsonl, 2 lines skipped" in result.stderr.splitlines()[-1]
+    last = result.stderr.splitlines()[-1]
+    assert "1 done, 0 already in out.jsonl, 2 lines skipped (listed above; exit status 4)" in last
 
 
 def test_an_empty_input_runs_nothing_and_says_so(fast_load, tmp_path):
@@ -199,7 +200,7 @@ def test_one_bad_byte_skips_its_line_only(fast_load, tmp_path):
     inp.write_bytes(b'{"id": 1, "prompt": "Say hi.", "max_new_tokens": 2}\n{"id": 2, "prompt": "caf\xe9"}\n')
     out = tmp_path / "out.jsonl"
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
-    assert result.exit_code == 0, result.stderr
+    assert result.exit_code == 4, result.stderr
     assert "h2o-chat: skipped in.jsonl line 2: not UTF-8 text (byte 25 of the line)" in result.stderr
     assert [r["id"] for r in records(out)] == ["1"]
 
@@ -321,3 +322,58 @@ def test_dash_writes_the_results_to_stdout_and_a_terminal_is_refused(fast_load, 
         f"h2o-chat: error: -o {terminal} is not a regular file (a device, a pipe or a socket): give a file name, "
         "or -o - for stdout\n"
     )
+
+
+def test_a_line_sets_its_own_seed_and_top_p(fast_load, tmp_path):
+    """Issue 38.7: "seed" and "top_p" were unknown keys; a line now sets them as it sets its temperature (lines
+    that share them run in one batch). A line with a seed gives the text its prompt gives alone with that seed."""
+    line = {"prompt": "Name a fruit.", "temperature": 1.0, "max_new_tokens": 8}
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "s1", **line, "seed": 7},
+            {"id": "s2", **line, "seed": 7},
+            {"id": "p", **line, "top_p": 0.5, "seed": 3},
+            {"id": "bad-p", **line, "top_p": 0},
+            {"id": "bad-seed", **line, "seed": "x"},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 4, result.stderr
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("h2o-chat: skipped")]
+    assert skipped == [
+        'h2o-chat: skipped in.jsonl line 4: "top_p" must be above 0 and at most 1, got 0',
+        'h2o-chat: skipped in.jsonl line 5: "seed" must be a whole number, got "x"',
+    ]
+    got = {r["id"]: r["text"] for r in records(out)}
+    assert set(got) == {"s1", "s2", "p"} and got["s1"] == got["s2"]
+    alone = tmp_path / "alone.jsonl"
+    write_lines(alone, [{"id": "s1", **line, "seed": 7}])
+    assert runner.invoke(cli.app, ["batch", str(alone), "-o", str(tmp_path / "a.jsonl")]).exit_code == 0
+    assert records(tmp_path / "a.jsonl")[0]["text"] == got["s1"]
+
+
+def test_ctrl_c_says_how_many_rows_are_done_and_how_to_resume(fast_load, tmp_path, monkeypatch):
+    """Issue 38.7: Ctrl-C printed only "interrupted"; it now says how many rows are done and that a rerun with
+    the same -o resumes (and the rerun does)."""
+    from h2o_chat.app import batch
+
+    real = batch.generate_batch
+
+    def interrupted(*args, **kwargs):
+        yield next(real(*args, **kwargs))
+        raise KeyboardInterrupt  # Ctrl-C once the first row is written
+
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": "Say hi.", "max_new_tokens": 2} for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(batch, "generate_batch", interrupted)
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 130
+    assert result.stderr.splitlines()[-1] == (
+        f"h2o-chat: batch interrupted: 1 row done and added to {out}; a rerun with the same -o resumes"
+    )
+    monkeypatch.setattr(batch, "generate_batch", real)
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 0 and "2 done, 1 already in out.jsonl" in result.stderr
+    assert sorted(r["id"] for r in records(out)) == ["0", "1", "2"]

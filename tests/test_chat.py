@@ -344,7 +344,7 @@ def test_set_changes_sampling_for_the_next_replies(embedded, tmp_path):
         and len(embedded.tokenizer(chat.conv.messages[1]["content"])["input_ids"]) <= 3
     )
     assert "temperature set to 0.3 from the next reply on" in out
-    assert "error: --temperature must be between 0 (greedy) and 10, got inf" in out
+    assert "error: temperature must be between 0 (greedy) and 10, got inf" in out
     assert "error: /set top_k takes a whole number, got 'lots'" in out and "/set takes one of temperature" in out
     assert "temperature 0.3, top_p 1.0, top_k 5, min_p 0.05" in out
 

@@ -130,3 +130,39 @@ def test_budget_reads_tokens_a_memory_or_a_share_as_the_command_line_does(embedd
     why = "a number of tokens is a whole number, and a memory needs its unit (e.g. 2.5MB)"
     assert view.errors == [f"/budget 2.5: {why}"]
     assert conv.policy == make_policy("snap", 819)
+
+
+def test_set_speaks_the_chats_words_and_shows_a_random_seed(embedded):
+    """Issue 38.7: /set temperature -1 answered with "--temperature must be ..." and /set showed "seed None"."""
+    cmds, conv, view = commands(embedded)
+    for line in ("/set temperature -1", "/set top_p 0", "/set max_new_tokens 0", "/set repetition-penalty 0"):
+        cmds.run(line)
+    assert view.errors == [
+        "temperature must be between 0 (greedy) and 10, got -1",
+        "top_p must be above 0 and at most 1, got 0",
+        "max_new_tokens must be a positive integer, got 0",
+        "repetition_penalty must be above 0 and at most 10 (1 = off), got 0",
+    ]
+    cmds.run("/set")
+    assert view.said[-1].startswith("temperature 0, top_p 1.0, ") and "seed random, " in view.said[-1]
+    cmds.run("/set seed 5")
+    assert conv.settings.sampler.seed == 5 and view.said[-1] == "seed set to 5 from the next reply on"
+    cmds.run("/set seed random")
+    assert conv.settings.sampler.seed is None and view.said[-1] == "seed set to random from the next reply on"
+
+
+def test_save_asks_before_replacing_a_file(embedded, tmp_path):
+    """Issue 38.7: /save replaced a file without a word; as /load does before losing unsaved messages, the first
+    /save over an existing file says so and the same /save again replaces it. The file this session saved to last
+    is saved again without asking."""
+    cmds, conv, view = commands(embedded)
+    conv.messages = [{"role": "user", "content": "hi"}]
+    notes = tmp_path / "notes.json"
+    notes.write_text("my notes")
+    cmds.run(f"/save {notes}")
+    assert notes.read_text() == "my notes" and view.said[-1] == f"{notes} exists: /save {notes} again replaces it"
+    cmds.run(f"/save {notes}")
+    assert view.said[-1] == f"saved 1 message to {notes}" and json.loads(notes.read_text())["messages"]
+    conv.messages.append({"role": "assistant", "content": "hello"})
+    cmds.run(f"/save {notes}")  # its own file: no question
+    assert view.said[-1] == f"saved 2 messages to {notes}" and len(json.loads(notes.read_text())["messages"]) == 2

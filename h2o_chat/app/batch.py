@@ -1,10 +1,10 @@
 """Scripted batch generation: JSONL in, JSONL out, written as each row finishes.
 
 Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature", "top_k",
-"min_p", "repetition_penalty", "budget".
-Rows with the same budget run together, shortest first, `batch_size` at a time with continuous batching: a row
-that finishes is written at once and the next waiting prompt takes its place in the running batch. Output is
-appended, so a killed run loses nothing it finished, and a rerun skips the ids already in the output file.
+"min_p", "repetition_penalty", "top_p", "seed", "budget".
+Rows with the same budget, top_p and seed run together, shortest first, `batch_size` at a time with continuous
+batching: a row that finishes is written at once and the next waiting prompt takes its place in the running batch.
+Output is appended, so a killed run loses nothing it finished, and a rerun skips the ids already in the output file.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
 
 MAX_INPUT_BYTES = 2**30  # a batch file: one read, every line tokenized before generation starts
+SKIPPED_EXIT = 4  # every valid row ran, but some lines were skipped (3 is out of memory)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Item:
     repetition_penalty: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Defaults:
     repetition_penalty: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
     system: str | None = None
     raw: bool = False
 
@@ -68,6 +73,7 @@ class Summary:
 
 
 KEYS = {"id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "min_p", "repetition_penalty", "budget"}
+KEYS |= {"top_p", "seed"}
 
 
 def _positive_int(value, name: str) -> int:
@@ -86,6 +92,14 @@ def _setting(obj: dict, name: str, default, check) -> float:
     except ConfigError as e:
         raise ValueError(str(e)) from None
     return value
+
+
+def _check_top_p(value: float, name: str) -> None:
+    """top_p as the Sampler checks it (its one home), said with the line's key."""
+    try:
+        Sampler(top_p=value)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--top-p", name, 1)) from None
 
 
 def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
@@ -117,6 +131,10 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
     penalty = _setting(obj, "repetition_penalty", defaults.repetition_penalty, check_repetition_penalty)
     top_k = _setting(obj, "top_k", defaults.top_k, check_top_k)
     min_p = _setting(obj, "min_p", defaults.min_p, check_min_p)
+    top_p = _setting(obj, "top_p", defaults.top_p, _check_top_p)
+    seed = obj.get("seed", defaults.seed)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f'"seed" must be a whole number, got {json.dumps(seed)}')
     budget = obj.get("budget", defaults.budget)
     if budget is not None:
         budget = _positive_int(budget, "budget")
@@ -126,7 +144,10 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
         if defaults.system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": defaults.system}, *messages]
         ids = chat_ids(tokenizer, messages)
-    return Item(str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p))
+    return Item(
+        str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p),
+        float(top_p), seed,
+    )  # fmt: skip
 
 
 def read_items(
@@ -274,8 +295,6 @@ def run_batch(
     make_policy: Callable[[int | None], Policy],
     defaults: Defaults,
     batch_size: int = 8,
-    top_p: float = 1.0,
-    seed: int | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     on_record: Callable[[dict], None] | None = None,
     positions: str = "auto",
@@ -299,13 +318,17 @@ def run_batch(
     done = finished_ids(output_path) if done is None else done
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)
-    policies = {b: by_budget[b] for b in {it.budget for it in todo}}
+    # rows share a cache policy and a sampler's top-p and seed: one batch for each such group
+    groups = sorted({(it.budget, it.top_p, it.seed) for it in todo}, key=lambda g: (g[0] or 0, g[1], str(g[2])))
     t0 = time.perf_counter()
     with appending(output_path) as out:
-        for budget, policy in sorted(policies.items(), key=lambda kv: kv[0] or 0):
-            group = sorted((it for it in todo if it.budget == budget), key=lambda it: len(it.ids))
+        for budget, top_p, seed in groups:
+            group = [it for it in todo if (it.budget, it.top_p, it.seed) == (budget, top_p, seed)]
+            group.sort(key=lambda it: len(it.ids))
             records = generate_batch(
-                loaded, group, policy, top_p, seed, chunk_size, positions, decode, rows=batch_size, kv_quant=kv_quant
+                *(loaded, group, by_budget[budget], top_p, seed, chunk_size, positions, decode),
+                rows=batch_size,
+                kv_quant=kv_quant,
             )
             for record in records:
                 try:

@@ -216,7 +216,7 @@ def batch_command(
         typer.Argument(
             metavar="INPUT.jsonl",
             help='Lines of {"id", "prompt"} or {"id", "messages"}, optional max_new_tokens, temperature, '
-            "top_k, min_p, repetition_penalty, budget.",
+            "top_k, min_p, top_p, seed, repetition_penalty, budget.",
         ),
     ],
     output: Annotated[
@@ -232,7 +232,7 @@ def batch_command(
 ) -> None:
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
-        from h2o_chat.app.batch import Defaults, run_batch
+        from h2o_chat.app.batch import SKIPPED_EXIT, Defaults, run_batch
         from h2o_chat.app.batch_output import check_output, finished_ids, is_stdout
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
@@ -266,34 +266,48 @@ def batch_command(
             repetition_penalty=sampling.repetition_penalty,
             top_k=sampling.top_k,
             min_p=sampling.min_p,
-        )
-        summary = run_batch(
-            loaded,
-            input_path,
-            output,
-            policy_for,
-            defaults,
-            batch_size=batch_size,
             top_p=sampling.top_p,
             seed=sampling.seed,
-            chunk_size=cache.chunk_size,
-            on_record=lambda r: status(f"{r['id']}: {plural(r['generated_tokens'], 'token')}"),
-            positions=cache.positions,
-            kv_quant=cache.kv_quant,
-            decode=models.decode,
-            on_skip=lambda problem: status(f"skipped {problem}"),
-            done=done,
         )
+        written: list[str] = []
+
+        def on_record(record: dict) -> None:
+            written.append(record["id"])
+            status(f"{record['id']}: {plural(record['generated_tokens'], 'token')}")
+
+        try:
+            summary = run_batch(
+                loaded,
+                input_path,
+                output,
+                policy_for,
+                defaults,
+                batch_size=batch_size,
+                chunk_size=cache.chunk_size,
+                on_record=on_record,
+                positions=cache.positions,
+                kv_quant=cache.kv_quant,
+                decode=models.decode,
+                on_skip=lambda problem: status(f"skipped {problem}"),
+                done=done,
+            )
+        except KeyboardInterrupt:  # every finished row is written: say so, and how to go on
+            where = "written to stdout" if is_stdout(output) else f"added to {output}"
+            again = "(resuming needs -o FILE)" if is_stdout(output) else "a rerun with the same -o resumes"
+            status(f"batch interrupted: {plural(len(written), 'row')} done and {where}; {again}")
+            raise typer.Exit(130) from None
         rate = summary.tokens / summary.seconds if summary.seconds else 0.0
-        skipped = (
-            f"{plural(len(summary.malformed), 'line')} skipped (listed above)" if summary.malformed else "0 skipped"
-        )
-        # every valid row finished: exit 0, whatever was skipped (it was reported before generation started)
+        skipped = "0 skipped"
+        if summary.malformed:
+            lines = plural(len(summary.malformed), "line")
+            skipped = f"{lines} skipped (listed above; exit status {SKIPPED_EXIT})"
         already = "" if is_stdout(output) else f", {summary.skipped} already in {output.name}"
         status(
             f"batch: {summary.done} done{already}, {skipped} | "
             f"{plural(summary.tokens, 'token')} in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
         )
+        if summary.malformed:  # every valid row ran; a script still learns that not every line did
+            raise typer.Exit(SKIPPED_EXIT)
 
 
 from h2o_chat.app.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)

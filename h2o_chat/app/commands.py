@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.conversation import Conversation
@@ -47,6 +48,8 @@ class SlashCommands:
         # policy and budget are independent settings: the budget is remembered while `full` (none) is active
         self.budget = conv.policy.budget or 512
         self.replacing: str | None = None  # a /load that would lose unsaved messages, said once
+        self.overwriting: str | None = None  # a /save over an existing file, said once
+        self.saved_to: Path | None = None  # the file this session saved to last: saved again without a word
 
     def run(self, line: str) -> str | None:
         """Run one command line; "exit" when the session should end. Errors are shown, never raised; a rejected
@@ -125,7 +128,7 @@ class SlashCommands:
         settings = self.conv.settings
         sampler = settings.sampler
         if not arg:
-            shown = [f"{name} {getattr(sampler, name)}" for name in SAMPLER_SETTINGS]
+            shown = [f"{name} {_shown(getattr(sampler, name))}" for name in SAMPLER_SETTINGS]
             self.view.say(", ".join([*shown, f"max_new_tokens {settings.max_new_tokens}"]))
             return
         name, _, value = arg.partition(" ")
@@ -135,17 +138,21 @@ class SlashCommands:
             names = ", ".join([*SAMPLER_SETTINGS, "max_new_tokens"])
             raise InputError(f"/set takes one of {names}, got {name!r}")
         try:
-            number = kind(value)
+            number = None if (name, value.lower()) == ("seed", "random") else kind(value)
         except ValueError:
             what = "a whole number" if kind is int else "a number"
             raise InputError(f"/set {name} takes {what}, got {value!r}") from None
         if name == "max_new_tokens":
             if number <= 0:
-                raise InputError(f"--max-new-tokens must be a positive integer, got {number}")
+                raise InputError(f"max_new_tokens must be a positive integer, got {number}")
             self.conv.set_sampling(max_new_tokens=number)
         else:
-            self.conv.set_sampling(sampler=dataclasses.replace(sampler, **{name: number}))  # the Sampler checks
-        self.view.say(f"{name} set to {number} from the next reply on")
+            try:
+                sampler = dataclasses.replace(sampler, **{name: number})  # the Sampler checks
+            except H2OChatError as e:  # in the chat's words: `temperature`, not the command line's `--temperature`
+                raise InputError(str(e).replace("--" + name.replace("_", "-"), name, 1)) from None
+            self.conv.set_sampling(sampler=sampler)
+        self.view.say(f"{name} set to {_shown(number)} from the next reply on")
 
     def cmd_regen(self, arg: str) -> None:
         """Answer the last message again: the reply is dropped, the conversation re-read, a new one sampled."""
@@ -171,9 +178,18 @@ class SlashCommands:
         self.view.say("conversation reset")
 
     def cmd_save(self, arg: str) -> None:
+        """Save the conversation; over an existing file only when the same /save comes twice (as /load asks
+        before replacing unsaved messages), or when it is the file this session saved to last."""
         if not arg:
             raise InputError("/save needs a file name")
+        target = Path(arg).expanduser().resolve()
+        if target.exists() and not target.is_dir() and self.overwriting != arg and target != self.saved_to:
+            self.overwriting = arg
+            self.view.say(f"{arg} exists: /save {arg} again replaces it")
+            return
+        self.overwriting = None
         path = self.conv.save(arg)
+        self.saved_to = target
         self.view.say(f"saved {plural(len(self.conv.messages), 'message')} to {path}")
 
     def cmd_load(self, arg: str) -> None:
@@ -196,3 +212,8 @@ class SlashCommands:
 
     def cmd_evicted(self, arg: str) -> None:
         self.view.evictions(self.conv.evictions())
+
+
+def _shown(value) -> str:
+    """A setting as /set shows it: no seed is a random one."""
+    return "random" if value is None else str(value)

@@ -265,7 +265,14 @@ class PolicyKnobs:
     snap_kernel: SnapKernel = None
 
     def kwargs(self) -> dict:
-        """As keyword arguments for make_policy."""
+        """As keyword arguments for make_policy, checked first in the command line's words (the policies say
+        `heavy_ratio`, as a library's keyword is named)."""
+        if not 0 <= self.heavy_ratio < 1:
+            raise H2OChatError(
+                f"--heavy-ratio must be in [0, 1) so that the newest token is always kept, got {self.heavy_ratio:g}"
+            )
+        if self.sinks is not None and self.sinks < 0:
+            raise H2OChatError(f"--sinks must be >= 0, got {self.sinks}")
         return policy_knobs(self.heavy_ratio, self.sinks, self.snap_window, self.snap_kernel)
 
 
