@@ -16,11 +16,9 @@ from h2o_chat.app.options import (
     ModelsFile,
     PolicyKnobs,
     SamplingOptions,
-    check_positive,
     grouped,
     guard_stdout,
     reported,
-    status,
     stdout_failed,
 )
 from h2o_chat.errors import StdoutError
@@ -208,111 +206,11 @@ def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
             console.print(table)
 
 
-@app.command("batch", cls=Command)
-@grouped
-def batch_command(
-    input_path: Annotated[
-        Path,
-        typer.Argument(
-            metavar="INPUT.jsonl",
-            help='Lines of {"id", "prompt"} or {"id", "messages"}, optional max_new_tokens, temperature, '
-            "top_k, min_p, top_p, seed, repetition_penalty, budget.",
-        ),
-    ],
-    output: Annotated[
-        Path, typer.Option("--output", "-o", help="Results, appended as each row finishes (-: to stdout).")
-    ],
-    batch_size: Annotated[int, typer.Option(help="Rows generated together.")] = 8,
-    system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
-    raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
-    models: ModelOptions = ModelOptions(),
-    cache: CacheOptions = CacheOptions(),
-    knobs: PolicyKnobs = PolicyKnobs(),
-    sampling: SamplingOptions = SamplingOptions(max_new_tokens=256, temperature=0.0, top_p=1.0),
-) -> None:
-    """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
-    with reported():
-        from h2o_chat.app.batch import SKIPPED_EXIT, Defaults, run_batch
-        from h2o_chat.app.batch_output import check_output, finished_ids, is_stdout
-        from h2o_chat.app.ui import plural
-        from h2o_chat.errors import InputError
-
-        check_positive("--batch-size", batch_size)
-        for group in (models, cache, sampling):
-            group.check()
-        if input_path.is_dir():
-            raise InputError(f"input file {input_path} is a folder: give a .jsonl file")
-        if not input_path.exists():
-            raise InputError(f"input file not found: {input_path}")
-        check_output(output, input_path)
-        budget = cache.tokens(models, rows=batch_size)  # a memory or a share: the tokens it comes to, per row
-        cache.build(knobs, budget)  # fail before loading weights
-        done = finished_ids(output, note=status)  # batch's own output, or refused untouched: before loading
-        loaded = models.load(kv_tokens=budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
-
-        def policy_for(line_budget: int | None):
-            """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
-            policy = cache.build(knobs, line_budget)
-            if policy.budget is not None and policy.budget != budget:  # the default one was checked above
-                loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)
-            return policy
-
-        defaults = Defaults(
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            budget=budget,
-            system=system,
-            raw=raw,
-            repetition_penalty=sampling.repetition_penalty,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-        )
-        written: list[str] = []
-
-        def on_record(record: dict) -> None:
-            written.append(record["id"])
-            status(f"{record['id']}: {plural(record['generated_tokens'], 'token')}")
-
-        try:
-            summary = run_batch(
-                loaded,
-                input_path,
-                output,
-                policy_for,
-                defaults,
-                batch_size=batch_size,
-                chunk_size=cache.chunk_size,
-                on_record=on_record,
-                positions=cache.positions,
-                kv_quant=cache.kv_quant,
-                decode=models.decode,
-                on_skip=lambda problem: status(f"skipped {problem}"),
-                done=done,
-            )
-        except KeyboardInterrupt:  # every finished row is written: say so, and how to go on
-            where = "written to stdout" if is_stdout(output) else f"added to {output}"
-            again = "(resuming needs -o FILE)" if is_stdout(output) else "a rerun with the same -o resumes"
-            status(f"batch interrupted: {plural(len(written), 'row')} done and {where}; {again}")
-            raise typer.Exit(130) from None
-        rate = summary.tokens / summary.seconds if summary.seconds else 0.0
-        skipped = "0 skipped"
-        if summary.malformed:
-            lines = plural(len(summary.malformed), "line")
-            skipped = f"{lines} skipped (listed above; exit status {SKIPPED_EXIT})"
-        already = "" if is_stdout(output) else f", {summary.skipped} already in {output.name}"
-        status(
-            f"batch: {summary.done} done{already}, {skipped} | "
-            f"{plural(summary.tokens, 'token')} in {summary.seconds:.1f} s ({rate:.1f} tok/s)"
-        )
-        if summary.malformed:  # every valid row ran; a script still learns that not every line did
-            raise typer.Exit(SKIPPED_EXIT)
-
-
-from h2o_chat.app.benchcli import bench_command, soak_command  # noqa: E402  (commands in their own modules)
+from h2o_chat.app.batchcli import batch_command  # noqa: E402  (commands in their own modules)
+from h2o_chat.app.benchcli import bench_command, soak_command  # noqa: E402
 from h2o_chat.app.evalcli import eval_app  # noqa: E402
 
+app.command("batch", cls=Command)(batch_command)
 app.command("bench", cls=Command)(bench_command)
 app.command("soak", cls=Command)(soak_command)
 app.add_typer(eval_app, name="eval")
