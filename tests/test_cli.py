@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -258,7 +259,7 @@ def test_bench_command_small(fast_load):
     result = invoke(["bench", "--lengths", "40,80", "--budget", "32", "--steps", "2", "--json"])
     assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    configs = {r["config"] for r in records}
+    configs = {r["config"] for r in records} - {"llama.cpp"}  # its row: where llama-cpp-python is installed
     assert configs == {"dynamic", "full", "h2o", "h2o-nobound", "h2o@first"}
     h2o = [r for r in records if r["config"] == "h2o"]
     assert [r["seen"] for r in h2o] == [40, 80] and all(r["ms_per_token"] > 0 for r in records)
@@ -282,6 +283,31 @@ def test_bench_prefill_times_every_reader_with_its_anchor(monkeypatch, tmp_path)
     table = invoke([*args, "--configs", "transformers-chunked,recall"])  # --prefill's own configs
     assert table.exit_code == 0, table.stderr
     assert "recall / transformers-chunked: tokens/s" in table.stdout and "h2o /" not in table.stdout
+
+
+def test_bench_without_llamacpp_says_how_to_get_its_row(fast_load, monkeypatch):
+    from h2o_chat.measure import llamacpp
+
+    monkeypatch.setattr(llamacpp, "installed", lambda: False)
+    result = invoke(["bench", "--lengths", "40", "--budget", "32", "--steps", "2", "--configs", "llama.cpp,h2o"])
+    assert_one_line_error(result, "pip install 'h2o-chat[llamacpp]'")  # asked for: one clear line
+    result = invoke(["bench", "--lengths", "40", "--budget", "32", "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.stderr  # by default: the other rows, and a note on how to have it
+    assert "no llama.cpp row" in result.stderr and "GGML_NATIVE=OFF" in result.stderr
+    assert "llama.cpp" not in {json.loads(line)["config"] for line in result.stdout.splitlines()}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_bench_times_llamacpp_on_the_same_gguf_in_the_same_rounds(fast_load):
+    result = invoke(["bench", "--lengths", "40,80", "-b", "32", "--steps", "2", "--configs", "h2o,llama.cpp", "--json"])
+    assert result.exit_code == 0, result.stderr
+    rows = [r for r in map(json.loads, result.stdout.splitlines()) if r["config"] == "llama.cpp"]
+    assert [r["seen"] for r in rows] == [40, 80] and all(r["ms_per_token"] > 0 and r["kv_bytes"] > 0 for r in rows)
+    args = ["--lengths", "64", "--chunk-size", "32", "-b", "32", "--configs", "h2o,llama.cpp", "--json"]
+    prefill = invoke(["bench", "--prefill", *args])
+    assert prefill.exit_code == 0, prefill.stderr
+    readers = {r["config"]: r for r in map(json.loads, prefill.stdout.splitlines())}
+    assert readers["llama.cpp"]["tokens_per_second"] > 0 and readers["llama.cpp"]["prompt_tokens"] == 64
 
 
 def test_bench_rejects_bad_lengths():

@@ -21,7 +21,7 @@ from h2o_chat.app.options import (
     reported,
     status,
 )
-from h2o_chat.app.ui import progress_bar
+from h2o_chat.app.ui import describe_weights, progress_bar
 from h2o_chat.errors import H2OChatError
 
 
@@ -75,8 +75,9 @@ def bench_command(
         typer.Option(
             help="Comma-separated: dynamic (transformers DynamicCache), static (StaticCache), static-compiled "
             "(StaticCache + torch.compile), full, h2o, h2o-rolling (positions renumbered), h2o-nobound (budget above "
-            "every length), snap, recall; h2o-8bit, snap-8bit, recall-8bit (keys and values held in int8). Default: "
-            "dynamic, full, h2o, h2o-nobound, plus static-compiled on CUDA (compiling on a CPU takes minutes).",
+            "every length), snap, recall; h2o-8bit, snap-8bit, recall-8bit (keys and values held in int8); llama.cpp "
+            "(the same GGUF in llama.cpp). Default: dynamic, full, h2o, h2o-nobound, plus static-compiled on CUDA, "
+            "llama.cpp on CPU for a GGUF model (when llama-cpp-python is installed).",
             show_default=False,
         ),
     ] = None,
@@ -98,7 +99,7 @@ def bench_command(
         typer.Option(
             "--prefill",
             help="Instead: seconds, tokens/s and peak memory to read a prompt of each --lengths (and --batch rows): "
-            "transformers (one pass and chunked) vs full, h2o and snap.",
+            "transformers (one pass and chunked) vs full, h2o and snap (and llama.cpp for a GGUF model on CPU).",
         ),
     ] = False,
     chunk_size: Annotated[int, typer.Option(help="--prefill: tokens per prefill chunk.")] = 512,
@@ -113,6 +114,7 @@ def bench_command(
 
         from h2o_chat.app.ui import bench_table, make_console, throughput_table
         from h2o_chat.measure import bench
+        from h2o_chat.models.loading import gguf_file
 
         points = int_list(lengths, "--lengths")
         names = tuple(c.strip() for c in (configs or "dynamic,full,h2o,h2o-nobound").split(",") if c.strip())
@@ -131,9 +133,10 @@ def bench_command(
         build_policy("h2o", budget, {})  # validates the budget
         loaded = _load(models, shape, budget)
         tokenizer = None if shape else loaded.tokenizer
+        gguf = None if shape else gguf_file(loaded.spec)
         if prefill:
             check_positive("--chunk-size", chunk_size)
-            _prefill_bench(loaded, points, budget, chunk_size, batch, configs, json_out)
+            _prefill_bench(loaded, points, budget, chunk_size, batch, configs, json_out, gguf)
             return
         if throughput:
             from h2o_chat.measure.throughput import as_dicts, run_throughput
@@ -158,6 +161,7 @@ def bench_command(
             return
         if configs is None and loaded.device.type == "cuda":
             names = ("dynamic", "static-compiled", "full", "h2o", "h2o-nobound")
+        names = _with_llamacpp(names, configs is None and loaded.device.type == "cpu" and batch == 1, gguf)
         with progress_bar("bench") as bar:
             records = bench.run_decode_bench(
                 loaded.model,
@@ -170,14 +174,38 @@ def bench_command(
                 status=None if json_out else _in_table(bar.print),
                 progress=bar,
                 decode=models.decode,
+                gguf=gguf,
             )
         if json_out:
             typer.echo(bench.as_json_lines(records))
         else:
-            make_console().print(bench_table(records, bench.ratios(records, budget)))
+            about = f"{loaded.spec.name}, {describe_weights(loaded)}, {torch_threads()} threads"
+            make_console().print(bench_table(records, bench.ratios(records, budget), about))
 
 
-def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out) -> None:
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _with_llamacpp(names: tuple[str, ...], default: bool, gguf) -> tuple[str, ...]:
+    """The llama.cpp anchor row: added by default where it can run (a GGUF model on CPU), else a note says how
+    to have it; asked for where it cannot run, one clear error."""
+    from h2o_chat.measure import llamacpp
+
+    try:
+        if default or llamacpp.CONFIG in names:
+            llamacpp.check(gguf)
+    except llamacpp.Unavailable as e:
+        if llamacpp.CONFIG in names:
+            raise H2OChatError(str(e)) from None
+        status(f"note: no llama.cpp row: {e}")
+        return names
+    return (*names, llamacpp.CONFIG) if default and llamacpp.CONFIG not in names else names
+
+
+def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out, gguf=None) -> None:
     import json
 
     import torch
@@ -189,11 +217,12 @@ def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out) -> N
     unknown = [c for c in names if c not in prefill.PREFILL_CONFIGS]
     if unknown:
         raise H2OChatError(f"unknown --prefill config {unknown[0]!r}; choose from {', '.join(prefill.PREFILL_CONFIGS)}")
+    names = _with_llamacpp(names, configs is None and loaded.device.type == "cpu" and batch == 1, gguf)
     vocab = loaded.model.config.get_text_config().vocab_size
     for length in points:
         ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
         with progress_bar(f"prefill {batch} x {length}") as bar:
-            records = prefill.run_prefill_bench(loaded.model, ids, budget, chunk, names, progress=bar)
+            records = prefill.run_prefill_bench(loaded.model, ids, budget, chunk, names, progress=bar, gguf=gguf)
         if json_out:
             typer.echo("\n".join(json.dumps(r) for r in prefill.as_dicts(records)))
         else:

@@ -470,11 +470,12 @@ def models_tables(rows: list[tuple[str, ...]], caption: str, width: int) -> list
     return tables
 
 
-def bench_table(records, ratios) -> Group:
+def bench_table(records, ratios, about: str = "") -> Group:
     """Decode speed and KV memory per configuration and length, then the measured ratios (only what was
-    measured: a target beside each read like a failed run to users)."""
+    measured: a target beside each read like a failed run to users). `about`: the model, weights, threads."""
     configs = list(dict.fromkeys(r.config for r in records if r.config != "h2o@first"))
-    table = Table(title="decode ms/token (median) | KV cache", title_justify="left")
+    title = "decode ms/token (median) | KV cache" + (f" ({about})" if about else "")
+    table = Table(title=title, title_justify="left")
     table.add_column("seen", justify="right")
     for c in configs:
         first = next(r for r in records if r.config == c)

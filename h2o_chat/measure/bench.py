@@ -16,6 +16,8 @@ graph capture). Configurations:
 - snap, recall: those policies at the given budget (recall: every step also ranks the evicted tokens in the
   store and attends to the best of them; its cost grows with what the store holds)
 - h2o-8bit, snap-8bit, recall-8bit: the same with the held keys and values in int8 (`--kv-quant 8bit`)
+- llama.cpp: the same GGUF file in llama.cpp (`measure/llamacpp.py`), the same ids and threads, a full cache
+  (the anchor a CPU user would pick)
 
 h2o-chat's configurations decode through `Engine` with the chosen `--decode` mode (auto: CUDA graphs on a GPU,
 eager on CPU). Ratios are computed from figures taken in the same run, never compared across runs.
@@ -37,10 +39,12 @@ from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.measure import llamacpp
 
 QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")
 CONFIGS = (
     "dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED,
+    llamacpp.CONFIG,
 )  # fmt: skip
 OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
 
@@ -93,7 +97,7 @@ def attention(model, implementation: str) -> Iterator[None]:
 class _Run:
     """One configuration: its cache, how it prefills and decodes, and how far it has read."""
 
-    def __init__(self, config: str, model, budget: int, total: int, batch: int, decode: str):
+    def __init__(self, config: str, model, budget: int, total: int, batch: int, decode: str, gguf=None):
         # `total`: every token the run will see; static caches (full, h2o-nobound, StaticCache) hold that many
         self.config, self.model = config, model
         self.fed, self.times = 0, []
@@ -101,8 +105,16 @@ class _Run:
         self.token: torch.Tensor | None = None
         self.fresh = False
         self.engine: Engine | None = None
+        self.llama: llamacpp.LlamaCpp | None = None
         self._compiled = None
         self._cache_kw = cache_keyword(model)  # read once: not inside the timed steps
+        if config == llamacpp.CONFIG:
+            if batch != 1:
+                raise llamacpp.Unavailable("the llama.cpp row decodes one row (--batch 1)")
+            self.impl, self.policy, self.budget, self.decode = model.config._attn_implementation, None, None, "eager"
+            self.llama = llamacpp.LlamaCpp(gguf, total, torch.get_num_threads())
+            self.cache = None
+            return
         if config in OURS:
             self.impl = "h2o"
             name, quant = storage_of(config)
@@ -127,7 +139,9 @@ class _Run:
             raise ValueError(f"unknown bench config {config!r}; choose from {', '.join(CONFIGS)}")
 
     def prefill(self, ids: torch.Tensor) -> None:
-        if self.engine is not None:
+        if self.llama is not None:
+            self.token = torch.tensor([self.llama.eval(ids[0].tolist())])
+        elif self.engine is not None:
             self.token = self.engine.first_tokens(self.engine.prefill(ids))
             self.fresh = True  # the next step feeds this token; later ones feed the engine's own output
         else:
@@ -136,7 +150,9 @@ class _Run:
         self.fed += ids.shape[1]
 
     def step(self) -> None:
-        if self.engine is not None:
+        if self.llama is not None:
+            self.token = torch.tensor([self.llama.eval([int(self.token[0])])])
+        elif self.engine is not None:
             self.token = self.engine.decode(self.token if self.fresh else None)[1]
             self.fresh = False
         else:
@@ -153,6 +169,8 @@ class _Run:
         return self._compiled
 
     def kv_bytes(self) -> int:
+        if self.llama is not None:
+            return self.llama.kv_bytes()
         if self.engine is not None:
             return self.cache.stats().kv_bytes
         return sum(
@@ -180,11 +198,13 @@ def run_decode_bench(
     status: Callable[[str], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     decode: str = "auto",
+    gguf=None,
 ) -> list[BenchRecord]:
     """Decode ms/token per configuration at each length. On CPU every configuration is brought to each length
     and timed in interleaved rounds (A, B, C, A, B, C, ...) so that drift on a noisy machine hits all alike,
     with an h2o twin parked at the first length for the flatness ratio. On CUDA (steady clocks) configurations
-    run one after another, each with its own peak memory. `tokenizer=None` feeds random ids (random models)."""
+    run one after another, each with its own peak memory. `tokenizer=None` feeds random ids (random models).
+    `gguf`: the model's file, for the llama.cpp row."""
     device = next(model.parameters()).device
     longest = max(lengths)
     n = longest + 2 * (steps + steps // rounds) * len(lengths) + 64
@@ -199,7 +219,7 @@ def run_decode_bench(
     measure.total = sum(measure.tokens(c) for c in (*configs, *twin))
 
     def make(config: str) -> _Run:
-        return _Run(config, model, budget, n, batch, decode)
+        return _Run(config, model, budget, n, batch, decode, gguf)
 
     if device.type != "cuda":
         runs = [make(c) for c in configs]
@@ -275,7 +295,7 @@ class _Measure:
             self.status(f"{run.config:>15} at {seen:>6} seen: {ms:7.2f} ms/token ({run.decode}, rounds of {length})")
         return BenchRecord(
             run.config,
-            run.policy.name,
+            run.policy.name if run.policy is not None else "full",
             run.budget,
             seen,
             round(ms, 3),
@@ -307,6 +327,8 @@ def ratios(records: list[BenchRecord], budget: int) -> list[tuple[str, float]]:
     for base in ("static-compiled", "full", "dynamic", "static"):
         if (base, hi) in at and ("h2o", hi) in at:
             out.append((f"h2o {budget} / {base}: ms/token at {hi} seen", at["h2o", hi] / at[base, hi]))
+    for n in lengths if (llamacpp.CONFIG, hi) in at and ("h2o", hi) in at else ():
+        out.append((f"h2o {budget} / llama.cpp: ms/token at {n} seen", at["h2o", n] / at[llamacpp.CONFIG, n]))
     for base in ("dynamic", "full"):
         if (base, hi) in kv and ("h2o", hi) in kv:
             out.append((f"{base} / h2o {budget}: KV bytes at {hi} seen", kv[base, hi] / kv["h2o", hi]))

@@ -7,6 +7,8 @@ Rows, timed in interleaved rounds of one run (round 0 warms up; the median of th
 - transformers-chunked: the same, in chunks of --chunk-size (what a memory-aware transformers user does)
 - full, h2o, snap, recall: h2o-chat's engine prefill at the budget, in chunks (`full` reserves the prompt's
   slots; recall: each chunk also ranks the evicted tokens, kept in host memory, and attends to the best)
+- llama.cpp: the same GGUF in llama.cpp, the prompt in batches of --chunk-size (its "extra peak" is the KV
+  cache it allocates for the prompt; the profiler cannot see its other allocations)
 
 Extra peak memory is measured in a separate, untimed read: on CUDA `max_memory_allocated` above what was
 allocated before the read; on CPU the largest sum of live allocations the profiler records during the read.
@@ -29,11 +31,13 @@ from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.measure import llamacpp
 from h2o_chat.measure.bench import attention, storage_of
 
 DEFAULT_CONFIGS = ("transformers", "transformers-chunked", "full", "h2o", "snap", "recall")
-PREFILL_CONFIGS = (*DEFAULT_CONFIGS, "h2o-8bit", "snap-8bit", "recall-8bit")  # -8bit: held keys and values in int8
-_OURS = PREFILL_CONFIGS[2:]
+# -8bit: held keys and values in int8
+PREFILL_CONFIGS = (*DEFAULT_CONFIGS, "h2o-8bit", "snap-8bit", "recall-8bit", llamacpp.CONFIG)
+_OURS = PREFILL_CONFIGS[2:-1]
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,21 @@ def extra_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
 class _Reader:
     """One configuration's way of reading the prompt, from nothing, each time it is called."""
 
-    def __init__(self, config: str, model, ids: torch.Tensor, budget: int, chunk: int):
+    def __init__(self, config: str, model, ids: torch.Tensor, budget: int, chunk: int, gguf=None):
         self.config, self.model, self.ids, self.chunk = config, model, ids, chunk
-        self.budget = None if config.startswith("transformers") or config == "full" else budget
+        self.budget = None if config.startswith("transformers") or config in ("full", llamacpp.CONFIG) else budget
+        self.llama = None
+        if config == llamacpp.CONFIG:
+            if ids.shape[0] != 1:
+                raise llamacpp.Unavailable("the llama.cpp row reads one prompt (--batch 1)")
+            self.llama = llamacpp.LlamaCpp(gguf, ids.shape[1] + 8, torch.get_num_threads(), chunk)
 
     def __call__(self, count_chunk: int | None = None) -> Counter | None:
         """Read the prompt; with `count_chunk`, return the operators dispatched during that chunk."""
+        if self.llama is not None:  # ATen counts nothing of it
+            self.llama.reset()
+            self.llama.eval(self.ids[0].tolist())
+            return Counter() if count_chunk is not None else None
         if self.config.startswith("transformers"):
             return self._transformers(count_chunk)
         name, quant = storage_of(self.config)
@@ -153,14 +166,15 @@ def run_prefill_bench(
     rounds: int = 3,
     count_ops: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    gguf=None,
 ) -> list[PrefillRecord]:
     """Time reading `ids` (B, L) for each configuration in interleaved rounds; then measure each one's extra
-    peak memory and (optionally) operators per layer for a middle chunk."""
+    peak memory and (optionally) operators per layer for a middle chunk. `gguf`: the file, for llama.cpp."""
     device = next(model.parameters()).device
     ids = ids.to(device)
     B, L = ids.shape
     layers = model.config.get_text_config().num_hidden_layers
-    readers = {c: _Reader(c, model, ids, budget, chunk) for c in configs}
+    readers = {c: _Reader(c, model, ids, budget, chunk, gguf) for c in configs}
     times: dict[str, list[float]] = {c: [] for c in configs}
     total, done = (rounds + 2) * len(configs), 0
     for r in range(rounds + 1):  # round 0 warms up
@@ -177,7 +191,7 @@ def run_prefill_bench(
     out = []
     middle = max(0, (L // chunk) // 2)
     for config, read in readers.items():
-        peak = extra_peak_bytes(read, device)
+        peak = read.llama.kv_bytes() if read.llama is not None else extra_peak_bytes(read, device)
         ops = 0.0
         if count_ops and (config != "transformers" or chunk >= L):
             counted = read(middle)
@@ -209,7 +223,7 @@ def ratios(records: list[PrefillRecord]) -> list[tuple[str, float]]:
     """Tokens/s and peak memory against the transformers rows, all from this run."""
     by = {r.config: r for r in records}
     out = []
-    for anchor in ("transformers", "transformers-chunked"):
+    for anchor in ("transformers", "transformers-chunked", llamacpp.CONFIG):
         if anchor not in by:
             continue
         for ours in _OURS:
