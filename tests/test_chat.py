@@ -209,6 +209,46 @@ def test_user_is_told_once_when_their_message_is_evicted(embedded, tmp_path):
     assert out.count('note: your message "Please remember the word pineapple."') == 1
 
 
+def test_notes_come_when_a_message_falls_below_half_and_a_tenth_once_each(embedded, tmp_path):
+    """Issue 38.5: no note while 1% goes; one when a message falls below half held, one below a tenth."""
+    chat = session(embedded, tmp_path, budget=40, max_new_tokens=12, width=400)
+    turns = ["Please remember the word pineapple.", "Tell me about oceans.", "And rivers?", "And lakes?", "The word?"]
+    out = drive(chat, tmp_path, "\r".join(turns) + "\r/exit\r")
+    notes = [line for line in out.splitlines() if line.startswith("note: your message")]
+    shares = [int(re.search(r" (\d+)% cached", note).group(1)) for note in notes]
+    assert notes and all(s < 50 for s in shares), notes  # nothing at 95% or "100% kept"
+    first = [s for n, s in zip(notes, shares, strict=True) if "pineapple" in n]
+    assert first and len(first) <= 2 and (len(first) == 1 or first[1] < 10 <= first[0]), notes
+    kept = {r.index: r.kept for r in chat.conv.evictions() if r.role == "user"}
+    assert all(kept[i] < level for i, level in chat.conv.warned.items())
+
+
+def test_a_recall_chat_says_at_most_one_note_a_turn(embedded, tmp_path):
+    """Issue 38.5: with -p recall a note of what was recalled came on top of the eviction note every turn."""
+    chat = session(embedded, tmp_path, max_new_tokens=12, width=400, policy=make_policy("recall", 40))
+    turns = ["My name is Ada and I live in Paris.", "Tell me about oceans.", "And rivers?", "And lakes?", "My name?"]
+    out = drive(chat, tmp_path, "\r".join(turns) + "\r/exit\r")
+    per_turn = [part.count("\nnote: ") for part in out.split("\n> ")[1:]]
+    assert len(per_turn) == 6 and max(per_turn) <= 1, out
+
+
+def test_the_panel_shows_what_the_recall_store_holds_not_what_it_reserved(embedded, tmp_path):
+    """Issue 38.6: 'evicted tokens kept for recall 49.3 MB' after 29 evicted tokens was the store's reserved space;
+    the panel shows the entries stored times the bytes of one entry."""
+    from h2o_chat.engine.store import entry_bytes
+
+    chat = session(embedded, tmp_path, max_new_tokens=12, panel=True, terminal=True, width=220)
+    chat.conv.set_policy(make_policy("recall", 40))
+    out = plain(drive(chat, tmp_path, "My name is Ada and I live in Paris.\rTell me about oceans.\r/exit\r"))
+    store, reserved = chat.conv.cache.store, chat.conv.cache.stats().store_bytes
+    L, B, H = store.shape
+    one = entry_bytes(L, B, H, store.D, store.Dv, store.keys.element_size(), store.block, rank_dim=store.rank_dim)
+    held = chat.conv.stats().store_bytes
+    assert store.count and abs(held - store.count * one) <= 0.25 * store.count * one, (held, store.count * one)
+    assert held < reserved
+    assert f"{ui.human_bytes(held)} kept for recall" in " ".join(out.replace("│", " ").split())
+
+
 def test_panel_renders_on_a_terminal(embedded, tmp_path):
     chat = session(embedded, tmp_path, panel=True, terminal=True)
     out = drive(chat, tmp_path, "Hello!\r/exit\r")
@@ -561,6 +601,37 @@ def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_sessio
     assert chat.conv.fed == alone.conv.fed == chat.conv.cache.stats().seen
     assert torch.equal(chat.conv.cache.slots.pos, alone.conv.cache.slots.pos)
     torch.testing.assert_close(chat.conv.cache.slots.score, alone.conv.cache.slots.score)
+
+
+def test_a_stopped_reading_counts_the_messages_tokens_and_the_panel_shows_the_reading_speed(
+    embedded, tmp_path, monkeypatch
+):
+    """Issue 38.11: snap reads a long message's end first (its probe), then the message: a Ctrl-C during the
+    third chunk said 'after 192 of N + 64 tokens' (columns over both passes); it says the message's own. While
+    the message was read the panel said 'prefill 0 tok/s, decode 0.0 tok/s'."""
+    from h2o_chat.engine import decode
+
+    chunks = {"n": 0}
+    real = decode.Engine._forward
+
+    def forward(self, ids, positions, cache):
+        out = real(self, ids, positions, cache)
+        if ids.shape[1] > 1:
+            chunks["n"] += 1
+            if chunks["n"] == 3:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the third chunk (the message's second) is read
+        return out
+
+    monkeypatch.setattr(decode.Engine, "_forward", forward)
+    long = " ".join(["The river ran past the old mill and on towards the sea."] * 40)  # ~500 tokens
+    chat = session(
+        embedded, tmp_path, max_new_tokens=2, chunk_size=64, policy=make_policy("snap", 64), panel=True, terminal=True
+    )
+    out = plain(drive(chat, tmp_path, f"{long}\r/exit\r"))
+    done, total = (int(x.replace(",", "")) for x in re.search(r"after ([\d,]+) of ([\d,]+) tokens", out).groups())
+    assert (done, total) == (2 * 64, chat.conv.pending), out[-500:]  # the probe's chunk is not the message's
+    assert "prefill 0 tok/s" not in out and "decode 0.0 tok/s" not in out
+    assert re.search(r"reading [\d,]+ tok/s so far", out), out[-2000:]
 
 
 def test_the_one_step_ahead_bookkeeping_holds_on_cpu(embedded, tmp_path, monkeypatch):

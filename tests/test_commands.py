@@ -75,7 +75,7 @@ def test_bad_commands_are_shown_not_raised(embedded):
 
 
 def test_the_view_draws_what_it_is_given():
-    console = Console(file=io.StringIO(), width=100, no_color=True)
+    console = Console(file=io.StringIO(), width=200, no_color=True)
     view = ChatView(console, None, "tiny", "cpu, float32")
 
     class Report:
@@ -89,9 +89,11 @@ def test_the_view_draws_what_it_is_given():
     out = console.file.getvalue().splitlines()
     assert out == [
         "(reply cut at 16 tokens: --max-new-tokens)",
-        'note: your message "remember the word pineapple" is no longer fully cached (40% kept); /evicted shows more',
+        'note: your message "remember the word pineapple" is 40% cached: the model sees only part of it; say again '
+        "what matters; a larger /budget keeps more",
         "(reply stopped)",
-        "note: 2 of your earlier messages are no longer fully cached; /evicted shows which",
+        "note: 2 of your earlier messages are now under half cached: say again what matters; /evicted shows which; "
+        "a larger /budget keeps more",
     ]
 
 
@@ -100,23 +102,47 @@ def test_a_chat_that_cannot_bring_messages_back_is_told_once_how_to_keep_them():
     view = ChatView(console, None, "tiny", "cpu, float32")
 
     class Report:
-        preview, kept = "my name is Ada", 0.5
+        preview, kept = "my name is Ada", 0.4999
 
     view.reply_ended(False, None, [], recalls=False)  # nothing evicted yet: no hint
     view.reply_ended(False, None, [Report()], recalls=False)
     view.reply_ended(False, None, [Report()], recalls=False)  # once per session
     out = console.file.getvalue().splitlines()
     hint = "; /policy recall keeps what is evicted from now on, for a later question to bring back"
-    assert out == [
-        f'note: your message "my name is Ada" is no longer fully cached (50% kept); /evicted shows more{hint}',
-        'note: your message "my name is Ada" is no longer fully cached (50% kept); /evicted shows more',
-    ]
+    said = 'note: your message "my name is Ada" is 49% cached: the model sees only part of it; say again what matters'
+    assert out == [said + hint, said + "; a larger /budget keeps more"]
     recalling = ChatView(Console(file=io.StringIO(), width=200, no_color=True), None, "tiny", "cpu, float32")
     recalling.reply_ended(False, None, [Report()], recalls=True)  # recall and reread bring messages back
     assert "/policy recall" not in recalling.console.file.getvalue()
     from h2o_chat.engine.policies import POLICIES
 
     assert {name for name, cls in POLICIES.items() if cls.brings_back} == {"recall", "reread"}  # what chat passes
+
+
+def test_a_turn_says_at_most_one_note_and_never_rounds_a_partial_share_up():
+    """Issue 38.5: what recall brought back is said only when no message fell below a level that turn, and a
+    share is rounded down (99.6% held reads 99%, never 100%)."""
+    console = Console(file=io.StringIO(), width=300, no_color=True)
+    view = ChatView(console, None, "tiny", "cpu, float32")
+
+    class Report:
+        preview, kept = "What is my name?", 0.0796
+
+    view.reply_ended(False, None, [], recall="this turn brought evicted tokens back: 40% from message 1")
+    view.reply_ended(False, None, [Report()], recall="this turn brought evicted tokens back: 40% from message 1")
+    out = console.file.getvalue().splitlines()
+    assert out == [
+        "note: this turn brought evicted tokens back: 40% from message 1",
+        'note: your message "What is my name?" is 7% cached: the model has mostly lost it; say again what matters; '
+        "a larger /budget keeps more",
+    ]
+    from h2o_chat.app.conversation import EvictionReport
+    from h2o_chat.app.ui import eviction_table
+
+    table = Console(file=io.StringIO(), width=120, no_color=True)
+    table.print(eviction_table([EvictionReport("user", 1, "hello", 300, 0.996), EvictionReport("user", 2, "hi", 9, 1)]))
+    rows = table.file.getvalue().splitlines()
+    assert " 99% " in rows[1] and "100%" not in rows[1] and " 100% " in rows[2]
 
 
 def test_budget_reads_tokens_a_memory_or_a_share_as_the_command_line_does(embedded):

@@ -147,3 +147,33 @@ def test_a_measurement_logged_to_a_file_says_how_far_it_is_and_how_long_is_left(
     silent = ui.ProgressBar(Console(file=quiet, force_terminal=False), "reading")  # piped text: no lines
     silent(50, 100)
     assert quiet.getvalue() == ""
+
+
+def test_the_panel_shows_the_reading_speed_while_a_message_is_read_not_zeros():
+    """Issue 38.11: before the first token the turn has no prefill or decode speed: the reading speed so far."""
+    view = ui.PanelView("smollm2-135m", "cpu, float32")
+    for width in (40, 120):
+        assert "0 tok/s" not in draw(view.render(stats()), width=width)
+    view.turn.reading_tps = 812.4
+    assert "reading 812 tok/s so far" in draw(view.render(stats()), width=120)
+    assert "reading 812 tok/s" in view.lines(stats(), {"rss": 0}, 120)[-1]  # the two-line summary too
+    view.turn.reading_tps = 0.0
+    view.turn.prompt_tps, view.turn.generation_tps = 900.0, 31.25
+    assert "prefill 900 tok/s, decode 31.2 tok/s" in draw(view.render(stats()), width=120)
+
+
+def test_the_kv_and_evicted_rows_fit_80_to_220_columns_with_recall():
+    """Issue 38.6: at 120 columns with -p recall the KV row was cut ('...evicted tokens kept for'). Every row
+    fits whole from 80 to 220 columns, the recall store on the evicted row."""
+    view = ui.PanelView("smollm2-135m", "cpu, float32")
+    big = stats(10**6, 1e5, 9e5, store_bytes=123_456_789)
+    big = type(big)(**{**big.__dict__, "kv_bytes": 1023 * 2**20, "kv_used_bytes": 1000 * 2**20})
+    for s in (stats(store_bytes=30_720), big):
+        for width in (80, 120, 220):
+            lines = draw(view.render(s), width=width).splitlines()
+            assert len(lines) == 10 and not any("…" in line for line in lines), (width, lines)
+            text = " ".join(lines)
+            assert f"{ui.human_bytes(s.store_bytes)} kept for recall" in text
+            assert "full" in text and "alloc" in text
+    wide = " ".join(draw(view.render(stats()), width=220).split())
+    assert "a full cache would hold 18.2 MB (15% allocated)" in wide  # the whole wording where it fits

@@ -91,7 +91,7 @@ class ChatSession:
             for notice in [*conv.cache.pop_notices(), forecast(done, total, conv.pending)]:
                 if notice:
                     view.note(notice)
-            view.reading(done, total, conv.pending, conv.pending_messages, conv.cache.stats)
+            view.reading(done, total, conv.pending, conv.pending_messages, conv.stats)
 
         last = None
         try:
@@ -101,12 +101,14 @@ class ChatSession:
                 contextlib.closing(conv.send(text, progress=progress)) as stream,
             ):
                 for last in stream:
-                    view.token(last, conv.engine.describe(), conv.speeds(last), conv.recall_summary())
+                    view.token(last, conv.engine.describe(), conv.speeds(last), conv.recall_summary(), conv.stats)
                     if stop.is_set():
                         break
         except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk
+            # the message's own tokens: snap's first pass (its probe of the message's end) is not counted
+            read = max(0, e.done - max(0, e.total - conv.pending))
             view.say(
-                f"(stopped reading your message after {e.done:,} of {e.total:,} tokens: it was not added, and the "
+                f"(stopped reading your message after {read:,} of {conv.pending:,} tokens: it was not added, and the "
                 "conversation is as it was before it; Up brings the message back)"
             )
             return
@@ -126,7 +128,9 @@ class ChatSession:
         finally:
             for notice in conv.cache.pop_notices():
                 view.note(notice)
-        view.reply_ended(stop.is_set(), last, conv.newly_evicted_user_messages(), conv.policy.brings_back)
+        view.reply_ended(
+            stop.is_set(), last, conv.newly_evicted_user_messages(), conv.policy.brings_back, conv.recall_note
+        )
 
     def toolbar(self, width: int | None = None) -> str:
         if width is None:
@@ -134,7 +138,7 @@ class ChatSession:
 
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 120
-        return self.view.toolbar(self.conv.cache.stats(), width)
+        return self.view.toolbar(self.conv.stats(), width)
 
 
 def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):

@@ -4,6 +4,7 @@ notes, errors, the toolbar. Rendering only: the session and the slash commands h
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
@@ -20,6 +21,7 @@ from h2o_chat.app.ui import (
     human_bytes,
     plural,
     reading_label,
+    share,
     wrap,
 )
 
@@ -39,6 +41,7 @@ class ChatView:
         self.memory = memory or (panel.memory if panel is not None else lambda: {"rss": 0})
         self.stream: StreamView | None = None
         self.hinted = False  # told once that `recall` keeps what is evicted
+        self.read_from = 0.0  # when the message being read started (for the reading speed)
 
     # -- lines --------------------------------------------------------------------------------------
     # our own lines wrap at word boundaries to the terminal's width; a line said while a reply streams
@@ -114,32 +117,50 @@ class ChatView:
         """Progress while the message (or a re-read conversation) is read."""
         what = f"reading the conversation ({messages} messages)" if messages > 1 else "reading your message"
         label = reading_label(total, pending).replace("reading the prompt", what)
+        if self.panel is not None:  # the panel shows the reading speed so far, not the last turn's zeros
+            now = time.monotonic()
+            if not done:
+                self.read_from = now
+            elapsed = now - self.read_from
+            self.panel.turn.reading_tps = done / elapsed if done and elapsed > 0 else 0.0
         self.stream.prefill(done, total, label, stats_fn)
 
-    def token(self, record, decode: str, speeds: tuple[float, float, float] | None = None, recall: str = "") -> None:
+    def token(
+        self, record, decode: str, speeds: tuple[float, float, float] | None = None, recall: str = "", stats_fn=None
+    ) -> None:
         """A piece of the reply; `speeds` (prompt tok/s, decode tok/s, setup seconds) leave a one-time setup out;
-        `recall` says what re-reading the conversation did this turn."""
+        `recall` says what re-reading the conversation did this turn; `stats_fn` gives the panel's figures (the
+        record's cache stats when None)."""
         if self.panel is not None:
             prompt_tps, decode_tps, _ = speeds or (record.prompt_tps, record.generation_tps, 0.0)
             self.panel.turn.prompt_tps, self.panel.turn.generation_tps = prompt_tps, decode_tps
             self.panel.turn.decode, self.panel.turn.recall = decode, recall
-        self.stream.update(record.text, record.cache.stats)
+        self.stream.update(record.text, stats_fn or record.cache.stats)
 
-    def reply_ended(self, stopped: bool, last, fresh, recalls: bool = True) -> None:
-        """How the reply ended, and which of the user's earlier messages have started losing tokens; the first
-        time, in a chat whose policy cannot bring evicted tokens back (`recalls` False), how to keep them."""
+    def reply_ended(self, stopped: bool, last, fresh, recalls: bool = True, recall: str | None = None) -> None:
+        """How the reply ended, and which of the user's earlier messages have fallen below a share that matters
+        (WARN_BELOW); the first time, in a chat whose policy cannot bring evicted tokens back (`recalls` False),
+        how to keep them. `recall`: what the turn recalled (recall), said only when no message is: one note a turn."""
         if stopped:
             self.console.print("[dim](reply stopped)[/]")
         elif last is not None and last.finish_reason == "length":
             wrap(self.console, f"[dim](reply cut at {plural(last.generation_tokens, 'token')}: --max-new-tokens)[/]")
-        hint = ""
-        if fresh and not recalls and not self.hinted:
+        if not fresh:
+            if recall:
+                self.note(recall)
+            return
+        hint = "; a larger /budget keeps more"
+        if not recalls and not self.hinted:
             self.hinted = True
             hint = "; /policy recall keeps what is evicted from now on, for a later question to bring back"
+        lowest = min(r.kept for r in fresh)
         if len(fresh) > 1:  # e.g. a long loaded conversation read into a small budget: one line, not one each
-            self.note(f"{len(fresh)} of your earlier messages are no longer fully cached; /evicted shows which{hint}")
-        elif fresh:
             self.note(
-                f'your message "{fresh[0].preview}" is no longer fully cached ({100 * fresh[0].kept:.0f}% kept); '
-                f"/evicted shows more{hint}"
+                f"{len(fresh)} of your earlier messages are now {'under a tenth' if lowest < 0.1 else 'under half'} "
+                f"cached: say again what matters; /evicted shows which{hint}"
             )
+            return
+        gone = "the model has mostly lost it" if lowest < 0.1 else "the model sees only part of it"
+        self.note(
+            f'your message "{fresh[0].preview}" is {share(fresh[0].kept)} cached: {gone}; say again what matters{hint}'
+        )

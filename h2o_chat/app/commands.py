@@ -208,7 +208,7 @@ class SlashCommands:
         self.view.say(f"loaded {plural(count, 'message')} from {arg}; they are read into the cache on the next turn")
 
     def cmd_stats(self, arg: str) -> None:
-        self.view.stats(self.conv.cache.stats())
+        self.view.stats(self.conv.stats())
 
     def cmd_evicted(self, arg: str) -> None:
         self.view.evictions(self.conv.evictions())

@@ -19,6 +19,7 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
+from h2o_chat.engine.slots import CacheStats
 from h2o_chat.engine.snap import columns_read
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
@@ -27,6 +28,14 @@ from h2o_chat.models.memory import prefill_chunk
 SENTINEL = "\x00h2o-chat-reply\x00"
 
 FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
+# the shares of a user's message held that they are told about, once each: below half the model answers from
+# part of it, below a tenth it has mostly lost it (a note each time 1% went was noise, and missed these)
+WARN_BELOW = (0.5, 0.1)
+
+
+def warn_level(kept: float) -> float:
+    """The lowest of WARN_BELOW that `kept` is under (1.0: none)."""
+    return min((level for level in WARN_BELOW if kept < level), default=1.0)
 
 
 def budget_note(prompt_tokens: int, budget: int | None, how: str = "--budget") -> str | None:
@@ -108,7 +117,9 @@ class Conversation:
         self.spans: list[Span] = []
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
-        self.warned: set[int] = set()
+        self.warned: dict[int, float] = {}  # message index -> the WARN_BELOW level the user was last told of
+        self.recall_note: str | None = None  # what the last turn recalled, when that is news (recall)
+        self._recall_told: tuple[int, ...] = ()  # the messages the last recall note named
         self.regained: dict[int, float] = {}  # message index -> share of it the last re-read brought back
         self.recalled: dict[int, float] = {}  # message index -> share of the last turn's recalls from it
         self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
@@ -324,7 +335,7 @@ class Conversation:
         """The recall policy: which earlier messages the turn brought tokens back from, while reading the message
         and writing the reply (the user is told the main ones; /evicted shows every share)."""
         store = self.cache.store
-        self.recalled = {}
+        self.recalled, self.recall_note = {}, None
         if store is None:
             return
         counts = store.take_counts()
@@ -335,12 +346,12 @@ class Conversation:
             got = float(counts[span.start : span.end].sum()) / total
             if got >= 0.005:
                 self.recalled[span.index] = self.recalled.get(span.index, 0.0) + got
-        top = sorted(self.recalled.items(), key=lambda kv: -kv[1])[:3]
-        if top and top[0][1] >= 0.05:
-            parts = [
-                f"{100 * share:.0f}% from message {i} ({self._preview(i, 24)!r})" for i, share in top if share >= 0.05
-            ]
-            self.cache.notices.append(
+        top = [(i, share) for i, share in sorted(self.recalled.items(), key=lambda kv: -kv[1])[:3] if share >= 0.05]
+        named = tuple(sorted(i for i, _ in top))
+        if top and named != self._recall_told:  # said when the messages it recalls from change, not every turn
+            self._recall_told = named
+            parts = [f"{100 * share:.0f}% from message {i} ({self._preview(i, 24)!r})" for i, share in top]
+            self.recall_note = (
                 f"this turn brought evicted tokens back: {', '.join(parts)}; /evicted shows every message"
             )
 
@@ -402,9 +413,9 @@ class Conversation:
         /evicted shows how much), and those held whole again may be reported as evicted again later."""
         after = self._held_shares()
         self.regained = {i: after[i] - was for i, was in before.items() if i in after and after[i] - was >= 0.01}
-        for i in self.regained:
-            if after[i] >= 0.999:
-                self.warned.discard(i)
+        for i in self.regained:  # a message back above a level it was told of may be told of again
+            if i in self.warned and warn_level(after[i]) > self.warned[i]:
+                self.warned[i] = warn_level(after[i])
         if self.regained:
             n = len(self.regained)
             self.cache.notices.append(
@@ -412,6 +423,14 @@ class Conversation:
                 f"{n} earlier message{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} back in the cache, in part or "
                 "whole; /evicted shows how much"
             )
+
+    def stats(self) -> CacheStats:
+        """The cache's stats, with the recall store's bytes as what it holds: the entries stored times the bytes
+        of one entry (the cache reports the space reserved, which grows ahead of the entries)."""
+        stats, store = self.cache.stats(), self.cache.store
+        if store is None or not store.capacity:
+            return stats
+        return dataclasses.replace(stats, store_bytes=stats.store_bytes * store.count // store.capacity)
 
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:
@@ -433,11 +452,13 @@ class Conversation:
         return out
 
     def newly_evicted_user_messages(self) -> list[EvictionReport]:
-        """The user's earlier messages that have started losing tokens since the last check (once each)."""
+        """The user's earlier messages that have fallen below a level of WARN_BELOW since the last check (each
+        level once per message)."""
         fresh = []
         for report in self.evictions():
-            if report.role == "user" and report.kept < 1.0 and report.index not in self.warned:
-                self.warned.add(report.index)
+            level = warn_level(report.kept)
+            if report.role == "user" and level < self.warned.get(report.index, 1.0):
+                self.warned[report.index] = level
                 fresh.append(report)
         return fresh
 

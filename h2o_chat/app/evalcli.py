@@ -315,9 +315,12 @@ def recall_command(
     models: ModelOptions = ModelOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),
 ) -> None:
-    """Multi-turn recall: facts stated early in a chat, unrelated turns, then a question for one fact; greedy hits
-    and the share of the full cache's likelihood gain on the answer, per policy and budget. Default texts: two
-    the policies were not tuned on (workshop, As You Like It)."""
+    """Multi-turn recall: facts stated early in a chat, then a question for one of them, per policy and budget.
+
+    Between the facts and the question, unrelated turns. Scored by greedy hits
+    and by the share of the full cache's likelihood gain on the answer.
+    Default texts: two the policies were not tuned on (workshop, As You Like It).
+    """
     with reported():
         models.check()
         for name, value in (

@@ -164,7 +164,7 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        say(summary_line(last, conv.cache.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded)))
+        say(summary_line(last, conv.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded)))
     sys.stdout.flush()
     return record
 
@@ -183,5 +183,5 @@ def _record(loaded: Loaded, conv: Conversation, pieces: list[str], last, finish_
         "setup_seconds": round(setup, 2),
         "decode": conv.engine.describe(),
         "weights": {"format": loaded.weights, "bytes": loaded.weight_bytes},
-        "cache": conv.cache.stats().as_dict(),
+        "cache": conv.stats().as_dict(),
     }

@@ -5,6 +5,7 @@ Nothing here decides anything about generation; the chat loop and the CLI call i
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import textwrap
@@ -38,6 +39,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+def share(fraction: float) -> str:
+    """A share as a whole percent, rounded down: a message that lost a token reads 99%, never 100%."""
+    return "100%" if fraction >= 1 - 1e-6 else f"{min(99, math.floor(100 * fraction))}%"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 token', '2 tokens', '1,024 tokens'."""
     return f"{n:,} {word if n == 1 else many or word + 's'}"
@@ -68,17 +74,26 @@ def summary_line(
     )
 
 
-def describe_kv(stats) -> str:
+def describe_kv(stats, width: int | None = None) -> str:
     """What the KV cache allocated (the whole budget, from the first token), what the held tokens use, and
     what a full cache would hold for the same tokens: e.g. '22.5 MB allocated, 2.0 MB in use; a full cache
-    would hold 2.0 MB'. Allocated alone beside the full figure made H2O look worse than no eviction."""
+    would hold 2.0 MB'. Allocated alone beside the full figure made H2O look worse than no eviction. `width`:
+    the columns it has (the panel's row): the first wording that fits, down to 'alloc'/'used'/'full'; with it the
+    recall store is left to the evicted row."""
     held = " in 8 bits" if stats.kv_quant == "8bit" else ""
-    kv = (
-        f"{human_bytes(stats.kv_bytes)} allocated{held}, {human_bytes(stats.kv_used_bytes)} in use; "
-        f"a full cache would hold {human_bytes(stats.full_kv_bytes)}"
-    )
+    alloc, used, full = human_bytes(stats.kv_bytes), human_bytes(stats.kv_used_bytes), human_bytes(stats.full_kv_bytes)
+    share = ""
     if stats.full_kv_bytes and stats.kv_bytes < stats.full_kv_bytes:
-        kv += f" ({100 * stats.kv_bytes / stats.full_kv_bytes:.0f}% allocated)"
+        share = f"{100 * stats.kv_bytes / stats.full_kv_bytes:.0f}%"
+    forms = [
+        f"{alloc} allocated{held}, {used} in use; a full cache would hold {full}"
+        + (f" ({share} allocated)" if share else ""),
+        f"{alloc} allocated{held}, {used} in use; full cache {full}" + (f" ({share})" if share else ""),
+        f"{alloc} alloc{held}, {used} used; full {full}" + (f" ({share})" if share else ""),
+    ]
+    if width is not None:
+        return next((form for form in forms if len(form) <= width), forms[-1])
+    kv = forms[0]
     if stats.store_bytes:  # recall: what it keeps of the evicted tokens grows with the conversation, off the GPU
         kv += f"; evicted tokens kept for recall {human_bytes(stats.store_bytes)} (host memory)"
     return kv
@@ -195,9 +210,23 @@ class TurnStats:
     generation_tps: float = 0.0
     decode: str = ""  # how decode steps run: eager or CUDA graph (captured)
     recall: str = ""  # what re-reading the conversation did this turn, e.g. "re-read 1,204 tokens, 2 ... back"
+    reading_tps: float = 0.0  # tokens read per second so far, while the message is read (before any speed is known)
+
+    def speed(self, compact: bool = False) -> str:
+        """The turn's speeds; while the message is read, the reading speed so far (or nothing), not zeros."""
+        if not (self.prompt_tps or self.generation_tps):
+            if not self.reading_tps:
+                return ""
+            return f"reading {self.reading_tps:,.0f} tok/s" + ("" if compact else " so far")
+        if compact:
+            return f"{self.prompt_tps:.0f}/{self.generation_tps:.1f} tok/s"
+        return f"prefill {self.prompt_tps:.0f} tok/s, decode {self.generation_tps:.1f} tok/s" + (
+            f" ({self.decode})" if self.decode else ""
+        )
 
 
 COMPACT_BELOW = 80  # columns: below this the panel is two plain lines
+PANEL_FRAME = 4 + len("positions") + 2  # columns of the boxed panel that are not a value: borders, labels, gap
 
 
 @dataclass
@@ -218,7 +247,8 @@ class PanelView:
     def render(self, stats) -> _Panel:
         return _Panel(self, stats, self.memory())
 
-    def rows(self, stats, mem: dict) -> list[tuple[str, str]]:
+    def rows(self, stats, mem: dict, width: int = 200) -> list[tuple[str, str]]:
+        """The boxed panel's (label, value) rows for a panel `width` columns wide."""
         memory = f"RSS {human_bytes(mem['rss'])}"
         if "gpu_allocated" in mem:
             memory += (
@@ -231,13 +261,9 @@ class PanelView:
             ("tokens", f"{stats.seen} seen, {stats.kept:.0f} kept per layer and head"),
             ("positions", stats.positions),
             ("evicted", self._evicted(stats)),
-            ("KV cache", describe_kv(stats)),
+            ("KV cache", describe_kv(stats, width - PANEL_FRAME)),
             ("memory", memory),
-            (
-                "speed",
-                f"prefill {self.turn.prompt_tps:.0f} tok/s, decode {self.turn.generation_tps:.1f} tok/s"
-                + (f" ({self.turn.decode})" if self.turn.decode else ""),
-            ),
+            ("speed", self.turn.speed()),
         ]
 
     def _evicted(self, stats, compact: bool = False) -> str:
@@ -246,7 +272,9 @@ class PanelView:
         total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
         if self.turn.recall:
             return f"{total} {'evicted' if compact else 'total'}; {self.turn.recall}"
-        return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total"
+        # recall: the bytes its store holds (entries stored, not the space reserved for them), off the GPU
+        store = f"; {human_bytes(stats.store_bytes)} kept for recall (host)" if stats.store_bytes else ""
+        return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total{store}"
 
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:
         """The summary for narrow terminals and NO_COLOR: the figures, most important first, filled into two
@@ -259,10 +287,10 @@ class PanelView:
             self._evicted(stats, compact=True),
             f"full cache {human_bytes(stats.full_kv_bytes)}",
             f"RSS {human_bytes(mem['rss'])}",
-            f"{self.turn.prompt_tps:.0f}/{self.turn.generation_tps:.1f} tok/s",
+            self.turn.speed(compact=True),
         ]
         lines: list[str] = [""]
-        for part in parts:
+        for part in filter(None, parts):
             joined = f"{lines[-1]} | {part}" if lines[-1] else part
             if len(joined) <= width:
                 lines[-1] = joined
@@ -287,7 +315,7 @@ class _Panel:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold", no_wrap=True, min_width=len("positions"))
         grid.add_column(no_wrap=True, overflow="ellipsis")
-        for label, value in self.view.rows(self.stats, self.mem):
+        for label, value in self.view.rows(self.stats, self.mem, options.max_width):
             grid.add_row(label, value)
         yield Panel(grid, title="h2o-chat", title_align="left", border_style="dim")
 
@@ -440,7 +468,7 @@ def eviction_table(reports) -> Table:
         style = "" if r.kept >= 0.999 else ("yellow" if r.kept > 0.5 else "red")
         back = [f"+{100 * r.regained:.0f}%" if r.regained else ""] if regained else []
         back += [f"{100 * r.recalled:.0f}%" if r.recalled else ""] if recalled else []
-        table.add_row(str(r.index), r.role, str(r.tokens), f"{100 * r.kept:.0f}%", *back, r.preview, style=style)
+        table.add_row(str(r.index), r.role, str(r.tokens), share(r.kept), *back, r.preview, style=style)
     return table
 
 
@@ -487,10 +515,19 @@ def bench_table(records, ratios, about: str = "") -> Group:
             rec = next((r for r in records if r.config == c and r.measured_at == length), None)
             row.append(f"{rec.ms_per_token:.2f} | {human_bytes(rec.kv_bytes)}" if rec else "")
         table.add_row(*row)
+    # the h2o twin parked at the first length, timed in the last length's rounds beside the others: the flatness
+    # ratio divides by it, so it is shown (a ratio over a figure the table hid contradicted the table)
+    twin = max((r for r in records if r.config == "h2o@first"), key=lambda r: r.measured_at, default=None)
+    if twin is not None and "h2o" in configs and twin.measured_at != twin.seen:
+        cells = [f"{twin.ms_per_token:.2f} | {human_bytes(twin.kv_bytes)}" if c == "h2o" else "" for c in configs]
+        table.add_row(f"{twin.seen} (twin)", *cells)
     setup = [f"{c} {r.setup_seconds:.1f} s" for c in configs for r in [next(x for x in records if x.config == c)]]
     setup = [s for s, c in zip(setup, configs, strict=True) if next(x for x in records if x.config == c).setup_seconds]
-    if setup:
-        table.caption = "one-time capture or compilation: " + ", ".join(setup)
+    caption = [f"one-time capture or compilation: {', '.join(setup)}"] if setup else []
+    if twin is not None and "h2o" in configs and twin.measured_at != twin.seen:
+        caption.append(f"twin: a second h2o cache kept at {twin.seen} seen, timed in the rounds of {twin.measured_at}")
+    if caption:
+        table.caption = "; ".join(caption)
     lines = Table(box=None, show_header=False)
     for text, value in ratios:
         lines.add_row(text, f"{value:.2f}x")

@@ -318,8 +318,9 @@ def ratios(records: list[BenchRecord], budget: int) -> list[tuple[str, float]]:
     lo, hi = lengths[0], lengths[-1]
     out = []
     first = ("h2o@first", hi) if ("h2o@first", hi) in at else ("h2o", lo)  # the twin when interleaved
-    if ("h2o", hi) in at and first in at and hi != lo:
-        out.append((f"h2o {budget}: ms/token at {hi} seen / at {lo} seen", at["h2o", hi] / at[first]))
+    if ("h2o", hi) in at and first in at and hi != lo:  # the text says which figure it divides by (both shown)
+        under = f"the row '{lo} (twin)', timed beside {hi}" if first[0] == "h2o@first" else f"the row {lo}"
+        out.append((f"h2o {budget}: ms/token at {hi} seen / at {lo} seen ({under})", at["h2o", hi] / at[first]))
     if ("h2o-rolling", hi) in at and ("h2o", hi) in at:
         out.append(
             (f"h2o {budget} rolling / absolute positions: ms/token at {hi} seen", at["h2o-rolling", hi] / at["h2o", hi])
