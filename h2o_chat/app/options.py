@@ -170,7 +170,8 @@ Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
 Quantize = Annotated[
     str | None,
     typer.Option(
-        help="none | 4bit | 8bit (bitsandbytes, CUDA only). Default: the model's setting on CUDA, none on CPU."
+        help="none | 4bit | 8bit: weight-only (bitsandbytes on CUDA; PyTorch's int4/int8 kernels on CPU). Default: "
+        "the model's setting on CUDA; on CPU a GGUF model (the embedded one) runs from its own 4-bit weights."
     ),
 ]
 ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
@@ -229,7 +230,13 @@ class ModelOptions:
         from h2o_chat.models.loading import kv_token_bytes_of
 
         spec = load_registry(self.models_file).resolve(self.model)
-        return kv_token_bytes_of(spec, self.device, self.dtype, self.quantize, self.download, kv_quant)
+        return kv_token_bytes_of(spec, self.device, self.dtype, self.quantize, self.downloads(spec), kv_quant)
+
+    def downloads(self, spec) -> bool:
+        """--download, once the Hub is known to answer (app/download.py): each place that may contact it asks."""
+        from h2o_chat.app.download import downloads
+
+        return downloads(spec, self.download, status)
 
     def trained_context(self) -> int | None:
         """The model's trained context in tokens (models.toml, else its config), as Loaded.context gives it, before
@@ -241,14 +248,16 @@ class ModelOptions:
 
         from h2o_chat.models.loading import weights_location
 
-        location = weights_location(spec, self.download, status)
-        config = AutoConfig.from_pretrained(location, local_files_only=not self.download)
+        download = self.downloads(spec)
+        location = weights_location(spec, download, status)
+        config = AutoConfig.from_pretrained(location, local_files_only=not download)
         return getattr(config.get_text_config(), "max_position_embeddings", None)
 
     def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none"):
         self.use_threads()
+        download = self.downloads(load_registry(self.models_file).resolve(self.model))
         return load_model(
-            self.model, self.models_file, self.device, self.dtype, self.quantize, self.download, kv_tokens, kv_rows,
+            self.model, self.models_file, self.device, self.dtype, self.quantize, download, kv_tokens, kv_rows,
             kv_quant,
         )  # fmt: skip
 
