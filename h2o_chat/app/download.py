@@ -53,6 +53,6 @@ def downloads(spec: ModelSpec, download: bool, status=None) -> bool:
             status(f"cannot reach {endpoint} ({why}): using the copy of {spec.source} on this machine")
         return False
     raise ModelNotFoundError(
-        f"could not download {spec.source}: cannot reach {endpoint} ({why}); check the network (or HF_ENDPOINT), "
-        "or pass a local folder with -m PATH"
+        f"could not download {spec.source} from the Hugging Face Hub: cannot reach {endpoint} ({why}); check the "
+        "network (or HF_ENDPOINT), or pass a local folder with -m PATH"
     )
