@@ -154,7 +154,7 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         (["--snap-window", "0"], "hi", ["snap window"]),
         (["-b", "64", "--snap-window", "64"], "hi", ["snap window", "budget (64)"]),
         (["--snap-kernel", "4"], "hi", ["pooling kernel", "odd"]),
-        (["--quantize", "4bit", "--device", "cpu"], "hi", ["--quantize 4bit needs a CUDA GPU"]),
+        (["--quantize", "3bit"], "hi", ["--quantize must be none, 4bit or 8bit"]),
         (["--max-new-tokens", "0"], "hi", ["--max-new-tokens"]),
         (["--top-p", "0"], "hi", ["--top-p must be above 0 and at most 1, got 0"]),
         (["--temperature", "-0.5"], "hi", ["--temperature must be between 0 (greedy) and 10, got -0.5"]),

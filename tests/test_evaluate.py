@@ -77,7 +77,10 @@ def test_streaming_perplexity_equals_one_pass_forward(embedded):
     assert full.config.label == "full" and full.tokens == n
     assert full.ppl == pytest.approx(math.exp(float(nll.mean())), rel=5e-3)
     torch.testing.assert_close(full.nll, nll, atol=2e-3, rtol=2e-3)
-    assert roomy.config.label == "h2o 200" and roomy.ppl == pytest.approx(full.ppl, rel=1e-5)  # nothing evicted
+    # nothing evicted: the same model, token by token; the packed linears return bfloat16, which a step (one row)
+    # and a chunk round differently: ~1% of these 64 tokens' perplexity (1e-5 with float32 weights)
+    rel = 1e-5 if embedded.quantize == "none" else 2e-2
+    assert roomy.config.label == "h2o 200" and roomy.ppl == pytest.approx(full.ppl, rel=rel)
     assert small.config.label == "h2o 16" and small.kept == 16 and small.ppl > full.ppl
     assert len(full.window_ppl(25)) == 3 and full.record()["window_ppl"] == [round(full.ppl, 3)]
 

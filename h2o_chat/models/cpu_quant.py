@@ -29,6 +29,7 @@ from torch import nn
 GROUP = 32  # input channels per int4 scale/zero (GGUF's block size)
 COMPUTE = torch.bfloat16  # what the packed kernels are fast with
 DENSE_TOKENS = 16  # a forward of this many tokens per row or more multiplies densely (a prompt chunk)
+DENSE_BLOCK = 2048  # output channels dequantized at a time by the dense path (bounds its transient)
 FORMATS = ("none", "4bit", "8bit")
 
 
@@ -65,25 +66,38 @@ class Int4Linear(nn.Module):
         q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).view(N, K)
         return cls(q.to(torch.uint8), scale, lo + 8 * scale, bias)
 
-    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
-        """W (N, K) in bfloat16, as the kernel sees it (its scales and zeros), for output channels `rows`."""
+    def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W (N, K) as the kernel sees it (its bfloat16 scales and zeros, float32 arithmetic) for output channels
+        `rows`, in `dtype`."""
         nib = self.nibbles[rows]
-        q = torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1, GROUP).to(COMPUTE)  # (n, K/G, G)
-        sz = self.scales_zeros[:, rows]  # (K / G, n, 2)
+        q = torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1, GROUP).float()  # (n, K/G, G)
+        sz = self.scales_zeros[:, rows].float()  # (K / G, n, 2)
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
-        return ((q - 8) * scale + zero).view(nib.shape[0], -1)
+        return torch.addcmul(zero, q - 8, scale).reshape(nib.shape[0], -1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(COMPUTE)  # (M, K)
         if (shape[-2] if x.dim() > 2 else 1) >= DENSE_TOKENS:
-            y = torch.cat([x2 @ self.dequantize(slice(n, n + 2048)).t() for n in range(0, self.out_features, 2048)], -1)
+            y = self._dense(x.reshape(-1, shape[-2], self.in_features).to(COMPUTE))
         else:
+            x2 = x.reshape(-1, self.in_features).to(COMPUTE)  # (M, K)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*shape[:-1], self.out_features)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, K) -> (B, T, N) through the dequantized weight, in blocks of output channels. One product per
+        row: a dense kernel's rounding depends on how many rows it is given, and a row must compute alike alone
+        and in a batch."""
+        B, T, _ = x.shape
+        y = x.new_empty(B, T, self.out_features)
+        for n in range(0, self.out_features, DENSE_BLOCK):
+            w = self.dequantize(slice(n, n + DENSE_BLOCK), x.dtype).t()  # (K, n)
+            for b in range(B):
+                torch.mm(x[b], w, out=y[b, :, n : n + DENSE_BLOCK])
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
@@ -107,8 +121,8 @@ class Int8Linear(nn.Module):
         scale = (w.abs().amax(-1) / 127).clamp(min=1e-10)
         return cls((w / scale[:, None]).round_().clamp_(-127, 127), scale, bias)
 
-    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
-        return self.weight_int8[rows].to(COMPUTE) * self.scales[rows, None]
+    def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight_int8[rows].float() * self.scales[rows, None].float()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
