@@ -170,3 +170,23 @@ def test_the_kernels_portable_paths_compute_the_same():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().lower() in (level.lower(), "default", "avx2"), out.stdout
+
+
+def test_the_ggufs_blocks_are_read_once_then_from_their_saved_copy(tmp_path, monkeypatch):
+    """Parsing a GGUF's metadata takes seconds at every start: the 4-bit blocks are saved beside the converted
+    weights, exactly (nibbles, scales, zeros), and read from there."""
+    torch.manual_seed(3)
+    blocks = {
+        "model.layers.0.mlp.up_proj": (
+            torch.randint(0, 16, (64, 96), dtype=torch.uint8),
+            torch.rand(64, 3),
+            -torch.rand(64, 3),
+        )
+    }
+    cpu_quant.save_blocks(blocks, tmp_path / "b.safetensors")
+    back = cpu_quant.load_blocks(tmp_path / "b.safetensors")
+    assert list(back) == list(blocks)
+    for a, b in zip(back["model.layers.0.mlp.up_proj"], blocks["model.layers.0.mlp.up_proj"], strict=True):
+        assert torch.equal(a, b)
+    (tmp_path / "torn.safetensors").write_bytes(b"\x10\x00")
+    assert cpu_quant.load_blocks(tmp_path / "torn.safetensors") == {}  # unreadable: read the GGUF again

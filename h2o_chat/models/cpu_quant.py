@@ -220,6 +220,48 @@ def gguf_int4_blocks(path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def save_blocks(blocks: dict, path) -> None:
+    """`gguf_int4_blocks`' result as safetensors (nibbles two to a byte), written whole or not at all."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, (q, scale, zero) in blocks.items():
+        q = q.to(torch.uint8)
+        tensors |= {f"{name}.q": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), f"{name}.scale": scale.contiguous()}
+        tensors[f"{name}.zero"] = zero.contiguous()
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_blocks(path) -> dict:
+    """What `save_blocks` wrote: {module name: (q (N, K) uint8, scale, zero)}; {} for an unreadable file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError):
+        return {}
+    out = {}
+    for key in tensors:
+        if key.endswith(".q"):
+            name, nib = key[:-2], tensors[key]
+            q = torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1)
+            out[name] = (q, tensors[f"{name}.scale"], tensors[f"{name}.zero"])
+    return out
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights as held: parameters and the packed linears' buffers (the dense path's nibbles
     included), each tensor once (a tied table counts once)."""
