@@ -243,6 +243,64 @@ def test_the_panel_shows_what_the_recall_store_holds_not_what_it_reserved(embedd
     assert f"{ui.human_bytes(held)} kept for recall" in " ".join(out.replace("│", " ").split())
 
 
+def test_undo_takes_back_the_last_exchange_and_the_cache_goes_back(embedded, tmp_path, monkeypatch):
+    """/undo, as ollama's and llama-cli's users expect: the message and its reply go, and the cache is restored
+    to before them (a small cache is copied before each turn), so the next reply is the one a session without
+    the undone exchange gives. Without a copy, the conversation is re-read (said)."""
+    from h2o_chat.app import conversation
+
+    chat = session(embedded, tmp_path, budget=48, max_new_tokens=8)
+    out = drive(chat, tmp_path, "Hello there.\rName a colour.\r/undo\rName a fruit.\r/exit\r")
+    assert 'took back "Name a colour." and its reply; the cache is as it was before them' in out
+    alone = session(embedded, tmp_path, budget=48, max_new_tokens=8)
+    drive(alone, tmp_path, "Hello there.\rName a fruit.\r/exit\r")
+    assert chat.conv.messages == alone.conv.messages
+    assert chat.conv.fed == alone.conv.fed == chat.conv.cache.stats().seen
+    assert torch.equal(chat.conv.cache.slots.pos, alone.conv.cache.slots.pos)
+
+    monkeypatch.setattr(conversation, "UNDO_SNAPSHOT_BYTES", 0)  # no copy kept: /undo re-reads, and says so
+    rereading = session(embedded, tmp_path, budget=48, max_new_tokens=8)
+    out = drive(rereading, tmp_path, "Hello there.\rName a colour.\r/undo\r/undo\r/undo\r/exit\r")
+    assert "the cache could not go back" in out and "re-read on the next turn" in out
+    assert "there is nothing to undo yet" in out and rereading.conv.messages == []
+
+
+def test_show_clear_and_help_name_the_new_commands(embedded, tmp_path):
+    """/show says what the chat runs (model, chat template source, settings, policy and budget); /clear clears
+    the screen; /help lists them."""
+    chat = session(embedded, tmp_path, terminal=True, width=200, system="Be brief.")
+    out = plain(drive(chat, tmp_path, "/show\r/clear\r/help\r/exit\r"))
+    assert "model: smollm2-135m (embedded:" in out and "chat template: the tokenizer's" in out
+    assert "cache: h2o 64" in out
+    assert "temperature 0" in out and "max_new_tokens 16" in out and "system prompt: 'Be brief.'" in out
+    assert "\x1b[2J" in chat.console.file.getvalue() or "\x1b[H" in chat.console.file.getvalue()
+    for command in ("/undo", "/show", "/clear"):
+        assert f"\n{command} " in out
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    custom = session(embedded, tmp_path, chat_template=("mine.jinja", template))
+    assert "chat template: mine.jinja" in drive(custom, tmp_path, "/show\r/exit\r")
+    assert embedded.tokenizer.chat_template != custom.conv.tokenizer.chat_template
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_a_prompt_file_is_the_chats_first_message(tmp_path):
+    """-f FILE on a terminal: the chat opens with the file's text sent as its first message, then goes on."""
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
+    env.pop("NO_COLOR", None)
+    (tmp_path / "first.txt").write_text("What is the capital of France?", encoding="utf-8")
+    term = Pty(["-f", str(tmp_path / "first.txt"), "--temperature", "0", "--max-new-tokens", "12"], env, 40, 120)
+    try:
+        assert term.read_until(b"Paris", 300), term.screen[-2000:]
+        assert term.read_until(b"\x1b[?2004h", 60), term.screen[-2000:]  # then the prompt, for the next message
+        term.write(b"/exit\r")
+        term.read_until(b"\x00never", 3)
+    finally:
+        term.close()
+    drawn = plain(term.screen.decode(errors="replace"))
+    assert "> What is the capital of France?" in drawn  # echoed as the first message, before the reply
+    assert drawn.index("> What is the capital of France?") < drawn.index("Paris")
+
+
 def test_panel_renders_on_a_terminal(embedded, tmp_path):
     chat = session(embedded, tmp_path, panel=True, terminal=True)
     out = drive(chat, tmp_path, "Hello!\r/exit\r")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,3 +75,53 @@ def test_eval_help_wraps_each_command_at_the_width_not_mid_sentence():
         for line, after in zip(entry, entry[1:], strict=False):
             # a line ends early only where the next word would not have fitted on it
             assert len(line) + 1 + len(after.split()[0]) > width - 6, (width, entry)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("h2o-chat: error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_a_prompt_file_is_the_piped_prompt_and_a_bad_one_is_one_line(fast_load, tmp_path):
+    """-f FILE, as llama-cli's: piped mode generates for the file's text as it does for the same text on stdin."""
+    path = tmp_path / "prompt.txt"
+    path.write_text("Name three colours.", encoding="utf-8")
+    args = ["--max-new-tokens", "3", "--temperature", "0", "--json"]
+    from_file = invoke(["-f", str(path), *args])
+    assert from_file.exit_code == 0, from_file.stderr
+    from_stdin = invoke(args, stdin="Name three colours.")
+    assert json.loads(from_file.stdout)["text"] == json.loads(from_stdin.stdout)["text"]
+    assert json.loads(from_file.stdout)["prompt_tokens"] == json.loads(from_stdin.stdout)["prompt_tokens"]
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("  \n", encoding="utf-8")
+    assert_one_line_error(invoke(["-f", str(tmp_path / "missing.txt")]), "missing.txt")
+    assert_one_line_error(invoke(["-f", str(tmp_path / "latin1.txt")]), "not UTF-8")
+    assert_one_line_error(invoke(["-f", str(tmp_path / "empty.txt")]), "empty")
+    assert_one_line_error(invoke(["-f", str(tmp_path)]), str(tmp_path))  # a folder
+
+
+def test_a_chat_template_file_replaces_the_tokenizers_and_a_bad_one_is_one_line(fast_load, embedded, tmp_path):
+    """--chat-template FILE: a Jinja template used instead of the tokenizer's; one that cannot work is one line."""
+    before = embedded.tokenizer.chat_template
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}",
+        encoding="utf-8",
+    )
+    args = ["--max-new-tokens", "2", "--temperature", "0", "--json"]
+    ours = invoke(["--chat-template", str(template), *args], stdin="Hi")
+    assert ours.exit_code == 0, ours.stderr
+    theirs = invoke(args, stdin="Hi")
+    assert json.loads(ours.stdout)["prompt_tokens"] != json.loads(theirs.stdout)["prompt_tokens"]
+    assert embedded.tokenizer.chat_template == before  # the loaded tokenizer is left as it was
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }", encoding="utf-8")
+    (tmp_path / "fails.jinja").write_text("{{ messages[0].content.nope.deeper }}", encoding="utf-8")
+    (tmp_path / "blind.jinja").write_text("Hello", encoding="utf-8")
+    assert_one_line_error(invoke(["--chat-template", str(tmp_path / "broken.jinja")], stdin="Hi"), "not a Jinja")
+    assert_one_line_error(invoke(["--chat-template", str(tmp_path / "fails.jinja")], stdin="Hi"), "cannot render")
+    assert_one_line_error(invoke(["--chat-template", str(tmp_path / "blind.jinja")], stdin="Hi"), "messages")
+    assert_one_line_error(invoke(["--chat-template", str(tmp_path / "none.jinja")], stdin="Hi"), "none.jinja")

@@ -60,8 +60,12 @@ class ChatSession:
     def panel(self) -> PanelView | None:
         return self.view.panel
 
-    def run(self) -> None:
+    def run(self, first: str | None = None) -> None:
+        """The session; `first` (-f FILE) is sent as the first message."""
         self.view.banner(self.conv.policy.describe())
+        if first is not None:
+            self.view.echo(first)
+            self.reply(first)
         while True:
             try:
                 text = self.prompt.prompt().strip()
@@ -183,8 +187,8 @@ def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     )
 
 
-def run_interactive(loaded: Loaded, options: RunOptions, history: Path | None = None) -> None:
+def run_interactive(loaded: Loaded, options: RunOptions, history: Path | None = None, first: str | None = None) -> None:
     console = make_console()
     chat = ChatSession(loaded, options, console)
     chat.prompt = make_prompt_session(history, chat)
-    chat.run()
+    chat.run(first)

@@ -73,6 +73,10 @@ class ChatView:
     def error(self, error: Exception | str) -> None:
         self._line(f"[red]error:[/] {escape(str(error))}")
 
+    def clear(self) -> None:
+        """/clear: an empty screen (the conversation and the scrollback above it stay)."""
+        self.console.clear()
+
     def setup(self, message: str) -> None:
         """A one-time capture or compilation of the decode step: say what the pause is."""
         self._line(f"[dim]{escape(message)} ...[/]")

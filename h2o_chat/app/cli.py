@@ -42,6 +42,27 @@ class PromptOrCommand(Group):
         return super().parse_args(ctx, args)
 
 
+def read_prompt_file(path: Path) -> str:
+    """-f FILE: its text, or one clear line on why it cannot be the prompt."""
+    from h2o_chat.errors import InputError
+    from h2o_chat.files import read_user_text
+
+    text = read_user_text(path, "prompt file").removeprefix("\ufeff")
+    if not text.strip():
+        raise InputError(f"the prompt file {path} is empty")
+    return text
+
+
+def read_chat_template(path: Path) -> tuple[str, str]:
+    """--chat-template FILE: (its name, its text) once it parses as a Jinja template, else one clear line."""
+    from h2o_chat.app.messages import check_template
+    from h2o_chat.files import read_user_text
+
+    text = read_user_text(path, "chat template")
+    check_template(text, str(path))
+    return str(path), text
+
+
 PROMPT = "h2o_chat.prompt"
 MODELS_FILE = "h2o_chat.models_file"  # --models before `models`
 
@@ -103,6 +124,19 @@ def main_command(
         bool, typer.Option("--json", help="Piped: print one JSON record (text and stats) instead of streamed text.")
     ] = False,
     history: Annotated[Path | None, typer.Option(help="Input history file (interactive).")] = None,
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            "-f",
+            metavar="FILE",
+            help="Prompt from a UTF-8 file (piped: the prompt; chat: its first message)",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="A Jinja chat template file, used instead of the tokenizer's."),
+    ] = None,
     models: ModelOptions = ModelOptions(),
     cache: CacheOptions = CacheOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),
@@ -132,17 +166,25 @@ def main_command(
 
             raise InputError("--stop needs some text to stop at")
         policy = cache.build(knobs, cache.tokens(models))  # a memory or a share: the tokens it comes to
-        prompt = argument
         if argument is not None and not argument.strip():
             from h2o_chat.errors import InputError
 
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
+        # read before the weights load: a file that cannot be used is one line, at once
+        first = read_prompt_file(prompt_file) if prompt_file is not None else None
+        template = read_chat_template(chat_template) if chat_template is not None else None
+        if interactive:
+            prompt = None
+        else:  # piped or one-shot: the argument, then the file, then piped text, as one prompt
+            from h2o_chat.app.piped import combine_prompt
+
+            prompt = combine_prompt(argument, first)
         if not sys.stdin.isatty():
             from h2o_chat.app.piped import combine_prompt, read_stdin_prompt
 
             # fail fast, before loading weights; with a prompt argument, piped text follows it (as in ollama)
-            piped = read_stdin_prompt(sys.stdin.buffer.read(), required=argument is None)
-            prompt = combine_prompt(argument, piped)
+            piped = read_stdin_prompt(sys.stdin.buffer.read(), required=prompt is None)
+            prompt = combine_prompt(prompt, piped)
         from h2o_chat.app.conversation import ChatSettings
         from h2o_chat.app.piped import RunOptions
 
@@ -157,6 +199,7 @@ def main_command(
                 sampler=sampling.sampler(),
                 decode=models.decode,
                 stop=tuple(stop or ()),
+                chat_template=template,
             ),
             panel=not no_panel,
             json=json_out,
@@ -166,7 +209,7 @@ def main_command(
         if interactive:
             from h2o_chat.app.chat import run_interactive
 
-            run_interactive(loaded, options, history)
+            run_interactive(loaded, options, history, first)
         else:
             from h2o_chat.app.piped import run_piped
 

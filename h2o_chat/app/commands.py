@@ -13,7 +13,7 @@ from pathlib import Path
 
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.conversation import Conversation
-from h2o_chat.app.ui import plural
+from h2o_chat.app.ui import describe_device, plural
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
@@ -23,6 +23,9 @@ HELP = """\
 /policy NAME       snap | reread | recall | h2o | sink | recent | full
 /set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
 /regen             answer the last message again (the conversation is re-read)
+/undo              take back your last message and its reply
+/show              the model, chat template, settings, policy and budget
+/clear             clear the screen (the conversation stays)
 /system TEXT       set the system prompt (the conversation is re-read on the next turn)
 /reset             start over, keeping the system prompt
 /save FILE         save the conversation as JSON (system prompt included)
@@ -39,8 +42,8 @@ SAMPLER_SETTINGS |= {"repetition_penalty": float, "seed": int}
 
 
 class SlashCommands:
-    """/help, /budget, /policy, /set, /regen, /system, /reset, /save, /load, /stats, /evicted, /exit:
-    `cmd_<name>(arg)`."""
+    """/help, /budget, /policy, /set, /regen, /undo, /show, /clear, /system, /reset, /save, /load, /stats,
+    /evicted, /exit: `cmd_<name>(arg)`."""
 
     def __init__(self, conv: Conversation, view: ChatView, reply: Callable[[str], None]):
         self.conv, self.view, self.reply = conv, view, reply
@@ -164,6 +167,42 @@ class SlashCommands:
         text = self.conv.drop_last_turn()
         self.conv.set_sampling(sampler=sampler.reseeded())  # another draw than the reply it replaces
         self.reply(text)
+
+    def cmd_undo(self, arg: str) -> None:
+        """Take back the last exchange: the cache goes back to before it (a copy kept from then), or, where no copy
+        was kept, restarts and re-reads the conversation on the next turn, as /regen does (said)."""
+        if not any(m["role"] == "user" for m in self.conv.messages):
+            raise InputError("there is nothing to undo yet")
+        text, restored = self.conv.undo_last_turn()
+        preview = " ".join(text.split())[:48]
+        if restored:
+            self.view.say(f'took back "{preview}" and its reply; the cache is as it was before them')
+        else:
+            self.view.say(
+                f'took back "{preview}" and its reply; the cache could not go back (no copy of it was kept), so the '
+                "conversation is re-read on the next turn"
+            )
+
+    def cmd_show(self, arg: str) -> None:
+        """What this chat runs: the model, the chat template's source, the settings, the policy and budget."""
+        conv, settings = self.conv, self.conv.settings
+        system = next((m["content"] for m in conv.messages if m["role"] == "system"), None)
+        sampler = [f"{name} {_shown(getattr(settings.sampler, name))}" for name in SAMPLER_SETTINGS]
+        lines = [
+            f"model: {conv.loaded.spec.name} ({conv.loaded.spec.source}) on {describe_device(conv.loaded)}",
+            f"chat template: {conv.template_source}",
+            f"cache: {conv.policy.describe()}",
+            f"settings: {', '.join(sampler)}, max_new_tokens {settings.max_new_tokens}",
+            f"reading: chunks of {settings.chunk_size} tokens; positions {settings.positions}; "
+            f"KV {'in 8 bits' if settings.kv_quant == '8bit' else 'in the model dtype'}; decode {settings.decode}",
+            f"system prompt: {system!r}" if system else "no system prompt",
+        ]
+        if settings.stop:
+            lines.append("stop at: " + ", ".join(repr(s) for s in settings.stop))
+        self.view.say("\n".join(lines))
+
+    def cmd_clear(self, arg: str) -> None:
+        self.view.clear()
 
     def cmd_system(self, arg: str) -> None:
         if not arg:

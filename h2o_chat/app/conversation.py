@@ -9,12 +9,21 @@ cache has not seen. This works for any template without decoding tokens back to 
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.app.messages import PLAIN_STOP, encode, read_conversation, render, use_chat_template, write_conversation
+from h2o_chat.app.messages import (
+    PLAIN_STOP,
+    encode,
+    read_conversation,
+    render,
+    template_problem,
+    use_chat_template,
+    write_conversation,
+)
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
@@ -27,6 +36,7 @@ from h2o_chat.models.memory import prefill_chunk
 
 SENTINEL = "\x00h2o-chat-reply\x00"
 
+UNDO_SNAPSHOT_BYTES = 64 * 2**20  # a cache up to this size is copied before each turn, for /undo
 FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
 # the shares of a user's message held that they are told about, once each: below half the model answers from
 # part of it, below a tenth it has mostly lost it (a note each time 1% went was noise, and missed these)
@@ -59,6 +69,7 @@ class ChatSettings:
     kv_quant: str = "none"  # "8bit": held keys and values in int8 (`engine/quant.py`)
     decode: str = "auto"  # how decode steps run: auto | eager | graph (see h2o_chat.engine)
     stop: tuple[str, ...] = ()  # stop strings (--stop): the reply ends before the first one
+    chat_template: tuple[str, str] | None = None  # --chat-template: (its file, its Jinja text), not the tokenizer's
 
 
 @dataclass
@@ -89,7 +100,18 @@ class Conversation:
         self.loaded = loaded
         self.settings = settings or ChatSettings()
         self.tokenizer = loaded.tokenizer
+        self.template_source = "the tokenizer's"  # for /show
+        if self.settings.chat_template is not None:
+            name, text = self.settings.chat_template
+            self.tokenizer = copy.copy(loaded.tokenizer)  # the loaded model's tokenizer stays as it was
+            self.tokenizer.chat_template = text
+            problem = template_problem(self.tokenizer)
+            if problem:
+                raise InputError(f"--chat-template {name} cannot render a message: {problem}")
+            self.template_source = name
         self.plain = use_chat_template(self.tokenizer)
+        if self.plain:
+            self.template_source = "plain User:/Assistant: lines (the model has no chat template)"
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
         self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
         self._on_setup: Callable[[str], None] | None = None
@@ -124,6 +146,7 @@ class Conversation:
         self.recalled: dict[int, float] = {}  # message index -> share of the last turn's recalls from it
         self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
         self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
+        self._undo: tuple | None = None  # how to go back to before the last turn (/undo), when it can
 
     # -- settings ---------------------------------------------------------------------------------
     @property
@@ -143,6 +166,7 @@ class Conversation:
         """New budget or policy, keeping what the cache holds (a smaller budget evicts now). Out of memory
         while the cache moves: the old policy stays, and the next turn re-reads the conversation."""
         old = self.cache.policy
+        self._undo = None  # a snapshot from before holds the old policy's slots
         try:
             self.cache.set_policy(policy)
         except Exception as e:
@@ -168,6 +192,22 @@ class Conversation:
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
         self._restart()
+
+    def undo_last_turn(self) -> tuple[str, bool]:
+        """Take back the last user message and its reply: the cache goes back to before them when the last turn
+        kept a snapshot (True), else it restarts and the next turn re-reads the conversation (False)."""
+        undo, self._undo = self._undo, None
+        last = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
+        if undo is None or last is None or undo[0] != last or len(self.messages) != last + 2:
+            return self.drop_last_turn(), False
+        _, before, (fed, spans), (unfed, fed_stop) = undo
+        text = self.messages[last]["content"]
+        del self.messages[last:]
+        self.fed, self.spans, self._unfed, self._fed_stop = fed, spans, unfed, fed_stop
+        self.reread_tokens, self.regained, self.recalled = 0, {}, {}
+        self.warned.pop(last, None)
+        self.cache.restore(before)
+        return text, True
 
     def drop_last_turn(self) -> str:
         """Take back the last user message and whatever replied to it (a reply to generate again, or a turn
@@ -262,7 +302,7 @@ class Conversation:
             self.cache.notices.append(smaller)
         # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
         # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
-        before = self.cache.snapshot() if len(ids) > chunk else None
+        before = self.cache.snapshot() if len(ids) > chunk or self._cheap_snapshot() else None
         kept = (self.fed, list(self.spans))  # what a taken-back turn restores (a re-read renumbers the spans)
         shares = None
         if rereading:
@@ -315,6 +355,12 @@ class Conversation:
         finally:
             if not taken_back:
                 self._end_turn(user, reply, last, count, start + len(ids), reply_index)
+                self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
+
+    def _cheap_snapshot(self) -> bool:
+        """Whether a copy of the cache before each turn (for /undo) is cheap: a bounded cache of a small model's
+        size. A large one is not copied every turn; /undo then re-reads the conversation."""
+        return self.policy.budget is not None and self.cache.stats().kv_bytes <= UNDO_SNAPSHOT_BYTES
 
     def _end_turn(self, user: dict, reply: list[str], last, count: int, reply_start: int, reply_index: int) -> None:
         """Record the reply. Every sampled token but the last has been fed; the last one too when the engine ran

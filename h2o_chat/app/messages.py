@@ -60,6 +60,32 @@ def use_chat_template(tokenizer) -> bool:
     return True
 
 
+def check_template(text: str, name: str) -> None:
+    """A --chat-template file parses as transformers compiles chat templates (a sandboxed Jinja environment), and
+    reads the messages; one clear line when not."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    try:
+        env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InputError(f"--chat-template {name} is not a Jinja template: line {e.lineno}: {e.message}") from None
+    if "messages" not in text:
+        raise InputError(f"--chat-template {name} never reads `messages`: it would render no conversation")
+
+
+def template_problem(tokenizer) -> str | None:
+    """Why the tokenizer's chat template cannot render a user's message (None when it can)."""
+    probe = "h2o-chat template check"
+    try:
+        text = render(tokenizer, [{"role": "user", "content": probe}])
+    except Exception as e:  # jinja raises whatever the template's author chose
+        return " ".join(str(e).split())[:200] or type(e).__name__
+    return None if probe in text else "the rendered conversation does not contain the message"
+
+
 def render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
