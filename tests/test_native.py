@@ -3,6 +3,8 @@ the PyTorch operators recall, marks the same entries, and a machine that cannot 
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -68,7 +70,7 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
             assert torch.equal(marks_c, marks_t) and int(marks_c.sum()) == B * H * recalled
     finally:
         torch.set_num_threads(old)
-    scratch = {tail[-2:] for _, _, tail, *_ in store._calls.values()}  # its pointers, the last two arguments
+    scratch = {step._tail[-2:] for _, step, *_ in store._calls.values()}  # its pointers, the last two arguments
     assert len(store._calls) == 2 and len(scratch) == 1  # one scratch for every layer, not one each
 
 
@@ -175,3 +177,58 @@ def test_without_the_c_kernels_the_store_ranks_with_operators(monkeypatch, tmp_p
     native._library.cache_clear()
     native._why.clear()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
+
+
+@pytest.mark.skipif(not native.available() or platform.machine() != "x86_64", reason="x86-64 builds of the kernel")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 and F16C only; no vector extensions at all
+def test_the_portable_builds_recall_what_the_operators_recall(march, monkeypatch):
+    """Our machines build with -march=native (AVX-512 here): the kernel's AVX2 and scalar paths run only on
+    other CPUs unless built for them. Built so, they rank float32 and 16-bit stores as the operators do."""
+    monkeypatch.setenv("H2O_CHAT_NATIVE_MARCH", march)
+    native._library.cache_clear()
+    try:
+        assert native.available(), native.why()
+        for dtype, n in ((torch.float32, 6000), (torch.float16, 900), (torch.bfloat16, 6000)):
+            gen = torch.Generator().manual_seed(n)
+            keys = torch.randn(2, 1, 3, n, 64, generator=gen).to(dtype)
+            values = torch.randn(2, 1, 3, n, 64, generator=gen).to(dtype)
+            store = _store(1, 3, 64, 128, n, gen, dtype=dtype, keys=keys, values=values)
+            wide = _store(1, 3, 64, 128, n, gen, keys=keys.float(), values=values.float())  # the same numbers
+            q = torch.randn(1, 9, 1, 64, generator=gen).to(dtype)  # the store widens a query from its dtype
+            ent_c, log_c, marks_c = _recalled(store, 0, q, True)
+            ent_t, log_t, marks_t = _recalled(wide, 0, q.float(), False)  # as the 16-bit tests above compare
+            assert torch.equal(ent_c, ent_t), dtype
+            torch.testing.assert_close(log_c, log_t, rtol=1e-4, atol=1e-3)
+            assert torch.equal(marks_c, marks_t)
+    finally:
+        monkeypatch.delenv("H2O_CHAT_NATIVE_MARCH")
+        native._library.cache_clear()
+
+
+@needs_native
+def test_the_kernels_boundary_refuses_what_it_would_read_out_of_bounds():
+    """Raw pointers cross into C: a buffer of another dtype, not contiguous, too small, or a query of another
+    shape is refused with a clear error before the call, never read."""
+    B, H, N, D, G, k = 1, 2, 64, 32, 2, 8
+    scratch = (torch.zeros(B * H * (G + 2) * N), torch.zeros(B * H * 3 * N, dtype=torch.int32))
+    ok = dict(
+        G=G, k=k, basis=None, low=None, keys=torch.zeros(B, H, N, D), values=torch.zeros(B, H, N, D),
+        marks=torch.zeros(B, H, N, dtype=torch.int32), thresholds=torch.zeros(B * H),
+        out_logits=torch.zeros(B, H, G, k), out_values=torch.zeros(B, H, k, D), scratch=scratch,
+    )  # fmt: skip
+    step = native.RecallStep(**ok)
+    assert step(torch.zeros(B, H * G, 1, D), n=N, many=N, threads=1) >= 0  # a good call runs
+    bad = {
+        "values": torch.zeros(B, H, N, D, dtype=torch.float64),  # another dtype
+        "keys": torch.zeros(B, H, D, N).transpose(2, 3),  # not contiguous
+        "marks": torch.zeros(B, H, N - 1, dtype=torch.int32),  # too small
+        "out_values": torch.zeros(B, H, k, D - 1),
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match="recall_step"):
+            native.RecallStep(**{**ok, name: value})
+    for query in (torch.zeros(B, H * G, 1, D, dtype=torch.float16), torch.zeros(B, H * G, 2, D).transpose(2, 3)):
+        with pytest.raises(ValueError, match="query"):
+            step(query, n=N, many=N, threads=1)
+    with pytest.raises(ValueError, match="counts"):
+        step(torch.zeros(B, H * G, 1, D), n=N + 1, many=N, threads=1)  # more entries than the store holds

@@ -33,13 +33,16 @@ FLAGS = [
     "-shared",
     "-fPIC",
 ]
-OPTIONAL = [
-    # the processor's vector units, and OpenMP for the heads of a layer (PyTorch's CPU builds load libgomp.so.1,
-    # whose runtime and threads the kernel then shares); each dropped when the compiler refuses it
-    ["-march=native", "-fopenmp"],
-    ["-march=native"],
-    [],
-]
+
+
+def _optional() -> list[list[str]]:
+    """The processor's vector units (`-march`: this machine's, or H2O_CHAT_NATIVE_MARCH: x86-64-v3 = AVX2,
+    x86-64 = none, which the tests build to run the portable paths), and OpenMP for the heads of a layer
+    (PyTorch's CPU builds load libgomp.so.1, whose runtime and threads the kernel then shares); each dropped
+    when the compiler refuses it."""
+    march = f"-march={os.environ.get('H2O_CHAT_NATIVE_MARCH', 'native')}"
+    return [[march, "-fopenmp"], [march], []]
+
 
 _why: list[str] = []
 
@@ -63,7 +66,7 @@ def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        for extra in OPTIONAL:
+        for extra in _optional():
             cmd = [cc, *FLAGS, *extra, "-o", str(part), str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
@@ -85,7 +88,7 @@ def _library() -> ctypes.CDLL | None:
     from h2o_chat.files import writable_cache_dir
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((FLAGS, OPTIONAL)).encode(), _cpu_features().encode(), cc.encode()):
+    for part in (SOURCE.read_bytes(), repr((FLAGS, _optional())).encode(), _cpu_features().encode(), cc.encode()):
         key.update(part)
     path = writable_cache_dir() / "native" / f"recall_step-{platform.machine()}-{key.hexdigest()[:16]}.so"
     try:
@@ -111,10 +114,71 @@ def why() -> str:
     return "" if available() else "; ".join(_why)
 
 
-def recall_step(*args) -> int:
-    """`csrc/recall_step.c`'s `recall_step` (arguments as there; tensors by their data pointers): how many (row,
-    head)s took their candidates from the entries their last step's threshold listed."""
-    listed = _library().recall_step(*args)
-    if listed < 0:
-        raise ValueError("recall_step: arguments it cannot take")
-    return listed
+KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}  # the store dtypes the kernel reads (its `kind`)
+
+
+def _checked(name: str, t, dtype, numel: int, at_least: bool = False):
+    """A tensor the kernel reads or writes through a raw pointer: on the CPU, contiguous, of `dtype` and of the
+    size the kernel assumes. Anything else would be read or written out of bounds, silently."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"recall_step: {name} must be a contiguous CPU tensor")
+    if t.dtype != dtype:
+        raise ValueError(f"recall_step: {name} must be {dtype}, got {t.dtype}")
+    if t.numel() < numel if at_least else t.numel() != numel:
+        raise ValueError(f"recall_step: {name} holds {t.numel()} elements where the kernel reads {numel}")
+    return t
+
+
+class RecallStep:
+    """One layer's call of `csrc/recall_step.c` for one query shape: its buffers (layer views of the store's,
+    the outputs, the shared scratch) checked once at this boundary and kept alive while it exists; each call
+    checks the query and the counts. `low`/`basis` None: exact ranking (no first pass)."""
+
+    def __init__(self, *, G, k, basis, low, keys, values, marks, thresholds, out_logits, out_values, scratch):
+        import torch
+
+        B, H, N, D = keys.shape
+        BH, Dv = B * H, values.shape[-1]
+        kind = KINDS.get(str(keys.dtype).removeprefix("torch."))
+        if kind is None:
+            raise ValueError(f"recall_step: a {keys.dtype} store is not one the kernel reads")
+        f32, i32 = torch.float32, torch.int32
+        r = 0 if basis is None else basis.shape[-1]
+        checked = [
+            _checked("keys", keys, keys.dtype, BH * N * D),
+            _checked("values", values, keys.dtype, BH * N * Dv),
+            None if basis is None else _checked("basis", basis, f32, BH * D * r),
+            None if low is None else _checked("low", low, low.dtype, BH * r * N),
+            _checked("marks", marks, i32, BH * N),
+            _checked("thresholds", thresholds, f32, BH),
+            _checked("out_logits", out_logits, f32, BH * G * k),
+            _checked("out_values", out_values, f32, BH * k * Dv),
+            _checked("fscratch", scratch[0], f32, BH * (G + 2) * N, at_least=True),
+            _checked("iscratch", scratch[1], i32, BH * 3 * N, at_least=True),
+        ]
+        if low is not None and low.element_size() != 2:
+            raise ValueError("recall_step: low must hold 16-bit coordinates")
+        self._keep = checked  # the pointers below stay valid while this object lives
+        self.BH, self.G, self.D, self.N, self.k, self.kind = BH, G, D, N, k, kind
+        self._head = (BH, G, D, Dv, r, N)
+        self._tail = tuple(None if t is None else t.data_ptr() for t in checked[2:4]) + tuple(
+            t.data_ptr() for t in (*checked[:2], *checked[4:])
+        )
+
+    def __call__(self, query, n: int, many: int, threads: int) -> int:
+        """Rank the first `n` entries for `query` (BH x G x D float32); how many (row, head)s took their candidates
+        from the entries their last step's threshold listed."""
+        import torch
+
+        query = _checked("query", query, torch.float32, self.BH * self.G * self.D)
+        if not 0 <= self.k <= n <= self.N or many > n or threads < 1:
+            raise ValueError(f"recall_step: counts it cannot take (k {self.k}, n {n}, many {many}, N {self.N})")
+        basis, low, keys, values, *rest = self._tail
+        listed = _library().recall_step(
+            *self._head, n, many, self.k, query.data_ptr(), basis, low, keys, values, *rest, threads, self.kind
+        )
+        if listed < 0:
+            raise ValueError("recall_step: arguments it cannot take")
+        return listed

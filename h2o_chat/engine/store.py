@@ -581,11 +581,10 @@ class Store:
         call = self._calls.get(i)
         if call is None or call[0] != (two, k, G):
             call = self._calls[i] = self._native_call(i, two, k, G)
-        _, head, tail, logits, values, _ = call  # (the last: the thresholds, kept alive)
+        _, step, logits, values = call
         many = min(self.candidates * self.select, n) if two else n
-        self.listed += native.recall_step(
-            *head, n, many, k, query.contiguous().data_ptr(), *tail, torch.get_num_threads(), NATIVE_KINDS[self.dtype]
-        )
+        q = query.to("cpu", torch.float32).contiguous()  # a name: the pointer handed over stays valid
+        self.listed += step(q, n, many, torch.get_num_threads())
         if device != self.device or values.dtype != self.dtype:  # (values come out in float32)
             values, logits = values.to(device, self.dtype), logits.to(device)
         return Recalled(None, values, None, logits)
@@ -596,7 +595,7 @@ class Store:
         this layer: each layer's are reused); kept until the buffers change (`_allocate`, `rows`, `_fit`, `clear`)
         or the call does. The scratch is one for all layers (they rank one after the other): when it must grow,
         every layer's call is prepared again."""
-        (_, B, H), N, D, Dv = self.shape, self.capacity, self.D, self.Dv
+        (_, B, H), N, Dv = self.shape, self.capacity, self.Dv
         BH = B * H
         logits, values = torch.empty(B, H, G, k), torch.empty(B, H, k, Dv)
         if self._scratch is None or self._scratch[0].numel() < BH * (G + 2) * N:
@@ -605,16 +604,12 @@ class Store:
         scratch = self._scratch
         thresholds = torch.full((BH,), torch.nan)
 
-        def at(t: torch.Tensor) -> int:  # layer i of a (L, ...) buffer, without a view
-            return t.data_ptr() + i * t.stride(0) * t.element_size()
-
-        head = (BH, G, D, Dv, self.rank_dim, N)
-        tail = (
-            at(self.basis) if two else None, at(self.low) if two else None,
-            at(self.keys), at(self.values), at(self.marks), thresholds.data_ptr(),
-            logits.data_ptr(), values.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr(),
+        step = native.RecallStep(
+            G=G, k=k, basis=self.basis[i] if two else None, low=self.low[i] if two else None, keys=self.keys[i],
+            values=self.values[i], marks=self.marks[i], thresholds=thresholds, out_logits=logits, out_values=values,
+            scratch=scratch,
         )  # fmt: skip
-        return (two, k, G), head, tail, logits, values, thresholds
+        return (two, k, G), step, logits, values
 
     def _exact(self, q, keys, empty, n: int, k: int):
         """Every stored key ranked by its logit: the k best entries (BH, k), their logits (BH, G, k) and each
