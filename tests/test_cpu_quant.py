@@ -190,3 +190,20 @@ def test_the_ggufs_blocks_are_read_once_then_from_their_saved_copy(tmp_path, mon
         assert torch.equal(a, b)
     (tmp_path / "torn.safetensors").write_bytes(b"\x10\x00")
     assert cpu_quant.load_blocks(tmp_path / "torn.safetensors") == {}  # unreadable: read the GGUF again
+
+
+def test_the_lm_heads_best_logits_are_exact_where_bfloat16_would_tie_them():
+    """The int8 kernel returns bfloat16: near the top, logits share values and greedy decoding chose among ties
+    by index. The LM head recomputes each row's best outputs in float32: they equal the float32 product."""
+    torch.manual_seed(4)
+    w, x = torch.randn(4096, 64), torch.randn(3, 64) * 4
+    head = Int8Linear.from_float(w)
+    head.refine_top = True
+    got = head(x)
+    exact = x.double() @ head.dequantize().double().t()
+    best = exact.argmax(-1)
+    assert torch.equal(got.argmax(-1), best)
+    top = got.gather(-1, best[:, None])
+    assert torch.allclose(top.double(), exact.gather(-1, best[:, None]), rtol=1e-6, atol=1e-5)
+    plain = Int8Linear.from_float(w)(x)  # without: the top value is bfloat16's
+    assert not torch.allclose(plain.gather(-1, best[:, None]).double(), exact.gather(-1, best[:, None]), rtol=1e-6)

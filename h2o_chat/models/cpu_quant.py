@@ -113,6 +113,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", q.to(torch.int8).contiguous())  # (N, K)
         self.register_buffer("scales", scale.float().to(COMPUTE).contiguous())  # (N,)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.refine_top = False  # the LM head: its best outputs recomputed in float32 (`_refine`)
+
+    def _refine(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The kernel returns bfloat16: logits near the top share values (17.375 for two tokens), so greedy
+        decoding chose among ties by index and top-k 1 among them at random. Each row's outputs within bfloat16's
+        error of its best are recomputed from the float32 input and the int8 weights (a few per row): y in place."""
+        yf = y if y.dtype == torch.float32 else y.float()
+        top = yf.amax(-1, keepdim=True)
+        rows, cols = (yf >= top - top.abs() * 2**-6 - 1e-3).nonzero(as_tuple=True)  # (a handful per row)
+        w = self.weight_int8[cols].float() * self.scales[cols, None].float()  # (n, K)
+        exact = (w * x[rows].float()).sum(-1)
+        if self.bias is not None:
+            exact += self.bias[cols].float()
+        y[rows, cols] = exact.to(y.dtype)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -126,11 +140,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(COMPUTE)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE), self.weight_int8, self.scales)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
+        if self.refine_top:
+            self._refine(x2, y)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -297,6 +313,7 @@ def quantize_model(model: nn.Module, fmt: str, int4_blocks: dict | None = None) 
     dtype = embed.weight.dtype
     if head is not None:
         table = Int8Linear.from_float(head.weight, head.bias)
+        table.refine_top = True
         model.set_output_embeddings(table)
         if tied:
             model.set_input_embeddings(Int8Embedding(table, dtype, getattr(embed, "padding_idx", None)))
