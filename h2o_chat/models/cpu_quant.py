@@ -30,7 +30,17 @@ GROUP = 32  # input channels per int4 scale/zero (GGUF's block size)
 COMPUTE = torch.bfloat16  # what the packed kernels are fast with
 DENSE_TOKENS = 16  # a forward of this many tokens per row or more multiplies densely (a prompt chunk)
 DENSE_BLOCK = 2048  # output channels dequantized at a time by the dense path (bounds its transient)
-FORMATS = ("none", "4bit", "8bit")
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K / 2) uint8, two to a byte in plain order (even index low)."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` undone: (N, K / 2) uint8 -> (N, K) uint8."""
+    return torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1)
 
 
 def _int4_pack(q: torch.Tensor) -> torch.Tensor:
@@ -52,7 +62,7 @@ class Int4Linear(nn.Module):
         sz = torch.stack((scale.float().t(), zero.float().t()), dim=-1)  # (K / GROUP, N, 2)
         self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
         # the nibbles as (N, K / 2) uint8 in plain order, for the dense path: the kernel's packing is its own
-        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous())
+        self.register_buffer("nibbles", pack_nibbles(q))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -70,7 +80,7 @@ class Int4Linear(nn.Module):
         """W (N, K) as the kernel sees it (its bfloat16 scales and zeros, float32 arithmetic) for output channels
         `rows`, in `dtype`."""
         nib = self.nibbles[rows]
-        q = torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1, GROUP).float()  # (n, K/G, G)
+        q = unpack_nibbles(nib).view(nib.shape[0], -1, GROUP).float()  # (n, K/G, G)
         sz = self.scales_zeros[:, rows].float()  # (K / G, n, 2)
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         return torch.addcmul(zero, q - 8, scale).reshape(nib.shape[0], -1).to(dtype)
@@ -168,7 +178,7 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
-        return (t.weight_int8[ids].to(self.dtype) * t.scales[ids, None].to(self.dtype)).to(self.dtype)
+        return t.weight_int8[ids].to(self.dtype) * t.scales[ids, None].to(self.dtype)
 
 
 # -- GGUF blocks -> the kernels' forms --------------------------------------------------------------------
@@ -184,15 +194,6 @@ def gguf_q4(kind: str, data: np.ndarray, shape: tuple[int, int]):
     q = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(N, K)  # x[j] low nibble, x[j + 16] high
     zero = m + 8 * d if m is not None else np.zeros_like(d)
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
-
-
-def gguf_q8(data: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
-    """A GGUF Q8_0 tensor's raw blocks -> its values (N, K) float32 (d * q, the file's exact numbers)."""
-    N, K = shape
-    blocks = np.ascontiguousarray(data).reshape(N, K // GROUP, 34)
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (N, K/32, 1)
-    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
-    return torch.from_numpy((q * d).reshape(N, K))
 
 
 def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
@@ -246,8 +247,7 @@ def save_blocks(blocks: dict, path) -> None:
 
     tensors = {}
     for name, (q, scale, zero) in blocks.items():
-        q = q.to(torch.uint8)
-        tensors |= {f"{name}.q": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), f"{name}.scale": scale.contiguous()}
+        tensors |= {f"{name}.q": pack_nibbles(q), f"{name}.scale": scale.contiguous()}
         tensors[f"{name}.zero"] = zero.contiguous()
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
@@ -272,9 +272,8 @@ def load_blocks(path) -> dict:
     out = {}
     for key in tensors:
         if key.endswith(".q"):
-            name, nib = key[:-2], tensors[key]
-            q = torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1)
-            out[name] = (q, tensors[f"{name}.scale"], tensors[f"{name}.zero"])
+            name = key[:-2]
+            out[name] = (unpack_nibbles(tensors[key]), tensors[f"{name}.scale"], tensors[f"{name}.zero"])
     return out
 
 

@@ -204,10 +204,9 @@ def converted_folder(gguf: Path, status: Status = None) -> Path:
 def weights_location(spec: ModelSpec, download: bool = False, status: Status = None) -> str:
     """A folder (or repo id when downloading) that from_pretrained can read, or a clear error."""
     kind = spec.kind
-    if kind == "embedded":
-        return str(converted_folder(embedded_gguf(spec.source), status))
-    if kind == "gguf":
-        return str(converted_folder(Path(spec.source).expanduser(), status))
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return str(converted_folder(gguf, status))
     if kind == "local":
         path = Path(spec.source).expanduser()
         if path.is_file():
