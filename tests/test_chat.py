@@ -615,13 +615,9 @@ def test_installed_command_in_a_pty(tmp_path):
         os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snap", "reread"])
-def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_session_answers_on(
-    embedded, tmp_path, monkeypatch, policy
-):
-    """Issue 17.5: a real Ctrl-C after the second chunk of a long message: reading stops after that chunk,
-    the message is taken back (the cache exactly as before it), the user is told, and the next message gets
-    the reply it gets in a session where the long message never was."""
+def ctrl_c_at_chunk(monkeypatch, n: int):
+    """Send a real Ctrl-C (SIGINT to this process) during the n-th prompt chunk's forward (a forward of more than
+    one token); returns the chunk counter (reset it to count again) and the engine's real forward."""
     from h2o_chat.engine import decode
 
     chunks = {"n": 0}
@@ -631,11 +627,24 @@ def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_sessio
         out = real(self, ids, positions, cache)
         if ids.shape[1] > 1:
             chunks["n"] += 1
-            if chunks["n"] == 2:
-                os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, during the second chunk's forward
+            if chunks["n"] == n:
+                os.kill(os.getpid(), signal.SIGINT)
         return out
 
     monkeypatch.setattr(decode.Engine, "_forward", forward)
+    return chunks, real
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap", "reread"])
+def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_session_answers_on(
+    embedded, tmp_path, monkeypatch, policy
+):
+    """Issue 17.5: a real Ctrl-C after the second chunk of a long message: reading stops after that chunk,
+    the message is taken back (the cache exactly as before it), the user is told, and the next message gets
+    the reply it gets in a session where the long message never was."""
+    from h2o_chat.engine import decode
+
+    chunks, real = ctrl_c_at_chunk(monkeypatch, 2)  # a real Ctrl-C, during the second chunk's forward
     long = " ".join(["The river ran past the old mill and on towards the sea."] * 40)  # ~500 tokens
     chat = session(embedded, tmp_path, budget=64, max_new_tokens=8, chunk_size=64, policy=make_policy(policy, 64))
     drive(chat, tmp_path, "Hello there.\r/exit\r")
@@ -661,20 +670,7 @@ def test_a_stopped_reading_counts_the_messages_tokens_and_the_panel_shows_the_re
     """Issue 38.11: snap reads a long message's end first (its probe), then the message: a Ctrl-C while it was
     read said 'after 192 of 640 tokens' (columns over both passes) for 550; it says the message's own. While
     the message was read the panel said 'prefill 0 tok/s, decode 0.0 tok/s'."""
-    from h2o_chat.engine import decode
-
-    chunks = {"n": 0}
-    real = decode.Engine._forward
-
-    def forward(self, ids, positions, cache):
-        out = real(self, ids, positions, cache)
-        if ids.shape[1] > 1:
-            chunks["n"] += 1
-            if chunks["n"] == 3:
-                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the third chunk (the message's second) is read
-        return out
-
-    monkeypatch.setattr(decode.Engine, "_forward", forward)
+    ctrl_c_at_chunk(monkeypatch, 3)  # Ctrl-C while the third chunk (the message's second) is read
     long = " ".join(["The river ran past the old mill and on towards the sea."] * 40)  # ~500 tokens
     chat = session(
         embedded, tmp_path, max_new_tokens=2, chunk_size=64, policy=make_policy("snap", 64), panel=True, terminal=True
