@@ -45,7 +45,7 @@ class Loaded:
 
     @property
     def weights(self) -> str:
-        """The weights' format, for the panel and records: 'float32', 'int4 (groups of 32)', 'nf4', ..."""
+        """The weights' format, for the panel and records: 'float32', 'int4 groups of 32, int8 embedding', ..."""
         if self.quantize == "none":
             return str(self.dtype).removeprefix("torch.")
         if self.device.type == "cuda":
