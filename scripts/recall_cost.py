@@ -1,11 +1,11 @@
-"""What re-reading the conversation costs: per-turn prompt time and per-step decode time of `reread` beside
-`snap` and `h2o`, through the chat's own Conversation (greedy replies), on the recall evaluation's conversations.
+"""What a chat turn costs: per-turn prompt time and per-step decode time of `recall` beside `snap` and `h2o`,
+through the chat's own Conversation (greedy replies), on the recall evaluation's conversations.
 
     python scripts/recall_cost.py [--conversations 3] [--turns 10] [--budget-pct 10] [--reply-tokens 24]
 
 Policies take turns conversation by conversation (the same machine drift hits each alike). Prints one JSON
-line per policy: median prompt seconds per turn (all turns; and the turns that re-read), median decode ms per
-step, and the mean extra prompt seconds per turn against snap.
+line per policy: median and largest prompt seconds per turn, median decode ms per step, and the mean extra prompt
+seconds per turn against snap.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from h2o_chat.measure import evaluate as ev
 from h2o_chat.models.loading import load
 from h2o_chat.models.registry import load_registry
 
-POLICIES = ("h2o", "snap", "reread")
+POLICIES = ("h2o", "snap", "recall")
 
 
 def main() -> None:
@@ -44,7 +44,6 @@ def main() -> None:
         max_new_tokens=args.reply_tokens, sampler=Sampler(temperature=0, repetition_penalty=1.0), positions="absolute"
     )
     prompt = {p: {} for p in POLICIES}  # (conversation, turn) -> seconds to read the turn and give a first token
-    rereads = set()  # the (conversation, turn) where reread re-read the conversation
     steps = {p: [] for p in POLICIES}  # seconds per decode step, one figure per turn
     for c, d in enumerate(convs):
         budget = round(args.budget_pct * d.tokens / 100)
@@ -56,22 +55,17 @@ def main() -> None:
                 for r in conv.send(text):
                     first, last = first or r, r
                 prompt[name][c, turn] = first.prompt_seconds
-                if conv.reread_tokens:
-                    rereads.add((c, turn))
                 if last.generation_tokens > 1:
                     steps[name].append(last.generation_seconds / (last.generation_tokens - 1))
     for name in POLICIES:
         times = prompt[name]
-        on_reread = [times[k] for k in rereads]
         print(
             json.dumps(
                 {
                     "policy": name,
                     "budget_pct": args.budget_pct,
                     "turns": len(times),
-                    "rereads": len(rereads),
                     "prompt_s_median": round(statistics.median(times.values()), 4),
-                    "prompt_s_median_on_reread_turns": round(statistics.median(on_reread), 4) if on_reread else None,
                     "prompt_s_max": round(max(times.values()), 4),
                     "extra_prompt_s_per_turn_vs_snap": round(
                         statistics.mean(times[k] - prompt["snap"][k] for k in times), 4

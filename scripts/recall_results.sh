@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Reproduce docs/results/recall.md: what a KV budget costs in a long chat, and what re-reading the conversation
-# (the reread policy) buys back, on texts nothing was tuned on (workshop.txt, as_you_like_it.txt); CPU is enough.
-#   recall:        30 conversations of 10 turns, 10/20% budgets, h2o/snap/reread vs the full cache -> recall.json, .png
+# Reproduce docs/results/recall.md: what a KV budget costs in a long chat, and what the recall policy's store of
+# evicted tokens buys back, on texts nothing was tuned on (workshop.txt, as_you_like_it.txt); CPU is enough.
+#   recall:        30 conversations of 10 turns, 10/20% budgets, h2o/snap/recall vs the full cache -> recall.json, .png
 #   ppl_workshop:  2048 tokens of workshop.txt teacher-forced, 10/20%, the same policies -> ppl_workshop.json
 #   recall_cost:   per-turn prompt seconds and per-step decode ms through the chat's Conversation -> recall_cost.json
 # Extra arguments go to both eval commands (e.g. --device). The runs take about an hour on 2 CPU cores.
 source "$(dirname "$0")/eval_run.sh"
 
-policies=(-p h2o -p snap -p reread)
+policies=(-p h2o -p snap -p recall)
 run recall recall --conversations 30 --turns 10 -b 10% -b 20% "${policies[@]}" --plot "$out/recall.png" "$@"
 run ppl_workshop ppl --text h2o_chat/data/workshop.txt --tokens 2048 -b 10% -b 20% "${policies[@]}" "$@"
 python scripts/recall_cost.py --conversations 3 --turns 10 --budget-pct 10 > "$out/recall_cost.json"

@@ -635,7 +635,7 @@ def ctrl_c_at_chunk(monkeypatch, n: int):
     return chunks, real
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snap", "reread"])
+@pytest.mark.parametrize("policy", ["h2o", "snap"])
 def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_session_answers_on(
     embedded, tmp_path, monkeypatch, policy
 ):

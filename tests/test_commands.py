@@ -116,7 +116,7 @@ def test_a_chat_that_cannot_bring_messages_back_is_told_once_how_to_keep_them():
     assert "/policy recall" not in recalling.console.file.getvalue()
     from h2o_chat.engine.policies import POLICIES
 
-    assert {name for name, cls in POLICIES.items() if cls.brings_back} == {"recall", "reread"}  # what chat passes
+    assert {name for name, cls in POLICIES.items() if cls.brings_back} == {"recall"}  # what chat passes
 
 
 def test_a_turn_says_at_most_one_note_and_never_rounds_a_partial_share_up():

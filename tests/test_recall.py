@@ -1,10 +1,7 @@
-"""Multi-turn recall: conversations read as the chat reads them, scores that are what the answers contain, and
-the reread policy: a conversation that re-reads its transcript holds what one read of it holds, at true
-positions (or ranks), never more than the budget plus a chunk."""
+"""Multi-turn recall: conversations read as the chat reads them, and scores that are what the answers contain."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import random
@@ -12,16 +9,12 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from h2o_chat.app import cli, ui
+from h2o_chat.app import cli
 from h2o_chat.app.conversation import ChatSettings, Conversation
 from h2o_chat.app.messages import chat_ids
-from h2o_chat.engine import layer as layer_module
-from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.measure import dialogues as dl
@@ -147,101 +140,27 @@ def test_dialogues_state_facts_and_ask_for_one(embedded):
     assert len({d.fact for d in convs}) == 6 and {d.sources[0] for d in convs} == set(dl.RECALL_TEXTS)
     for d in convs:
         seq = [t for k, turn in enumerate(d.turns) for t in turn + (d.replies[k] if k < len(d.replies) else [])]
-        assert seq == d.transcript(tok)  # turn by turn, the cache sees the conversation a re-read reads
+        assert seq == d.transcript(tok)  # turn by turn, the cache sees the conversation rendered whole
         assert tok.decode(d.answer[d.scored[0] : d.scored[1]]).strip() == d.fact
         stated = tok.decode(d.turns[d.fact_turn])
         assert d.fact in stated and d.fact not in tok.decode(d.neutral_turns[d.fact_turn])
         assert d.fact not in tok.decode(d.turns[-1])  # the question asks; it does not tell
 
 
-# -- the reread policy ---------------------------------------------------------------------------------------
+# -- a conversation appends -------------------------------------------------------------------------------
 def talk(conv: Conversation, texts: list[str]) -> None:
     for text in texts:
         for _ in conv.send(text):
             pass
 
 
-def test_a_conversation_that_rereads_holds_what_one_read_of_its_transcript_holds(single_thread, monkeypatch):
-    loaded, budget, chunk = tiny_loaded(seed=5), 24, 16
-    rng = random.Random(5)
-    settings = ChatSettings(max_new_tokens=1, sampler=Sampler(temperature=0), chunk_size=chunk, positions="absolute")
-    conv = Conversation(loaded, make_policy("reread", budget), settings)
-    talk(conv, [words(rng, 12), words(rng, 9)])  # 12 + 9 + replies fit in 24: appended, nothing evicted
-    assert conv.reread_tokens == 0 and conv.cache.stats().evicted == 0
-    storage, version = conv.cache.slots.keys.data_ptr(), conv.cache.version
-    keys = []
-    real = layer_module.attention_with_mass
-    monkeypatch.setattr(
-        layer_module, "attention_with_mass", lambda q, k, *a, **kw: (keys.append(k.shape[2]), real(q, k, *a, **kw))[1]
-    )
-    last = words(rng, 10)
-    talk(conv, [last])  # overflows: the whole conversation is read again, as one prompt
-    n = conv.reread_tokens
-    assert n == len(chat_ids(loaded.tokenizer, conv.messages[:-1])) and n > budget
-    assert max(keys) <= budget + chunk  # memory: the budget plus one chunk, as any prompt
-    assert conv.cache.slots.keys.data_ptr() == storage and conv.cache.version == version  # emptied in place
-
-    fresh = H2OCache.for_model(loaded.model, make_policy("snap", budget), "absolute")
-    Engine(loaded.model, fresh, "eager").prefill(
-        torch.tensor([chat_ids(loaded.tokenizer, conv.messages[:-1])]), None, chunk
-    )
-    mine, theirs = conv.cache.slots, fresh.slots
-    assert torch.equal(mine.pos, theirs.pos) and torch.equal(mine.seen, theirs.seen)
-    torch.testing.assert_close(mine.keys, theirs.keys)
-    held = mine.pos[..., :budget]
-    assert bool((held >= 0).all()) and int(held.max()) < n
-    assert torch.equal(mine.rot[..., :budget], held)  # keys rotated at their true positions
-    assert all(len(set(h.tolist())) == budget for h in held.reshape(-1, budget))
-    spans = {s.index: (s.start, s.end) for s in conv.spans}
-    assert spans[len(conv.messages) - 2][1] == n and spans[0][0] == 0  # spans renumbered with the re-read
-
-
-def test_a_reread_past_the_rolling_window_keeps_ranks(single_thread):
-    loaded, budget = tiny_loaded(seed=6), 16
-    rng = random.Random(6)
-    settings = ChatSettings(max_new_tokens=3, sampler=Sampler(temperature=0), chunk_size=8, positions="rolling")
-    conv = Conversation(loaded, make_policy("reread", budget, window=4), settings)
-    talk(conv, [words(rng, 10), words(rng, 12), words(rng, 14)])
-    assert conv.reread_tokens > 2 * budget  # read past the window of twice the budget: renumbered by rank
-    s = conv.cache.slots
-    pos, rot = s.pos[..., : s.capacity], s.rot[..., : s.capacity]
-    order = pos.argsort(-1)
-    ranked = rot.gather(-1, order)
-    assert bool((ranked[..., 1:] > ranked[..., :-1]).all())  # ranks follow true positions
-    assert int(rot.max()) < 2 * budget + 8 and int(s.held().max()) <= budget
-
-
-def test_a_reread_says_which_messages_came_back(single_thread):
-    loaded, rng = tiny_loaded(seed=2), random.Random(2)
-    settings = ChatSettings(max_new_tokens=4, sampler=Sampler(temperature=0), chunk_size=8)
-    conv = Conversation(loaded, make_policy("reread", 16, window=4), settings)
-    talk(conv, [words(rng, 10), words(rng, 12)])
-    conv.cache.pop_notices()
-    before = {r.index: r.kept for r in conv.evictions()}
-    talk(conv, [words(rng, 6)])
-    reports = {r.index: r for r in conv.evictions()}
-    assert conv.regained and all(reports[i].regained == conv.regained[i] > 0 for i in conv.regained)
-    assert all(reports[i].regained == 0 for i in reports if i not in conv.regained)
-    # measured when the re-read ends (the reply's steps may evict again): the share held then, less before
-    assert all(0 < conv.regained[i] <= 1 - before[i] for i in conv.regained)
-    notes = conv.cache.pop_notices()
-    assert any(f"{len(conv.regained)} earlier message is back in the cache" in n for n in notes)
-    assert conv.recall_summary() == f"re-read {conv.reread_tokens} tokens, 1 earlier message back"
-    console = Console(file=io.StringIO(), width=120, no_color=True)
-    console.print(ui.eviction_table(list(reports.values())))
-    table = console.file.getvalue()
-    assert "back" in table.splitlines()[0] and f"+{100 * next(iter(conv.regained.values())):.0f}%" in table
-    panel = ui.PanelView("tiny", "cpu", ui.TurnStats(recall=conv.recall_summary()))
-    assert conv.recall_summary() in dict(panel.rows(conv.cache.stats(), {"rss": 0}))["evicted"]
-
-
-def test_policies_that_do_not_reread_append(single_thread):
+def test_a_conversation_appends_each_turn(single_thread):
     loaded = tiny_loaded(seed=7)
     rng = random.Random(7)
     settings = ChatSettings(max_new_tokens=2, sampler=Sampler(temperature=0), chunk_size=8)
     conv = Conversation(loaded, make_policy("snap", 12, window=3), settings)
     talk(conv, [words(rng, 10), words(rng, 10)])
-    assert conv.reread_tokens == 0 and conv.recall_summary() == "" and conv.cache.stats().seen == conv.fed
+    assert conv.cache.stats().seen == conv.fed  # each turn's new tokens, appended: nothing read twice
 
 
 # -- the command ---------------------------------------------------------------------------------------------
@@ -250,21 +169,21 @@ def test_recall_command_json_table_and_plot(fast_load, tiny_folder, tmp_path, ca
     common = ["--model", str(tiny_folder), "--conversations", "3", "--turns", "4", "--passage-tokens", "20"]
     result = runner.invoke(
         cli.app,
-        ["eval", "recall", *common, "-b", "30%", "-p", "h2o", "-p", "reread", "-p", "recall", "--json"]
+        ["eval", "recall", *common, "-b", "30%", "-p", "h2o", "-p", "snap", "-p", "recall", "--json"]
         + ["--plot", str(png)]
         + ["--markdown", str(md), "--group", "2", "--snap-window", "4"],
     )
     assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["policy"], r["spec"]) for r in records] == [
-        ("full", None), ("without fact", None), ("h2o", "30%"), ("reread", "30%"), ("recall", "30%"),
+        ("full", None), ("without fact", None), ("h2o", "30%"), ("snap", "30%"), ("recall", "30%"),
     ]  # fmt: skip
     for r in records:
         assert r["conversations"] == 3 and r["turns"] == 4 and len(r["answers"]) == 3
         assert r["hits"] == sum(dl_hit(a) for a in r["answers"])
         assert r["texts"] == "workshop.txt, as_you_like_it.txt" and math.isfinite(r["nll"])
     assert records[0]["gain_kept"] in (1.0, None) and records[2]["budget_pct"] == pytest.approx(30, abs=1)
-    assert png.read_bytes()[:4] == b"\x89PNG" and "| reread |" in md.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG" and "| snap |" in md.read_text()
     (tmp_path / "recall.json").write_text(result.stdout)
     plots.main(["recall", str(tmp_path / "recall.json")])
     assert capsys.readouterr().out == md.read_text()

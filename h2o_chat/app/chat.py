@@ -105,7 +105,7 @@ class ChatSession:
                 contextlib.closing(conv.send(text, progress=progress)) as stream,
             ):
                 for last in stream:
-                    view.token(last, conv.engine.describe(), conv.speeds(last), conv.recall_summary(), conv.stats)
+                    view.token(last, conv.engine.describe(), conv.speeds(last), conv.stats)
                     if stop.is_set():
                         break
         except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk

@@ -118,7 +118,7 @@ class ChatView:
                 self.stream = None
 
     def reading(self, done: int, total: int, pending: int, messages: int, stats_fn) -> None:
-        """Progress while the message (or a re-read conversation) is read."""
+        """Progress while the message (or a whole conversation, after a restart) is read."""
         what = f"reading the conversation ({messages} messages)" if messages > 1 else "reading your message"
         label = reading_label(total, pending).replace("reading the prompt", what)
         if self.panel is not None:  # the panel shows the reading speed so far, not the last turn's zeros
@@ -129,16 +129,13 @@ class ChatView:
             self.panel.turn.reading_tps = done / elapsed if done and elapsed > 0 else 0.0
         self.stream.prefill(done, total, label, stats_fn)
 
-    def token(
-        self, record, decode: str, speeds: tuple[float, float, float] | None = None, recall: str = "", stats_fn=None
-    ) -> None:
+    def token(self, record, decode: str, speeds: tuple[float, float, float] | None = None, stats_fn=None) -> None:
         """A piece of the reply; `speeds` (prompt tok/s, decode tok/s, setup seconds) leave a one-time setup out;
-        `recall` says what re-reading the conversation did this turn; `stats_fn` gives the panel's figures (the
-        record's cache stats when None)."""
+        `stats_fn` gives the panel's figures (the record's cache stats when None)."""
         if self.panel is not None:
             prompt_tps, decode_tps, _ = speeds or (record.prompt_tps, record.generation_tps, 0.0)
             self.panel.turn.prompt_tps, self.panel.turn.generation_tps = prompt_tps, decode_tps
-            self.panel.turn.decode, self.panel.turn.recall = decode, recall
+            self.panel.turn.decode = decode
         self.stream.update(record.text, stats_fn or record.cache.stats)
 
     def reply_ended(self, stopped: bool, last, fresh, recalls: bool = True, recall: str | None = None) -> None:

@@ -20,7 +20,7 @@ from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 HELP = """\
 /help              this list
 /budget N|SIZE|%   set the budget: tokens, a memory (64MB) or a share of the context (10%); a smaller one evicts now
-/policy NAME       snap | reread | recall | h2o | sink | recent | full
+/policy NAME       snap | recall | h2o | sink | recent | full
 /set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
 /regen             answer the last message again (the conversation is re-read)
 /undo              take back your last message and its reply

@@ -89,7 +89,6 @@ class EvictionReport:
     preview: str
     tokens: int
     kept: float  # share of its tokens still cached, averaged over layers and heads
-    regained: float = 0.0  # share of its tokens the last re-read of the conversation brought back
     recalled: float = 0.0  # share of what the last turn recalled from evicted tokens that came from it (recall)
 
 
@@ -142,9 +141,7 @@ class Conversation:
         self.warned: dict[int, float] = {}  # message index -> the WARN_BELOW level the user was last told of
         self.recall_note: str | None = None  # what the last turn recalled, when that is news (recall)
         self._recall_told: tuple[int, ...] = ()  # the messages the last recall note named
-        self.regained: dict[int, float] = {}  # message index -> share of it the last re-read brought back
         self.recalled: dict[int, float] = {}  # message index -> share of the last turn's recalls from it
-        self.reread_tokens = 0  # tokens the current turn re-reads (0: it appends its new text)
         self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
         self._undo: tuple | None = None  # how to go back to before the last turn (/undo), when it can
 
@@ -204,7 +201,7 @@ class Conversation:
         text = self.messages[last]["content"]
         del self.messages[last:]
         self.fed, self.spans, self._unfed, self._fed_stop = fed, spans, unfed, fed_stop
-        self.reread_tokens, self.regained, self.recalled = 0, {}, {}
+        self.recalled = {}
         self.warned.pop(last, None)
         self.cache.restore(before)
         return text, True
@@ -289,12 +286,8 @@ class Conversation:
         else:
             ids, ends = self._new_turn(user)
         note = budget_note(len(ids), self.policy.budget, self.budget_hint)  # the new text's own length
-        rereading = self._rereads(len(ids)) and not raw
-        if rereading:  # the whole transcript is read again into the emptied cache
-            ids, ends = self._whole_conversation([*self.messages, user])
         # checked before anything changes: a prompt that cannot be read leaves the conversation as it was
         chunk, smaller = prefill_chunk(self.loaded.model, self.cache, 1, len(ids), self.settings.chunk_size)
-        self.reread_tokens, self.regained = (len(ids) if rereading else 0), {}
         self.pending, self.pending_messages = len(ids), len(ends)  # what this turn reads before its reply
         if note:
             self.cache.notices.append(note)
@@ -303,12 +296,7 @@ class Conversation:
         # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
         # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
         before = self.cache.snapshot() if len(ids) > chunk or self._cheap_snapshot() else None
-        kept = (self.fed, list(self.spans))  # what a taken-back turn restores (a re-read renumbers the spans)
-        shares = None
-        if rereading:
-            shares = self._held_shares()
-            self.cache.clear()  # in place: memory stays budget + chunk, a captured decode step stays valid
-            self.fed, self.spans = 0, []
+        kept = (self.fed, list(self.spans))  # what a taken-back turn restores
         if progress is not None:
             progress(0, self.reads(len(ids), chunk))
         self.messages.append(user)
@@ -341,8 +329,6 @@ class Conversation:
                 last, count = r, count + 1
                 if count == 1:
                     self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
-                    if shares is not None:
-                        self._tell_regained(shares)
                 self._setup[2] = self.engine.setup_seconds
                 reply.append(r.text)
                 yield r
@@ -409,7 +395,6 @@ class Conversation:
         were before it (`before`, `kept`), the message gone. `stopped` says how far the reading got."""
         del self.messages[next(i for i, m in enumerate(self.messages) if m is user) :]
         self.fed, self.spans = kept
-        self.reread_tokens, self.regained = 0, {}
         self._unfed, self._fed_stop = carried
         if before is not None:
             self.cache.restore(before)
@@ -428,47 +413,6 @@ class Conversation:
             (record.generation_tokens - 1) / decode if decode > 0 else 0.0,
             now - at_start,
         )
-
-    # -- re-reading the conversation (policies that re-read, e.g. reread) --------------------------------
-    def _rereads(self, new_tokens: int) -> bool:
-        """Whether this turn re-reads the transcript: the policy says so and the new text would overflow the
-        budget (until then appending loses nothing)."""
-        budget = self.policy.budget
-        return self.policy.rereads and self.fed > 0 and budget is not None and self.fed + new_tokens > budget
-
-    def _held_shares(self) -> dict[int, float]:
-        """Message index -> share of its tokens held now."""
-        shares: dict[int, list[int | float]] = {}
-        for span in self.spans:
-            size = span.end - span.start
-            held = self.cache.kept_fraction(span.start, span.end) * size
-            total = shares.setdefault(span.index, [0.0, 0])
-            total[0] += held
-            total[1] += size
-        return {i: held / size if size else 1.0 for i, (held, size) in shares.items()}
-
-    def recall_summary(self) -> str:
-        """For the panel: what this turn's re-read did ("" when it appended its new text)."""
-        if not self.reread_tokens:
-            return ""
-        back = len(self.regained)
-        return f"re-read {self.reread_tokens:,} tokens, {back} earlier message{'' if back == 1 else 's'} back"
-
-    def _tell_regained(self, before: dict[int, float]) -> None:
-        """After a re-read: which earlier messages hold more of their tokens than before it (the user is told;
-        /evicted shows how much), and those held whole again may be reported as evicted again later."""
-        after = self._held_shares()
-        self.regained = {i: after[i] - was for i, was in before.items() if i in after and after[i] - was >= 0.01}
-        for i in self.regained:  # a message back above a level it was told of may be told of again
-            if i in self.warned and warn_level(after[i]) > self.warned[i]:
-                self.warned[i] = warn_level(after[i])
-        if self.regained:
-            n = len(self.regained)
-            self.cache.notices.append(
-                f"re-read the conversation ({self.reread_tokens:,} tokens) so that your message chose what to keep: "
-                f"{n} earlier message{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} back in the cache, in part or "
-                "whole; /evicted shows how much"
-            )
 
     def stats(self) -> CacheStats:
         """The cache's stats, with the recall store's bytes as what it holds: the entries stored times the bytes
@@ -491,7 +435,6 @@ class Conversation:
                     preview,
                     span.end - span.start,
                     self.cache.kept_fraction(span.start, span.end),
-                    self.regained.get(span.index, 0.0),
                     self.recalled.get(span.index, 0.0),
                 )
             )

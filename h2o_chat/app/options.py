@@ -106,9 +106,9 @@ PolicyName = Annotated[
     typer.Option(
         "--policy",
         "-p",
-        help="snap (prompt kept by what its last queries attend to, then h2o) | reread (snap, and a new message "
-        "that overflows the budget re-reads the conversation) | recall (snap, and each step brings back the evicted "
-        "tokens it attends to most, from a store off the GPU) | h2o (the paper) | sink | recent | full",
+        help="snap (prompt kept by what its last queries attend to, then h2o) | recall (snap, and each step brings "
+        "back the evicted tokens it attends to most, from a store off the GPU) | h2o (the paper) | sink | recent "
+        "| full",
     ),
 ]
 Sinks = Annotated[

@@ -209,7 +209,6 @@ class TurnStats:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     decode: str = ""  # how decode steps run: eager or CUDA graph (captured)
-    recall: str = ""  # what re-reading the conversation did this turn, e.g. "re-read 1,204 tokens, 2 ... back"
     reading_tps: float = 0.0  # tokens read per second so far, while the message is read (before any speed is known)
 
     def speed(self, compact: bool = False) -> str:
@@ -267,11 +266,8 @@ class PanelView:
         ]
 
     def _evicted(self, stats, compact: bool = False) -> str:
-        """Evictions this turn and in all; a turn that re-read the conversation emptied the cache first, so its
-        count starts from zero, and what came back is said. `compact`: the two-line summary's wording."""
+        """Evictions this turn and in all. `compact`: the two-line summary's wording."""
         total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
-        if self.turn.recall:
-            return f"{total} {'evicted' if compact else 'total'}; {self.turn.recall}"
         # recall: the bytes its store holds (entries stored, not the space reserved for them), off the GPU
         store = f"; {human_bytes(stats.store_bytes)} kept for recall (host)" if stats.store_bytes else ""
         return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total{store}"
@@ -457,17 +453,14 @@ def describe_weights(loaded) -> str:
 def eviction_table(reports) -> Table:
     """/evicted: each message the cache has seen and how much of it is still held."""
     table = Table(box=None, pad_edge=False)
-    regained = any(r.regained for r in reports)  # the last re-read brought tokens back: say how many
     columns = [("#", "right"), ("role", "left"), ("tokens", "right"), ("kept", "right")]
     recalled = any(r.recalled for r in reports)  # the last turn recalled evicted tokens (recall): from where
-    columns += [("back", "right")] if regained else []
     columns += [("recalled", "right")] if recalled else []
     for col, justify in (*columns, ("message", "left")):
         table.add_column(col, justify=justify)
     for r in reports:
         style = "" if r.kept >= 0.999 else ("yellow" if r.kept > 0.5 else "red")
-        back = [f"+{100 * r.regained:.0f}%" if r.regained else ""] if regained else []
-        back += [f"{100 * r.recalled:.0f}%" if r.recalled else ""] if recalled else []
+        back = [f"{100 * r.recalled:.0f}%" if r.recalled else ""] if recalled else []
         table.add_row(str(r.index), r.role, str(r.tokens), share(r.kept), *back, r.preview, style=style)
     return table
 

@@ -35,8 +35,7 @@ class Policy:
     name: ClassVar[str] = ""
     compresses_prompts: ClassVar[bool] = False
     by_score: ClassVar[bool] = False  # keep by accumulated attention (h2o, snap) rather than by position
-    rereads: ClassVar[bool] = False  # a conversation re-reads its transcript when a new message overflows
-    brings_back: ClassVar[bool] = False  # evicted tokens can return for a later message (reread, recall)
+    brings_back: ClassVar[bool] = False  # evicted tokens can return for a later message (recall)
     budget: int | None = 512
 
     def __post_init__(self) -> None:
@@ -185,20 +184,6 @@ class Snap(H2O):
 
     def describe(self) -> str:
         return f"{super().describe()}; prompts kept by their last {self.window} queries"
-
-
-@dataclass(frozen=True)
-class Reread(Snap):
-    """snap, and in a conversation each new message that would overflow the budget re-reads the whole
-    transcript as one prompt, so that message's last queries choose among every token said so far: what
-    earlier turns' attention dropped can come back. The cache is emptied in place (memory stays budget + chunk;
-    a captured decode step stays valid); the cost is one prefill of the transcript per such turn. Decode steps
-    and single prompts are exactly snap's. The re-read itself is the conversation's (app/conversation.py) and
-    the recall evaluation's (measure/recall.py): a cache alone sees one prompt at a time."""
-
-    name: ClassVar[str] = "reread"
-    rereads: ClassVar[bool] = True
-    brings_back: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -355,7 +340,7 @@ def pool_logits(logits: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(shape)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap, Reread, Recall)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (H2O, Recent, Sink, Full, Snap, Recall)}
 
 
 def make_policy(

@@ -103,7 +103,7 @@ class Dialogue:
         return sum(map(len, self.turns)) + sum(map(len, self.replies))
 
     def transcript(self, tokenizer) -> list[int]:
-        """The whole conversation up to the final question as one prompt (what a re-read reads)."""
+        """The whole conversation up to the final question as one prompt (what the chat reads after a restart)."""
         return _encode(tokenizer, _render(tokenizer, self.messages))
 
 

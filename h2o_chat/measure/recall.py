@@ -13,12 +13,9 @@ policy sees the same conversation), then the answer is scored two ways:
   by a neutral one, under the full cache. Summed over conversations before dividing (one conversation's gain
   can be near zero), with a bootstrap interval over conversations.
 
-Every configuration is a row of one batch (conversations x configurations; each turn left-padded), in three
-caches: the full cache (with and without the fact), the budgeted policies, and policies that re-read the
-conversation (reread). Those keep nothing between turns but the text: a turn that overflows the budget empties
-the cache and reads the transcript as one prompt, so their rows read the whole conversation once, at the final
-turn, exactly as the chat does at that turn (`app/conversation.py`). Budgets are a share of each conversation's
-tokens (10% of a 1,200-token conversation: 120 per layer and head).
+Every configuration is a row of one batch (conversations x configurations; each turn left-padded), in two
+caches: the full cache (with and without the fact) and the budgeted policies. Budgets are a share of each
+conversation's tokens (10% of a 1,200-token conversation: 120 per layer and head).
 """
 
 from __future__ import annotations
@@ -33,11 +30,11 @@ import torch.nn.functional as F
 
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
-from h2o_chat.engine.policies import POLICIES, make_policy
+from h2o_chat.engine.policies import make_policy
 from h2o_chat.measure.dialogues import Dialogue
 from h2o_chat.measure.evaluate import BudgetSpec, Progress, make_eval_cache
 
-DEFAULT_POLICIES = ("h2o", "snap", "reread", "recall")
+DEFAULT_POLICIES = ("h2o", "snap", "recall")
 
 
 # -- running conversations through the cache -----------------------------------------------------------------
@@ -118,18 +115,6 @@ def _turn_by_turn(model, turns: list[list[list[int]]], replies, rows, policies, 
     return _score(engine, logits, rows, opts.greedy_tokens, opts.stops, meter)
 
 
-def _reread(model, transcripts: list[list[int]], rows, policies, opts, meter) -> _Scores:
-    """Rows of a policy that re-reads the conversation: the final turn empties the cache and reads the
-    transcript as one prompt (snap: the question's queries choose what to keep); earlier turns leave nothing."""
-    cache = make_eval_cache(model, policies, positions=opts.positions, kv_quant=opts.kv_quant)
-    engine = Engine(model, cache, opts.decode)
-    ids, mask = left_pad(transcripts, opts.pad)
-    B = len(rows)
-    logits = engine.prefill(ids, mask, opts.chunk_size, meter.part(B * ids.shape[1]))
-    meter.advance(B * ids.shape[1])
-    return _score(engine, logits, rows, opts.greedy_tokens, opts.stops, meter)
-
-
 @dataclass(frozen=True)
 class _Options:
     chunk_size: int
@@ -150,10 +135,6 @@ class RecallConfig:
 
     def row_policy(self, tokens: int, **knobs):
         return make_policy(self.policy, self.spec.tokens(tokens), **knobs)
-
-    @property
-    def rereads(self) -> bool:
-        return POLICIES[self.policy].rereads
 
 
 def recall(
@@ -176,17 +157,12 @@ def recall(
     budget), `group` conversations per batch; one record per configuration (see `summarise`)."""
     knobs = knobs or {}
     configs = [RecallConfig(p, b) for p in dict.fromkeys(policies) if p != "full" for b in budgets]
-    plain = [c for c in configs if not c.rereads]
-    rereads = [c for c in configs if c.rereads]
     opts = _Options(
         chunk_size, positions, decode, greedy_tokens, frozenset(stop_token_ids(tokenizer, model)),
         tokenizer.pad_token_id or 0, kv_quant,
     )  # fmt: skip
-    transcripts = [d.transcript(tokenizer) for d in convs] if rereads else []
     steps = greedy_tokens + max(len(d.answer) for d in convs)
-    work = sum(d.tokens + steps for d in convs) * (2 + len(plain)) + sum(len(t) + steps for t in transcripts) * len(
-        rereads
-    )
+    work = sum(d.tokens + steps for d in convs) * (2 + len(configs))
     meter = _Meter(progress, work)
     full = make_policy("full")
     results: dict[str, list] = {"full": [], "without fact": [], **{_key(c): [] for c in configs}}
@@ -205,20 +181,13 @@ def recall(
         )
         _collect(results["full"], part, scores, 0)
         _collect(results["without fact"], part, scores, n)
-        if plain:
-            row_policies = [c.row_policy(d.tokens, **knobs) for c in plain for d in part]
+        if configs:
+            row_policies = [c.row_policy(d.tokens, **knobs) for c in configs for d in part]
             scores = _turn_by_turn(
-                model, [d.turns for d in part] * len(plain), [d.replies for d in part] * len(plain),
-                list(part) * len(plain), row_policies, opts, meter,
+                model, [d.turns for d in part] * len(configs), [d.replies for d in part] * len(configs),
+                list(part) * len(configs), row_policies, opts, meter,
             )  # fmt: skip
-            for k, c in enumerate(plain):
-                _collect(results[_key(c)], part, scores, k * n)
-        if rereads:
-            row_policies = [c.row_policy(d.tokens, **knobs) for c in rereads for d in part]
-            scores = _reread(
-                model, transcripts[g : g + group] * len(rereads), list(part) * len(rereads), row_policies, opts, meter
-            )
-            for k, c in enumerate(rereads):
+            for k, c in enumerate(configs):
                 _collect(results[_key(c)], part, scores, k * n)
     seconds = time.perf_counter() - t0
     return summarise(tokenizer, convs, configs, results, seconds)
