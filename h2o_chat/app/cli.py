@@ -252,10 +252,12 @@ def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
 from h2o_chat.app.batchcli import batch_command  # noqa: E402  (commands in their own modules)
 from h2o_chat.app.benchcli import bench_command, soak_command  # noqa: E402
 from h2o_chat.app.evalcli import eval_app  # noqa: E402
+from h2o_chat.app.servecli import serve_command  # noqa: E402
 
 app.command("batch", cls=Command)(batch_command)
 app.command("bench", cls=Command)(bench_command)
 app.command("soak", cls=Command)(soak_command)
+app.command("serve", cls=Command)(serve_command)
 app.add_typer(eval_app, name="eval")
 
 

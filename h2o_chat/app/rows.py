@@ -1,0 +1,198 @@
+"""Rows of one engine for the server: a `Lane` is an engine whose batch rows are conversations decoding together.
+
+Built only on the engine's public verbs, as batch mode is (app/batch.py): storage for every row is allocated
+once by a one-token prefill, a conversation comes into a row from its snapshot (`H2OCache.row(r)` views the
+row; `restore`, then the new tokens are read into that view and `absorb` takes its bookkeeping back), a step
+decodes every row at once, and a finished reply's row is copied out (`snapshot`) before the next step. Rows
+grow and shrink in powers of two (`Engine.select_rows`), so a captured step is reused while the load is steady.
+
+A lane serves one cache key (policy, budget) and one sampler shape (top-p, whether candidates are cut): those
+are fixed for a batch's step. Each row has its own temperature, penalty, top-k, min-p and seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine
+from h2o_chat.engine.generate import StreamingDetokenizer, finish_reason
+from h2o_chat.engine.sampling import Sampler
+from h2o_chat.models.memory import prefill_chunk
+
+CLEAR_FREE_EVERY = 256  # steps: free rows are fed filler tokens; emptying them keeps their positions small
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How every lane's cache and steps are set up (the command's cache and model options)."""
+
+    positions: str = "auto"
+    kv_quant: str = "none"
+    decode: str = "auto"
+    chunk_size: int = DEFAULT_CHUNK
+
+
+@dataclass(frozen=True)
+class LaneKey:
+    policy: str
+    budget: int
+    top_p: float
+    filtered: bool  # top-k or min-p cut the candidates (top-p < 1 does too)
+
+    @classmethod
+    def of(cls, req) -> LaneKey:
+        return cls(req.policy.name, req.policy.budget, req.top_p, bool(req.top_k or req.min_p or req.top_p < 1))
+
+
+class TextStream:
+    """A reply's tokens -> its text, as `stream_generate` makes it: stop tokens and stop strings end it, text
+    that could begin a stop string is held back until it cannot."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stops: tuple[str, ...]):
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.max_tokens, self.stop_ids, self.stops = max_tokens, stop_ids, stops
+        self.hold = max((len(s) - 1 for s in stops), default=0)
+        self.pending = ""
+        self.tokens: list[int] = []
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        """(new text, finish reason or None)."""
+        self.tokens.append(token)
+        reason = finish_reason(token, len(self.tokens), self.max_tokens, self.stop_ids)
+        if reason != "stop":
+            self.pending += self.detok.add(token)
+        if reason is not None:
+            self.pending += self.detok.flush()
+        cut = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
+        if cut >= 0:
+            text, self.pending, reason = self.pending[:cut], "", "stop"
+        elif reason is None and self.hold:
+            keep = max(0, len(self.pending) - self.hold)
+            text, self.pending = self.pending[:keep], self.pending[keep:]
+        else:
+            text, self.pending = self.pending, ""
+        return text, reason
+
+
+class Lane:
+    """One engine and its rows; `jobs[r]` is the request generating in row r (None: the row is free)."""
+
+    def __init__(self, loaded, key: LaneKey, policy, settings, rows: int = 1):
+        self.loaded, self.key, self.policy, self.settings = loaded, key, policy, settings
+        model = loaded.model
+        self.device = next(model.parameters()).device
+        self.cache = H2OCache.for_model(model, policy, settings.positions, loaded.context, kv_quant=settings.kv_quant)
+        self.engine = Engine(model, self.cache, settings.decode)
+        pad = loaded.tokenizer.pad_token_id or 0
+        self.engine.prefill(torch.full((rows, 1), pad, dtype=torch.long))  # storage for every row, once
+        sampler, per_row = self._sampler(rows)
+        self.engine.set_sampler(sampler, rows, **per_row)
+        self.jobs: list = [None] * rows
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's next input token
+        self.steps = 0
+
+    def _sampler(self, rows: int) -> tuple:
+        """A sampler whose step can serve any row's settings (sampling, a penalty, the key's cut): each row's
+        own values are set when it starts, and greedy rows stay exact (argmax; a penalty of 1 changes nothing)."""
+        cut = self.key.filtered and self.key.top_p == 1.0
+        per_row = {
+            "temperature": [1.0] * rows,
+            "repetition_penalty": [1.1] * rows,
+            "top_k": [0] * rows,
+            "min_p": [0.5 if cut else 0.0] * rows,
+        }
+        return Sampler(top_p=self.key.top_p), per_row
+
+    @property
+    def rows(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def active(self) -> int:
+        return sum(j is not None for j in self.jobs)
+
+    def free_row(self) -> int | None:
+        return next((r for r, j in enumerate(self.jobs) if j is None), None)
+
+    def resize(self, rows: int) -> None:
+        """Grow to `rows` (new rows copy row 0 and are free) or shrink to the busy rows plus free ones; the busy
+        rows move to the front."""
+        busy = [r for r, j in enumerate(self.jobs) if j is not None]
+        if rows < len(busy):
+            raise ValueError("cannot shrink below the busy rows")
+        idle = [r for r, j in enumerate(self.jobs) if j is None]
+        index = (busy + idle + [0] * rows)[:rows]
+        self.engine.select_rows(torch.tensor(index))
+        self.jobs = [self.jobs[r] if k < len(busy) else None for k, r in enumerate(index)]
+        self.tokens = self.tokens[torch.tensor(index, device=self.device)].clone()
+        for r in range(len(busy), rows):
+            self.cache.clear_row(r)
+
+    # -- a conversation into a row and out of it ------------------------------------------------------------
+    def start(self, r: int, state: dict | None, ids: list[int], req) -> tuple[int, float]:
+        """Bring a conversation into row r (its snapshot, or an empty row) and read `ids` into it alone, the
+        other rows untouched; returns (the reply's first token, seconds reading). The fit check comes first: a
+        DeviceError leaves the row free."""
+        t0 = time.perf_counter()
+        if state is None:
+            self.cache.clear_row(r)
+        view = self.cache.row(r)
+        if state is not None:
+            view.restore(state)
+        chunk, _ = prefill_chunk(self.loaded.model, view, 1, len(ids), self.settings.chunk_size)
+        prompt = torch.tensor([ids], dtype=torch.long)
+        try:
+            logits = Engine(self.loaded.model, view, "eager").prefill(prompt, chunk_size=chunk)[0]  # (V,)
+        except BaseException:
+            self.cache.clear_row(r)  # half a prompt: the row is free again, its conversation is dropped
+            raise
+        self.cache.absorb(view, r)
+        sampler = self.engine.sampler
+        sampler.set_row(r, req.temperature, req.repetition_penalty, req.top_k, req.min_p)
+        sampler.start_row(r, prompt)
+        if req.seed is not None:  # the row samples as the conversation would alone with this seed
+            sampler.seeds[r] = req.seed & 0x7FFFFFFF
+        first = sampler.first_of_row(r, logits)
+        self.tokens[r] = first
+        return int(first), time.perf_counter() - t0
+
+    def stop(self, r: int, keep: bool) -> tuple[dict, dict | None]:
+        """Row r's reply is over: (its cache stats, its snapshot when `keep`); the row is emptied and free."""
+        stats = self.cache.row_stats(r)
+        state = self.cache.row(r).snapshot() if keep else None
+        self.cache.clear_row(r)
+        self.jobs[r] = None
+        return stats, state
+
+    def step(self) -> list[int]:
+        """One decode step of every row (free rows are fed filler tokens): each row's next token."""
+        self.steps += 1
+        if self.steps % CLEAR_FREE_EVERY == 0:
+            for r, job in enumerate(self.jobs):
+                if job is None:
+                    self.cache.clear_row(r)
+        self.tokens = self.engine.decode(self.tokens)[1].clone()  # a captured step's output is overwritten
+        return self.tokens.tolist()
+
+    def describe(self) -> dict:
+        return {
+            "policy": self.key.policy,
+            "budget": self.key.budget,
+            "top_p": self.key.top_p,
+            "rows": self.rows,
+            "decode": self.engine.describe(),
+            "active": [
+                {
+                    "row": r,
+                    "conversation": j.turn.session.id,
+                    "generated": len(j.stream.tokens),
+                    **self.cache.row_stats(r),
+                }
+                for r, j in enumerate(self.jobs)
+                if j is not None
+            ],
+        }

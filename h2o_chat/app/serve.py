@@ -1,0 +1,304 @@
+"""`h2o-chat serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over the engine thread.
+
+The HTTP side checks requests (app/serve_api.py), submits them to the engine thread (app/scheduler.py) and
+turns its events into replies: one JSON object, or server-sent events as tokens come. A request that cannot
+start (no memory for its prompt, the server draining) gets its status before a streamed reply begins. A client
+that goes away marks its job cancelled; the engine thread frees its row before the next step. SIGINT / SIGTERM
+stop taking requests, let the replies under way finish, then stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from h2o_chat.app.rows import EngineSettings
+from h2o_chat.app.scheduler import Job, Scheduler
+from h2o_chat.app.serve_api import (
+    ApiError,
+    GenRequest,
+    Limits,
+    chunk,
+    new_id,
+    parse_json,
+    parse_request,
+    reply,
+    usage,
+)
+from h2o_chat.app.sessions import SessionStore
+
+MAX_BODY = 8 * 2**20  # bytes of one request body; a larger one is a 413 (a prompt of ~2M tokens fits)
+DRAIN_SECONDS = 60  # on SIGINT/SIGTERM, how long replies under way may take before they are cut
+POLL = 0.5  # seconds between checks that a client still waits for a reply that is not streamed
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    rows: int = 16  # conversations decoding together, over all lanes
+    max_sessions: int = 64
+    memory_limit: int = 2**30  # bytes of idle conversations' caches
+    limits: Limits = field(default_factory=Limits)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    max_body: int = MAX_BODY
+    verbose: bool = False
+
+
+class Server:
+    """The app, its engine thread and uvicorn. `run()` blocks in the main thread (signals drain it);
+    `start()` serves from a thread and returns the port (tests, the load script)."""
+
+    def __init__(self, loaded, options: ServeOptions, log: Callable[[str], None] | None = None):
+        self.loaded, self.options, self.log = loaded, options, log
+        self.model_name = loaded.spec.name
+        self.store = SessionStore(options.max_sessions, options.memory_limit)
+        self.scheduler = Scheduler(loaded, options.engine, options.rows, self.store, log if options.verbose else None)
+        self.app = _app(self)
+        config = uvicorn.Config(
+            self.app, host=options.host, port=options.port, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=DRAIN_SECONDS, lifespan="off",
+        )  # fmt: skip
+        self.uvicorn = _Uvicorn(config, self)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.uvicorn.servers[0].sockets[0].getsockname()[1]
+
+    def run(self, on_ready: Callable[[int], None] | None = None) -> None:
+        self.scheduler.start()
+        self.uvicorn.on_ready = on_ready
+        try:
+            self.uvicorn.run()
+        finally:
+            self.scheduler.stop()
+        if not self.uvicorn.started:
+            raise OSError(f"cannot listen on {self.options.host}:{self.options.port}")
+
+    def start(self, timeout: float = 30.0) -> int:
+        self._thread = threading.Thread(target=self.run, name="h2o-chat-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.port
+
+    def stop(self) -> None:
+        self.scheduler.draining = True
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(DRAIN_SECONDS + 10)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, telling the engine thread to take no new requests once a signal says stop."""
+
+    def __init__(self, config: uvicorn.Config, owner: Server):
+        super().__init__(config)
+        self.owner, self.on_ready = owner, None
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit and self.owner.log:
+            busy = self.owner.scheduler.busy
+            self.owner.log(f"stopping: finishing {busy} repl{'y' if busy == 1 else 'ies'} under way "
+                           "(Ctrl-C again stops at once)")  # fmt: skip
+        self.owner.scheduler.draining = True
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM drain the server; unlike uvicorn's own, the signal is not raised again once it has
+        stopped, so the command ends with its own line and status 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready(self.owner.port)
+
+
+# -- the app ---------------------------------------------------------------------------------------------
+def _app(server: Server) -> Starlette:
+    opts = server.options
+
+    async def health(request: Request) -> Response:
+        ok = server.scheduler.failed is None
+        body = {"status": "ok" if ok else "failed", "model": server.model_name, "draining": server.scheduler.draining}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def models(request: Request) -> Response:
+        created = int(time.time())
+        data = [{"id": server.model_name, "object": "model", "created": created, "owned_by": "h2o-chat"}]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(await asyncio.wrap_future(server.scheduler.call(server.scheduler.stats)))
+
+    async def chat(request: Request) -> Response:
+        return await _generate(server, request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(server, request, "text")
+
+    async def problem(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ApiError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+        status = getattr(exc, "status_code", 500)
+        words = {404: f"no such endpoint: {request.method} {request.url.path}", 405: "method not allowed here"}
+        message = words.get(status, getattr(exc, "detail", "internal error"))
+        return JSONResponse(ApiError(status, message).body(), status_code=status)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/stats", stats, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={ApiError: problem, HTTPException: problem})
+    return _Guard(app, opts.api_key)
+
+
+class _Guard:
+    """ASGI middleware: with an API key, every request must carry it (`Authorization: Bearer KEY`): 401."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.key is not None:
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = given[7:].strip() if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.key.encode()):
+                why = "a wrong API key" if token else "no API key (send Authorization: Bearer KEY)"
+                error = ApiError(401, f"this server needs its API key: the request has {why}", "authentication_error")
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it passes `limit` bytes (read on a little, so the client hears the answer)."""
+    declared = request.headers.get("content-length", "")
+    too_big = ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes", param=None)
+    if declared.isdigit() and int(declared) > 4 * limit:
+        raise too_big
+    parts, size = [], 0
+    with contextlib.suppress(ClientDisconnect):
+        async for part in request.stream():
+            size += len(part)
+            if size <= limit:
+                parts.append(part)
+            elif size > 4 * limit:
+                break
+    if size > limit:
+        raise too_big
+    return b"".join(parts)
+
+
+async def _generate(server: Server, request: Request, kind: str) -> Response:
+    body = parse_json(await _read_body(request, server.options.max_body))
+    req = parse_request(body, kind, server.options.limits)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(event: tuple) -> None:  # from the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    job = Job(req, emit)
+    server.scheduler.submit(job)
+    rid, model = new_id(kind), req.model or server.model_name
+    try:
+        first = await _next(events, request, job)
+    except _Gone:
+        return Response(status_code=499)  # nobody reads it: the client closed the connection
+    except BaseException:
+        job.cancelled = True
+        raise
+    if first[0] == "error":
+        raise first[1]
+    if req.stream:
+        return StreamingResponse(_stream(events, job, req, rid, model), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    try:
+        text = []
+        while True:
+            event = await _next(events, request, job)
+            if event[0] == "text":
+                text.append(event[1])
+            elif event[0] == "error":
+                raise event[1]
+            else:
+                return JSONResponse(reply(req, rid, model, "".join(text), event[1]))
+    except _Gone:
+        return Response(status_code=499)
+    finally:
+        job.cancelled = True  # a no-op once the reply is done; frees the row when the client went away
+
+
+class _Gone(Exception):
+    pass
+
+
+async def _next(events: asyncio.Queue, request: Request, job: Job) -> tuple:
+    """The job's next event; while none comes, check every POLL seconds that the client still waits."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), POLL)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled = True
+                raise _Gone() from None
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(events: asyncio.Queue, job: Job, req: GenRequest, rid: str, model: str) -> AsyncIterator[str]:
+    """Server-sent events: the role, each piece of text, the finish with our stats, the usage when asked."""
+    try:
+        yield _sse(chunk(req, rid, model, None))
+        while True:
+            kind, value = await events.get()
+            if kind == "text":
+                yield _sse(chunk(req, rid, model, value))
+            elif kind == "error":
+                yield _sse(value.body())
+                return
+            else:
+                yield _sse(chunk(req, rid, model, None, value["finish"], h2o=value["h2o"]))
+                if req.include_usage:
+                    yield _sse(chunk(req, rid, model, None, usage=usage(value)))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        job.cancelled = True  # the client went away mid-stream: its row is freed at the next step

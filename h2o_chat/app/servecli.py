@@ -1,0 +1,139 @@
+"""`h2o-chat serve`: an OpenAI-compatible server whose every conversation holds a bounded cache.
+
+Options in, calls out: the work is in `serve.py` (HTTP), `scheduler.py` (the engine thread), `rows.py` and
+`sessions.py`. No torch, uvicorn or starlette import at module level (start-up stays fast for --help).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from h2o_chat.app.options import (
+    CacheOptions,
+    ModelOptions,
+    PolicyKnobs,
+    SamplingOptions,
+    check_positive,
+    grouped,
+    reported,
+    status,
+)
+from h2o_chat.errors import H2OChatError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@grouped
+def serve_command(
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback only by default; 0.0.0.0: every one).")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed).")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="H2O_CHAT_API_KEY",
+            help="Every request must send 'Authorization: Bearer KEY' (else 401). Also from $H2O_CHAT_API_KEY.",
+            show_default=False,
+        ),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Conversations generating together, as rows of one engine.")] = 16,
+    max_sessions: Annotated[
+        int, typer.Option(help="Idle conversations whose cache is kept (least recently used go first).")
+    ] = 64,
+    memory_limit: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="The most memory idle conversations' caches take, e.g. 2GB (default: a quarter of the memory "
+            "available at start).",
+            show_default=False,
+        ),
+    ] = None,
+    max_budget: Annotated[int, typer.Option(help='The largest budget a request may ask for (its own "budget").')] = (
+        4096
+    ),
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="A line per request: conversation, tokens read and generated, kept / seen, speed."
+        ),
+    ] = False,
+    models: ModelOptions = ModelOptions(),
+    cache: CacheOptions = CacheOptions(),
+    knobs: PolicyKnobs = PolicyKnobs(),
+    sampling: SamplingOptions = SamplingOptions(),
+) -> None:
+    """Serve the model over HTTP with the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    with reported():
+        for group in (models, cache, sampling):
+            group.check()
+        for name, value in (("--batch-size", batch_size), ("--max-sessions", max_sessions)):
+            check_positive(name, value)
+        check_positive("--max-budget", max_budget)
+        if not 0 <= port <= 65535:
+            raise H2OChatError(f"--port must be between 0 and 65535, got {port}")
+        from h2o_chat.app.budget import parse_size
+        from h2o_chat.app.serve_api import SERVED_POLICIES, Limits
+
+        if cache.policy not in SERVED_POLICIES:
+            raise H2OChatError(
+                f"--policy {cache.policy} is not served: choose one of {', '.join(SERVED_POLICIES)} (a row's "
+                "snapshot holds all of their state; recall's store and a full cache's growth are not)"
+            )
+        budget = cache.tokens(models)  # a memory or a share: the tokens it comes to
+        policy = cache.build(knobs, budget)  # an impossible budget fails before the weights load
+        if budget > max_budget:
+            raise H2OChatError(f"--budget {budget} is above --max-budget {max_budget}")
+        limit = parse_size("--memory-limit", memory_limit) if memory_limit else None
+        if api_key is not None and not api_key.strip():
+            raise H2OChatError("--api-key is empty")
+        if host not in LOOPBACK and api_key is None:
+            status(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
+        loaded = models.load(kv_tokens=policy.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
+        if limit is None:
+            from h2o_chat.models.memory import available_memory
+
+            limit = available_memory() // 4
+        from h2o_chat.app.rows import EngineSettings
+        from h2o_chat.app.serve import ServeOptions, Server
+
+        options = ServeOptions(
+            host=host,
+            port=port,
+            api_key=api_key,
+            rows=batch_size,
+            max_sessions=max_sessions,
+            memory_limit=limit,
+            limits=Limits(
+                policy=policy.name,
+                budget=policy.budget,
+                max_budget=max_budget,
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                seed=sampling.seed,
+                knobs=tuple(knobs.kwargs().items()),
+            ),
+            engine=EngineSettings(cache.positions, cache.kv_quant, models.decode, cache.chunk_size),
+            verbose=verbose,
+        )
+        server = Server(loaded, options, log=status)
+
+        def ready(bound: int) -> None:
+            shown = f"[{host}]" if ":" in host else host
+            status(
+                f"serving {loaded.spec.name} ({policy.describe()}) at http://{shown}:{bound}/v1 "
+                f"with up to {batch_size} conversations at once; Ctrl-C stops"
+            )
+
+        try:
+            server.run(on_ready=ready)
+        except OSError as e:
+            raise H2OChatError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+        status("stopped")
