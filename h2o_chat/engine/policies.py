@@ -86,7 +86,7 @@ class H2O(Policy):
         if self.sinks < 0:
             raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget is None:
-            raise ConfigError("the h2o policy needs a budget (use --policy full for no eviction)")
+            raise ConfigError("the h2o policy needs a budget (the full policy keeps every token)")
         if self.sinks > self.older:
             raise ConfigError(
                 f"budget {self.budget} with heavy_ratio {self.heavy_ratio} leaves {self.older} slots for older "
@@ -190,40 +190,36 @@ class Snap(H2O):
 class Recall(Snap):
     """snap, plus a store of every evicted token (keys, values, positions; renumbered with the held tokens past the
     trained context) off the accelerator, from which each decode step's own query, and each prompt chunk's queries
-    together, bring back the `recalled` tokens they attend to most (ranked by their logit; with `block` > 1 in
-    blocks ranked by an upper bound from the block's per-channel key minimum and maximum, as Quest does). The budget
+    together, bring back the `recalled` tokens they attend to most (ranked by their logit). The budget
     is the same memory: `budget - recalled` slots are held as snap holds them, `recalled` are filled per step (twice
     as many, transiently, while a prompt chunk is read). A fact stated early in a chat is often not attended by the
     question that asks for it (the embedded model attends to it only while writing the answer), so no choice made
     before the answer can keep it at a small budget; a choice made per step can, once the question's own keys were
-    read with the fact recalled. See engine/store.py."""
+    read with the fact recalled. See engine/store.py and engine/recall_rank.py."""
 
     name: ClassVar[str] = "recall"
     brings_back: ClassVar[bool] = True
-    recalled: int = -1  # -1: a quarter of the budget, in whole blocks
+    recalled: int = -1  # -1: a quarter of the budget
     # each decode step multiplies the held slots' accumulated scores by `decay` before adding its mass, so old
     # mass counts less than recent (the plain sum favours old tokens). 0.99 from the tuning text (alice.txt, 2,048
     # tokens, 10% budget: perplexity 1.016x the full cache's with the plain sum, 1.012x with 0.99 or 0.95)
     decay: float = 0.99
-    # 1: every evicted key is ranked by its exact logit. Quest's 16-token blocks were measured too coarse here
-    # (the multi-turn recall evaluation on the tuning texts, 10% budget: likelihood gain kept 0.04 with blocks of
-    # 16, 0.47 with 4, 0.97 with 1): evicted tokens leave one or a few at a time, so a block mixes unrelated ones
-    block: int = 1
+    # every evicted key is ranked by its exact logit; Quest's blocks were measured too coarse here (the multi-turn
+    # recall evaluation on the tuning texts, 10% budget: likelihood gain kept 0.04 with blocks of 16, 0.47 with 4,
+    # 0.97 with 1): evicted tokens leave one or a few at a time, so a block mixes unrelated ones. Not a setting:
+    # the cache still reads it for its store (always 1)
+    block: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        if self.block < 1:
-            raise ConfigError(f"the recall block must be at least 1 token, got {self.block}")
         if not 0 < self.decay <= 1:
             raise ConfigError(f"the recall score decay must be in (0, 1], got {self.decay}")
         if isinstance(self.budget, int) and self.recalled == -1:
-            object.__setattr__(self, "recalled", max(self.block, self.budget // 4 // self.block * self.block))
+            object.__setattr__(self, "recalled", max(1, self.budget // 4))
         if isinstance(self.budget, int) and not 0 < self.recalled <= self.budget - 2:
             raise ConfigError(
                 f"recall needs a budget of at least {self.recalled + 2} tokens (it recalls {self.recalled} per step "
-                f"in blocks of {self.block} and holds at least 2), got {self.budget}"
+                f"and holds at least 2), got {self.budget}"
             )
-        if self.recalled % self.block:
-            raise ConfigError(f"tokens recalled per step ({self.recalled}) must be whole blocks of {self.block}")
         super().__post_init__()
         if self.window >= self.capacity:
             raise ConfigError(
@@ -352,7 +348,6 @@ def make_policy(
     window: int | None = None,
     kernel: int | None = None,
     recalled: int | None = None,
-    block: int | None = None,
     decay: float | None = None,
 ) -> Policy:
     """Build a policy by name, validating the settings; unknown names raise ConfigError with a suggestion."""
@@ -373,7 +368,7 @@ def make_policy(
             window = default_snap_window(budget)
         kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
     if issubclass(cls, Recall):
-        kwargs.update({k: v for k, v in (("recalled", recalled), ("block", block), ("decay", decay)) if v is not None})
+        kwargs.update({k: v for k, v in (("recalled", recalled), ("decay", decay)) if v is not None})
     return cls(**kwargs)
 
 
@@ -387,6 +382,6 @@ def with_budget(policy: Policy, budget: int) -> Policy:
     settings = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init and f.name != "budget"}
     if isinstance(policy, Snap) and policy.window == default_snap_window(policy.budget):
         del settings["window"]
-    if isinstance(policy, Recall) and policy.recalled == Recall(policy.budget, block=policy.block).recalled:
+    if isinstance(policy, Recall) and policy.recalled == Recall(policy.budget).recalled:
         del settings["recalled"]
     return make_policy(policy.name, budget, **settings)
