@@ -71,7 +71,7 @@ def main() -> None:
             times.append(1e3 * (time.perf_counter() - t0))
         record = {
             "shape": args.shape, "dtype": args.dtype, "threads": args.threads, "stored": n, "recalled": recalled,
-            "ranking": "C" if store._native else "operators", "two_pass": store._two is True,
+            "ranking": "C" if store.ranking.use_c else "operators", "two_pass": store.ranking.two is True,
             "ms_min": round(min(times), 1), "ms_median": round(statistics.median(times), 1),
             "store_mb": round(store.nbytes() / 1e6), "x_step": round(min(times) / args.step_ms, 2),
         }  # fmt: skip

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h2o_chat.engine import native
-from h2o_chat.engine.store import CANDIDATES, TWO_PASS_FROM, Store
+from h2o_chat.engine.recall_rank import CANDIDATES, TWO_PASS_FROM
+from h2o_chat.engine.store import Store
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"C kernels not built: {native.why()}")
 
@@ -30,10 +31,10 @@ def _store(B, H, D, recalled, n, gen, ties=False, dtype=torch.float32, keys=None
 
 def _recalled(store, i, q, use_native):
     """(B, H, k) entries recalled by layer i (identified by their values), their logits and the marks added."""
-    store._native = use_native
+    store.ranking.use_c = use_native
     before = store.marks.clone()
     with torch.inference_mode():
-        got = store._recall_step(i, q)
+        got = store.ranking.step(i, q)
     values = store.values[i, :, :, None, : store.count]
     entry = (got.values[..., None, :] == values).all(-1).int().argmax(-1)
     order = entry.sort(-1)
@@ -57,7 +58,7 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
     rounding."""
     gen = torch.Generator().manual_seed(n)
     store = _store(B, H, D, recalled, n, gen)
-    assert store._two is (True if n > TWO_PASS_FROM * CANDIDATES * recalled else None)
+    assert store.ranking.two is (True if n > TWO_PASS_FROM * CANDIDATES * recalled else None)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -70,8 +71,8 @@ def test_the_c_ranking_recalls_what_the_operators_recall(B, H, D, G, recalled, n
             assert torch.equal(marks_c, marks_t) and int(marks_c.sum()) == B * H * recalled
     finally:
         torch.set_num_threads(old)
-    scratch = {step._tail[-2:] for _, step, *_ in store._calls.values()}  # its pointers, the last two arguments
-    assert len(store._calls) == 2 and len(scratch) == 1  # one scratch for every layer, not one each
+    scratch = {step._tail[-2:] for _, step, *_ in store.ranking.calls.values()}  # its pointers, the last two arguments
+    assert len(store.ranking.calls) == 2 and len(scratch) == 1  # one scratch for every layer, not one each
 
 
 @needs_native
@@ -88,19 +89,19 @@ def test_a_16_bit_store_is_ranked_as_a_float32_store_holding_the_same_numbers(dt
     values = torch.randn(2, 1, H, n, D, generator=gen).to(dtype).float()
     half = _store(1, H, D, recalled, n, gen, dtype=dtype, keys=keys, values=values)
     wide = _store(1, H, D, recalled, n, gen, keys=keys, values=values)
-    assert half._two is wide._two is (True if n > TWO_PASS_FROM * CANDIDATES * recalled else None)
+    assert half.ranking.two is wide.ranking.two is (True if n > TWO_PASS_FROM * CANDIDATES * recalled else None)
     for i in range(2):
         q = torch.randn(1, H * G, 1, D, generator=gen).to(dtype)
         with torch.inference_mode():
-            half._native = True
-            got = half._recall_step(i, q)
+            half.ranking.use_c = True
+            got = half.ranking.step(i, q)
         assert got.values.dtype == dtype
         ent_h, log_h, marks_h = _recalled(half, i, q, True)
         ent_w, log_w, marks_w = _recalled(wide, i, q.float(), False)
         assert torch.equal(ent_h, ent_w)
         torch.testing.assert_close(log_h, log_w, rtol=1e-5, atol=1e-4)
         assert torch.equal(marks_h, marks_w)
-    assert half._calls  # it ranked in C
+    assert half.ranking.calls  # it ranked in C
 
 
 @needs_native
@@ -112,7 +113,7 @@ def test_steps_that_start_from_the_last_steps_threshold_recall_what_the_operator
     gen = torch.Generator().manual_seed(11)
     B, H, G, D, recalled = 1, 3, 3, 64, 128
     store = _store(B, H, D, recalled, 6000, gen)
-    assert store._two is True
+    assert store.ranking.two is True
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -136,7 +137,7 @@ def test_steps_that_start_from_the_last_steps_threshold_recall_what_the_operator
                 )
     finally:
         torch.set_num_threads(old)
-    assert 8 * H <= store.listed < 12 * H  # the drifting steps listed; the first could not (no threshold yet)
+    assert 8 * H <= store.ranking.listed < 12 * H  # the drifting steps listed; the first could not (no threshold yet)
 
 
 @needs_native
@@ -146,7 +147,7 @@ def test_ties_fill_the_recalled_tokens_with_entries_that_rank_as_high():
     none below the k-th best (a fill with any entry not above it would take a lower one)."""
     gen = torch.Generator().manual_seed(3)
     store = _store(1, 3, 64, 132, 1000, gen, ties=True)  # exact ranking of 1,000 entries, 132 recalled
-    assert store._two is None
+    assert store.ranking.two is None
     q = torch.randn(1, 9, 1, 64, generator=gen)
     entries, logits, marks = _recalled(store, 0, q, True)
     assert all(len(set(row.tolist())) == 132 for row in entries[0])
@@ -173,7 +174,7 @@ def test_without_the_c_kernels_the_store_ranks_with_operators(monkeypatch, tmp_p
             store = _store(1, 2, 32, 8, 100, gen)
             with torch.inference_mode():
                 got = store.recall(0, torch.randn(1, 4, 1, 32, generator=gen))
-            assert store._native is False and got.values.shape == (1, 2, 8, 32)
+            assert store.ranking.use_c is False and got.values.shape == (1, 2, 8, 32)
     native._library.cache_clear()
     native._why.clear()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind

@@ -17,8 +17,9 @@ from h2o_chat.app.conversation import ChatSettings, Conversation
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.generate import Sampler
-from h2o_chat.engine.policies import Recall, make_policy, with_budget
-from h2o_chat.engine.store import CANDIDATES, RANK_DIM, Store
+from h2o_chat.engine.policies import make_policy, with_budget
+from h2o_chat.engine.recall_rank import CANDIDATES, RANK_DIM
+from h2o_chat.engine.store import Store
 from h2o_chat.errors import ConfigError
 
 
@@ -154,38 +155,13 @@ def test_snapshot_and_restore_forget_what_was_stored_after_the_snapshot(single_t
 
 
 def test_recall_refuses_what_it_cannot_do_in_one_clear_line():
-    model = tiny_model("llama")
     with pytest.raises(ConfigError, match="at least"):
         make_policy("recall", 20, recalled=20)
-    with pytest.raises(ConfigError, match="whole blocks"):
-        Recall(64, recalled=12, block=8)
-    cache = H2OCache.for_model(model, [make_policy("recall", 32), Recall(32, recalled=8, block=4)])
-    with pytest.raises(ConfigError, match="blocks of one size"):
-        Engine(model, cache, "eager").prefill(torch.randint(4, 200, (2, 20)))
-
-
-def test_quest_blocks_rank_by_an_upper_bound_of_every_logit_in_them(single_thread):
-    """With blocks, a block's score bounds each of its keys' logits from above, and a step brings back the
-    blocks with the highest scores, whole."""
-    model = tiny_model("llama", seed=6)
-    _, cache = _run(model, make_policy("recall", 48, recalled=16, block=4), torch.randint(4, 200, (1, 60)), steps=5)
-    store = cache.store
-    H, n, blk = store.shape[2], store.count, store.block
-    q = torch.randn(1, H * 2, 1, store.D)  # two query heads per KV head in the tiny model
-    bound = store.bounds(0, q)  # (1, H, blocks)
-    logits = (q.view(1, H, 2, store.D) @ store.keys[0, :, :, :n].transpose(-1, -2)).amax(2)
-    logits = logits.masked_fill(store.pos[0, :, :, :n] < 0, -torch.inf)
-    padded = torch.nn.functional.pad(logits, (0, bound.shape[-1] * blk - n), value=-torch.inf)
-    best_in_block = padded.unflatten(-1, (-1, blk)).amax(-1)
-    filled = best_in_block > -torch.inf
-    assert bool((bound[filled] >= best_in_block[filled] - 1e-4).all()) and bool(filled.any())
-    assert bool((bound[filled] > best_in_block[filled] + 1e-3).any())  # a bound, not the logit itself
-    got = store.recall(0, q)
-    top = bound.topk(4, dim=-1).indices  # 16 recalled = 4 blocks
-    for h in range(H):
-        want = store.keys[0, 0, h, (top[0, h, :, None] * blk + torch.arange(blk)).flatten()]
-        torch.testing.assert_close(got.keys[0, h], want)
-        assert bool(got.valid[0, h].any())
+    with pytest.raises(TypeError):  # Quest's blocks are gone: every evicted key is ranked by its own logit
+        make_policy("recall", 64, block=4)
+    template = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ConfigError, match="block"):
+        Store(2, template, template, [8], 4)
 
 
 def test_the_chat_says_which_messages_a_reply_recalled(single_thread):
@@ -270,7 +246,7 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
     gen = torch.Generator().manual_seed(0)
     L, B, H, D, G, R = 2, 2, 2, 32, 2, 8
     store = Store(L, torch.zeros(B, H, 1, D, dtype=dtype), torch.zeros(B, H, 1, D, dtype=dtype), [R] * B, 1)
-    assert (store.rank_dim, store.candidates) == (RANK_DIM, CANDIDATES) and RANK_DIM < D
+    assert (store.rank_dim, store.ranking.candidates) == (RANK_DIM, CANDIDATES) and RANK_DIM < D
     span = torch.randn(L, B, H, RANK_DIM, D, generator=gen)  # every (layer, row, head) its own subspace
 
     def add(n, start):
@@ -279,20 +255,20 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
         store.append(keys, values, torch.arange(start, start + n).expand(L, B, H, n))
 
     add(50, 0)
-    assert store.basis is None  # small: one exact pass
+    assert store.ranking.basis is None  # small: one exact pass
     add(150, 50)  # past TWO_PASS_FROM x the candidates: the basis is fitted
-    assert store.basis is not None and store.fitted.tolist() == [200] * B
+    assert store.ranking.basis is not None and store.ranking.fitted.tolist() == [200] * B
     add(50, 200)  # projected on the basis as it comes
-    assert store.low.dtype == torch.bfloat16 and store.basis.dtype == torch.float32
-    projected = store.keys[:, :, :, 200:250].float() @ store.basis
+    assert store.low.dtype == torch.bfloat16 and store.ranking.basis.dtype == torch.float32
+    projected = store.keys[:, :, :, 200:250].float() @ store.ranking.basis
     torch.testing.assert_close(store.low[..., 200:250].mT.float(), projected, rtol=2**-8, atol=1e-5)  # bf16's rounding
-    assert store.fitted.tolist() == [200] * B
+    assert store.ranking.fitted.tolist() == [200] * B
     for i in range(L):
         q = torch.randn(B, H * G, 1, D, generator=gen)
         two = store.recall(i, q)
-        store._two = None  # every key ranked exactly
+        store.ranking.two = None  # every key ranked exactly
         exact = store.recall(i, q)
-        store._set_two()
+        store.ranking.set_two()
         logits = q.to(dtype).float().view(B, H, G, D) @ store.keys[i, :, :, :250].float().mT
         best = logits.amax(2).topk(R, dim=-1).indices.sort(-1).values
         for got in (two, exact) if dtype == torch.float32 else (two,):  # half products round ties
@@ -304,7 +280,7 @@ def test_a_large_store_is_ranked_in_two_passes_that_recall_what_exact_ranking_do
             want = logits.gather(3, entry[:, :, None, :].expand(B, H, G, R))
             torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
     add(250, 250)  # doubled: fitted again on every stored key
-    assert store.fitted.tolist() == [500] * B
+    assert store.ranking.fitted.tolist() == [500] * B
 
 
 def test_empty_columns_are_not_stored_so_a_single_row_is_ranked_without_masks(single_thread):
@@ -341,8 +317,8 @@ def test_a_row_recalls_as_it_would_alone_beside_rows_of_other_budgets(single_thr
     for first, other in ((small, large), (large, small)):  # each policy the first row (the same forced tokens)
         alone, _ = _run(model, first, ids, steps=300)
         both, cache = _run(model, [first, other], ids.expand(2, -1), steps=300)
-        assert cache.store._two is True  # both rows past their own thresholds by the end
-        assert cache.store.fitted[0] != cache.store.fitted[1]  # each fitted on its own schedule
+        assert cache.store.ranking.two is True  # both rows past their own thresholds by the end
+        assert cache.store.ranking.fitted[0] != cache.store.ranking.fitted[1]  # each fitted on its own schedule
         torch.testing.assert_close(both[:1], alone, atol=1e-4, rtol=1e-4)
 
 
@@ -388,7 +364,7 @@ def test_a_refilled_batch_row_recalls_only_its_own_prompt_and_the_store_stays_bo
     for i in range(len(prompts)):
         torch.testing.assert_close(torch.stack(got[i]), alone[i][1:], atol=1e-4, rtol=1e-4, msg=f"prompt {i}")
     store, s = cache.store, cache.slots
-    assert store.shape[1] == 2 and store._two is not None  # a row past its two-pass threshold
+    assert store.shape[1] == 2 and store.ranking.two is not None  # a row past its two-pass threshold
     for r, i in enumerate(last):
         seen = prompts[i].shape[1] + fed[r]
         for layer in range(s.pos.shape[0]):
@@ -396,11 +372,11 @@ def test_a_refilled_batch_row_recalls_only_its_own_prompt_and_the_store_stays_bo
                 held = s.pos[layer, r, h][s.pos[layer, r, h] >= 0].tolist()
                 kept = store.pos[layer, r, h, : store.count]
                 assert sorted(held + kept[kept >= 0].tolist()) == list(range(seen))
-        if store.fitted[r] > 0:  # its coordinates moved with its keys
+        if store.ranking.fitted[r] > 0:  # its coordinates moved with its keys
             n, used = store.count, ~store.empty[:, r, :, : store.count, None]
-            want = (store.basis[:, r].mT @ store.keys[:, r, :, :n].float().mT).mT * used
+            want = (store.ranking.basis[:, r].mT @ store.keys[:, r, :, :n].float().mT).mT * used
             torch.testing.assert_close(store.low[:, r, :, :, :n].float().mT * used, want, atol=0.05, rtol=0.02)
-    assert int(store.fitted.max()) > 0
+    assert int(store.ranking.fitted.max()) > 0
     busiest = int(store.row_tokens.max())
     assert store.count <= 2 * busiest < appended
 

@@ -1,7 +1,7 @@
 """C kernels for the CPU's hot paths, built on first use with the machine's C compiler and called through ctypes.
 
 On a CPU every PyTorch operator costs microseconds whatever its size, and a decode step of the `recall` policy ran
-about 17 of them per layer to rank its store (`store.Store._recall_step`), with two top-k sorts where selections
+about 17 of them per layer to rank its store (`recall_rank.Ranking.step`), with two top-k sorts where selections
 suffice. `csrc/recall_step.c` does that ranking in one call per layer. It is plain C (no PyTorch headers: it builds
 in about a second) and is built once per source and processor into the cache folder (`H2O_CHAT_CACHE`), keyed by a
 hash of the source, the flags and the processor's features, so a shared home never runs a build for another

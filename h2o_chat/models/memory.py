@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o_chat.engine import recall_rank
 from h2o_chat.engine import store as recall_store
 from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in elements
 from h2o_chat.engine.quant import bytes_per_element
@@ -283,7 +284,7 @@ def prefill_bytes(
         total += B * (H + Hq) * T * N * elem + B * H * T * recall * (elem + 1)  # per-head masks, their front
     if stored is not None:
         n = max(stored, 1)
-        ranking = min(B * Hq * T * n, recall_store.RANK_BLOCK) * 4 + 3 * B * H * n * 4  # one block, the bounds
+        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + 3 * B * H * n * 4  # one block, the best
         total += store_bytes(shape, elem, B, stored) + ranking
     if snap:
         G = Hq // H
@@ -376,7 +377,7 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
         snap=snap is not None,
         window=getattr(snap, "window", 16),
         mass=any(p.by_score for p in policies),
-        recall=recall_store.CHUNK_TIMES * recalled,
+        recall=recall_rank.CHUNK_TIMES * recalled,
         stored=stored,
     )
     if size >= min(chunk, tokens):
