@@ -3,7 +3,10 @@ the PyTorch operators recall, marks the same entries, and a machine that cannot 
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,3 +236,30 @@ def test_the_kernels_boundary_refuses_what_it_would_read_out_of_bounds():
             step(query, n=N, many=N, threads=1)
     with pytest.raises(ValueError, match="counts"):
         step(torch.zeros(B, H * G, 1, D), n=N + 1, many=N, threads=1)  # more entries than the store holds
+
+
+def test_the_install_builds_the_kernel_and_says_where(monkeypatch, tmp_path):
+    """scripts/install.sh runs `python -m h2o_chat.engine.native --build`: it builds into the cache folder and
+    prints the library's path; a model's load (`prepare`) then builds nothing and says nothing, and where no build
+    was made it says so in one status line before building (never in the middle of a reply)."""
+    if not native.available():
+        pytest.skip(f"C kernels not built: {native.why()}")
+    env = {**os.environ, "H2O_CHAT_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "h2o_chat.engine.native", "--build"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    built = done.stdout.strip()
+    assert built.endswith(".so") and built.startswith(str(tmp_path)) and "building" in done.stderr
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    said = []
+    native._library.cache_clear()
+    try:
+        assert str(native.prepare(said.append)) == built and said == []  # built at install: nothing to say
+        native._library.cache_clear()
+        monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path / "fresh"))
+        path = native.prepare(said.append)
+        assert path.exists() and len(said) == 1 and "building" in said[0]
+        assert native.main(["--bogus"]) == 2
+    finally:
+        native._library.cache_clear()

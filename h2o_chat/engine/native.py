@@ -5,7 +5,8 @@ about 17 of them per layer to rank its store (`recall_rank.Ranking.step`), with 
 suffice. `csrc/recall_step.c` does that ranking in one call per layer. It is plain C (no PyTorch headers: it builds
 in about a second) and is built once per source and processor into the cache folder (`H2O_CHAT_CACHE`), keyed by a
 hash of the source, the flags and the processor's features, so a shared home never runs a build for another
-processor.
+processor. It is built at install time (`python -m h2o_chat.engine.native --build`, which scripts/install.sh runs)
+or, where that did not happen, when a model loads (`prepare`, with a status line): never in the middle of a reply.
 
 Nothing depends on it: without a compiler, when the build fails, or with `H2O_CHAT_NATIVE=0`, the store ranks with
 PyTorch operators as before (the tests compare both). `available()` says which, and `why()` why not.
@@ -20,7 +21,9 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "recall_step.c"
@@ -75,22 +78,34 @@ def _build(cc: str, out: Path) -> None:
         raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if not enabled():
-        _why.append("H2O_CHAT_NATIVE=0")
-        return None
+def _compiler() -> str | None:
     cc = os.environ.get("CC") or "cc"
-    cc = shutil.which(cc) or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        _why.append("no C compiler (cc, gcc or clang) on PATH")
-        return None
+    return shutil.which(cc) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _location(cc: str) -> Path:
+    """Where this source, built with these flags by `cc` for this processor, lives in the cache folder."""
     from h2o_chat.files import writable_cache_dir
 
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), repr((FLAGS, _optional())).encode(), _cpu_features().encode(), cc.encode()):
         key.update(part)
-    path = writable_cache_dir() / "native" / f"recall_step-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    return writable_cache_dir() / "native" / f"recall_step-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+
+_loaded: list[Path] = []  # the library's path, once loaded
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not enabled():
+        _why.append("H2O_CHAT_NATIVE=0")
+        return None
+    cc = _compiler()
+    if cc is None:
+        _why.append("no C compiler (cc, gcc or clang) on PATH")
+        return None
+    path = _location(cc)
     try:
         if not path.exists():
             _build(cc, path)
@@ -101,6 +116,7 @@ def _library() -> ctypes.CDLL | None:
     i, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.recall_step.argtypes = [i, i, i, i, i, i64, i, i, i, p, p, p, p, p, p, p, p, p, p, p, i, i]
     lib.recall_step.restype = i
+    _loaded[:] = [path]
     return lib
 
 
@@ -112,6 +128,32 @@ def available() -> bool:
 def why() -> str:
     """Why they are not used ('' when they are)."""
     return "" if available() else "; ".join(_why)
+
+
+def prepare(status: Callable[[str], None] | None = None) -> Path | None:
+    """Build the kernels now if this machine has no build yet (telling `status` first: it takes a few seconds),
+    and load them: where the library is, or None when they cannot be used (`why`). The install script and the
+    model loader call this, so that no reply waits for a compiler."""
+    if status is not None and _library.cache_info().currsize == 0 and enabled():
+        cc = _compiler()
+        if cc is not None and not (path := _location(cc)).exists():
+            status(f"building recall's C ranking for this processor into {path.parent} (once, a few seconds)")
+    return _loaded[0] if available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m h2o_chat.engine.native --build`: build the kernels (scripts/install.sh runs it) and print
+    where they are; exit 1, saying why, when they cannot be built (recall then ranks with PyTorch operators)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["--build"]:
+        print("usage: python -m h2o_chat.engine.native --build", file=sys.stderr)
+        return 2
+    path = prepare(lambda message: print(message, file=sys.stderr))
+    if path is None:
+        print(f"recall's C ranking is not built ({why()}): recall ranks with PyTorch operators", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}  # the store dtypes the kernel reads (its `kind`)
@@ -182,3 +224,7 @@ class RecallStep:
         if listed < 0:
             raise ValueError("recall_step: arguments it cannot take")
         return listed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
