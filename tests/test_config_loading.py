@@ -162,3 +162,32 @@ def test_registry_refuses_an_empty_name_and_names_missing_paths():
     with pytest.raises(ModelNotFoundError, match="GGUF file not found"):
         reg.resolve("weights/missing.gguf")
     assert reg.resolve(None).name == reg.default
+
+
+def test_a_model_whose_layers_span_two_devices_is_refused_in_one_line(monkeypatch, tiny_folder):
+    """Issue 41.5: accelerate's "auto" spreads layers over every GPU (or offloads some to the CPU), but the cache
+    keeps every layer's storage on one device: such a model is refused with one line naming the devices, never
+    half-run. No second GPU here: the device map is the check's input, and a loaded model is given one."""
+    loading.check_one_device(None)  # a model placed whole (on CPU, or on one GPU: {"": 0})
+    loading.check_one_device({"": 0})
+    loading.check_one_device({"model.embed_tokens": 1, "model.layers.0": 1, "lm_head": 1})
+    for spread, named in (
+        ({"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}, "cuda:0, cuda:1"),
+        ({"model.layers.0": 0, "model.layers.1": "cpu"}, "cpu, cuda:0"),
+    ):
+        with pytest.raises(DeviceError, match=named) as caught:
+            loading.check_one_device(spread)
+        assert "\n" not in str(caught.value) and "--device cuda:0" in str(caught.value)
+
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spread_over_two(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spread_over_two)
+    with pytest.raises(DeviceError, match="spread over cuda:0, cuda:1"):
+        load(load_registry().resolve(str(tiny_folder)), device="cpu")

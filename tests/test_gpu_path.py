@@ -184,6 +184,6 @@ def test_cuda_load_refuses_what_cannot_fit(monkeypatch, tiny_folder):
     from h2o_chat.models import memory
     from h2o_chat.models.loading import load
 
-    monkeypatch.setattr(memory, "free_gpu_bytes", lambda: 1024)
+    monkeypatch.setattr(memory, "free_gpu_bytes", lambda device=None: 1024)
     with pytest.raises(DeviceError, match="free"):
         load(ModelSpec(name="tiny", source=str(tiny_folder)), device="cuda")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_chat.engine import native
 from h2o_chat.engine.attention import prepare_model
 from h2o_chat.errors import DeviceError, ModelNotFoundError
 from h2o_chat.files import user_cache_dir, writable_cache_dir
@@ -275,12 +276,29 @@ def _fetching(spec: ModelSpec, download: bool):
         raise ModelNotFoundError(f"could not download {spec.source} from the Hugging Face Hub: {reason}") from None
 
 
+def _one_gpu(device: torch.device) -> int:
+    """The GPU a model loads on: the one named (cuda:N), else the current one."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def check_one_device(device_map: dict | None) -> None:
+    """Refuse, in one line, a model whose layers sit on more than one device (transformers' `hf_device_map`, e.g.
+    from accelerate's "auto" over several GPUs or with layers offloaded to the CPU): the cache keeps every layer's
+    keys and values on one device, so attention would meet tensors from two."""
+    devices = sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in (device_map or {}).values()})
+    if len(devices) > 1:
+        raise DeviceError(
+            f"the model's layers are spread over {', '.join(devices)}: h2o-chat runs a model on one device; choose "
+            "one GPU with room for all of it (--device cuda:0)"
+        )
+
+
 def warm_up(model: torch.nn.Module, device: torch.device) -> None:
     """One short forward without a cache on a GPU, while loading: the first forward of a process initialises
     CUDA kernels and libraries, which made the first prompt of a chat read at a fraction of the later speed."""
     if device.type != "cuda":
         return
-    with torch.inference_mode():  # the ids go where the embeddings are (device_map may spread the layers)
+    with torch.inference_mode():  # the ids go where the embeddings are
         model(input_ids=torch.zeros((1, 8), dtype=torch.long, device=model.device), use_cache=False)
     torch.cuda.synchronize()
 
@@ -338,7 +356,8 @@ def load(
 
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
         fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
-        check_fits(spec.name, fp, torch_dtype, quant, kv_tokens or context, free_gpu_bytes(), rows=kv_rows)
+        free = free_gpu_bytes(_one_gpu(dev))
+        check_fits(spec.name, fp, torch_dtype, quant, kv_tokens or context, free, rows=kv_rows)
     elif kv_tokens:
         from h2o_chat.models.memory import check_fits_in_memory
 
@@ -358,8 +377,8 @@ def load(
             if quant == "4bit"
             else BitsAndBytesConfig(load_in_8bit=True)
         )
-    if dev.type == "cuda":
-        kwargs["device_map"] = "auto" if dev.index is None else {"": dev.index}
+    if dev.type == "cuda":  # the whole model on one GPU: accelerate's "auto" would spread it over every GPU
+        kwargs["device_map"] = {"": _one_gpu(dev)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=not download)
     except (OSError, ValueError) as e:  # ValueError: no tokenizer file the backend can build from
@@ -373,8 +392,10 @@ def load(
         model.to(dev)
         if quant != "none":
             _pack_for_cpu(model, spec, quant, status, Path(location))
+    check_one_device(getattr(model, "hf_device_map", None))
     model.eval()
     prepare_model(model)
+    native.prepare(status)  # recall's C ranking, if the install did not build it: not in the first reply
     warm_up(model, dev)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

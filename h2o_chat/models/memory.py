@@ -162,7 +162,7 @@ def check_budget(
     which `flag` value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
     fp = Footprint(linear_params=0, other_params=0, **_kv_shape(config), kv_quant=kv_quant)
     gpu = device.type == "cuda"
-    free = free_gpu_bytes() if gpu else available_memory()
+    free = free_gpu_bytes(device) if gpu else available_memory()
     need = fp.total_bytes(dtype, "none", kv_tokens, rows)
     if need <= free:
         return
@@ -192,9 +192,10 @@ def process_memory(device: torch.device | None = None) -> dict[str, int]:
     return out
 
 
-def free_gpu_bytes() -> int:
-    """Free memory over all visible GPUs (accelerate's device_map spreads layers across them)."""
-    return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+def free_gpu_bytes(device: torch.device | None = None) -> int:
+    """Free memory on the GPU a model runs on (`device`; None: the current one): h2o-chat runs a model on one
+    device (`loading.check_one_device`), so other GPUs' memory would not hold it."""
+    return torch.cuda.mem_get_info(device)[0]
 
 
 # -- what reading a prompt and decoding need beyond the weights ----------------------------------------------
