@@ -403,3 +403,22 @@ def _wide_heads_model(seed: int):
         intermediate_size=128, initializer_range=0.2,
     )  # fmt: skip
     return prepare_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+
+
+def test_a_dropped_store_frees_its_host_memory_at_once():
+    """The ranking reads its store through a weak proxy: no reference cycle keeps the host buffers (gigabytes on
+    a long chat) alive until a garbage collection after the cache drops the store (a reset, a new conversation)."""
+    import gc
+    import weakref
+
+    template = torch.zeros(1, 2, 1, 32)
+    store = Store(2, template, template, [8], 1)
+    store.append(torch.randn(2, 1, 2, 300, 32), torch.randn(2, 1, 2, 300, 32), torch.arange(300).expand(2, 1, 2, 300))
+    assert store.recall(0, torch.randn(1, 4, 1, 32)).values.shape == (1, 2, 8, 32)
+    gone = weakref.ref(store)
+    gc.disable()
+    try:
+        del store
+        assert gone() is None
+    finally:
+        gc.enable()

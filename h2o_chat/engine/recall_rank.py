@@ -48,6 +48,7 @@ tokens up (eager steps: the store grows every step, which a captured graph canno
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -94,7 +95,7 @@ class Ranking:
     `clear_row`, `clear`), entries arrive (`appended`) or keys turn (`renumbered`)."""
 
     def __init__(self, store) -> None:
-        self.store = store
+        self.store = weakref.proxy(store)  # (no cycle: the host buffers go when the cache drops its store)
         self.rank_dim = store.rank_dim
         self.candidates = CANDIDATES if self.rank_dim else 0  # 0: every stored key ranked exactly
         self.basis: torch.Tensor | None = None  # (`fit`; rows never fitted keep zeros: their coordinates go unread)
