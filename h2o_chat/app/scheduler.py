@@ -14,6 +14,7 @@ only submits jobs and reads their events, so nothing here needs a lock but the q
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
@@ -97,6 +98,10 @@ class Scheduler:
     # -- the loop ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
+        # a row's cache view (and snap's copy of it) is a reference cycle (cache <-> its layers): freed only by a
+        # collection of the oldest generation, which the model's millions of objects make rare and slow. Frozen,
+        # those objects are no longer scanned, and a collection after each reply costs next to nothing.
+        gc.freeze()
         with torch.inference_mode():
             try:
                 while True:
@@ -141,14 +146,15 @@ class Scheduler:
             if job.cancelled:
                 self.waiting.remove(job)
                 continue
-            place = self._place(LaneKey.of(job.req), job.req.policy)
-            if place is None:
-                continue  # no row yet: it waits for one (jobs behind it with another key may go first)
-            self.waiting.remove(job)
-            lane, r = place
             try:
-                self._start(job, lane, r)
+                place = self._place(LaneKey.of(job.req), job.req.policy)
+                if place is None:
+                    continue  # no row yet: it waits for one (jobs behind it with another key may go first)
+                self.waiting.remove(job)
+                self._start(job, *place)
             except ApiError as e:
+                if job in self.waiting:
+                    self.waiting.remove(job)
                 job.emit(("error", e))
 
     def _place(self, key: LaneKey, policy) -> tuple[Lane, int] | None:
@@ -239,6 +245,7 @@ class Scheduler:
         session.state, session.nbytes = state, snapshot_bytes(state)
         self.store.put(session)
         self.served += 1
+        gc.collect()  # the views this reply used: memory stays flat however many replies pass
         result = self._result(job, reason, stats)
         if self.log:
             self.log(_log_line(result))

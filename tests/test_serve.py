@@ -1,0 +1,345 @@
+"""h2o-chat serve: the real server on a loopback port (port 0: a free one), driven by the real `openai` client and
+by raw HTTP. The embedded model answers the client's requests; a tiny random model serves the limits' tests."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from h2o_chat.app.serve import ServeOptions, Server  # noqa: E402
+from h2o_chat.app.serve_api import Limits  # noqa: E402
+
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """A server's engine thread on one CPU thread: on a busy 2-core machine, OpenMP barriers between two
+    threads make each step many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def serving(loaded, **options):
+    server = Server(loaded, ServeOptions(port=0, **options))
+    port = server.start()
+    try:
+        yield server, port
+    finally:
+        server.stop()
+
+
+def client(port: int, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def post(port: int, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    status, raw = response.status, response.read()
+    conn.close()
+    return status, json.loads(raw)
+
+
+def get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path, headers=headers or {})
+    response = conn.getresponse()
+    status, raw = response.status, response.read()
+    conn.close()
+    return status, json.loads(raw)
+
+
+@pytest.fixture(scope="module")
+def embedded_server(embedded, one_thread):
+    limits = Limits(budget=64, max_tokens=8)
+    with serving(embedded, limits=limits, max_body=64 * 1024, rows=4) as (server, port):
+        yield server, port
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random LLaMA with a word-level tokenizer, loaded as a model folder is."""
+    from conftest import tiny_model, tiny_tokenizer
+    from h2o_chat.models.loading import load
+    from h2o_chat.models.registry import load_registry
+
+    folder = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return load(load_registry().resolve(str(folder)), device="cpu")
+
+
+# -- the openai client -----------------------------------------------------------------------------------------
+def test_chat_streamed_and_not_give_one_reply_with_usage_and_cache_stats(embedded_server):
+    _, port = embedded_server
+    c = client(port)
+    whole = c.chat.completions.create(model="any", messages=CHAT, temperature=0, max_tokens=6)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens > 0
+    assert whole.model == "any"
+    h2o = whole.h2o  # ours: the conversation's cache
+    assert h2o["policy"] == "snap" and h2o["budget"] == 64 and h2o["seen"] == whole.usage.prompt_tokens + 5
+    assert h2o["kept"] <= 64 and h2o["evicted"] == h2o["seen"] - h2o["kept"] and not h2o["reread"]
+    stream = c.chat.completions.create(
+        model="any", messages=CHAT, temperature=0, max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6  # the usage chunk, as asked
+    assert chunks[-2].h2o["seen"] == h2o["seen"]
+
+
+def test_completions_and_stop_strings(embedded_server):
+    _, port = embedded_server
+    c = client(port)
+    free = c.completions.create(model="m", prompt="One, two, three, four,", temperature=0, max_tokens=6)
+    text = free.choices[0].text
+    assert free.choices[0].finish_reason == "length" and len(text.split()) >= 2
+    stop = text[text.index(text.split()[1]) :][:3]  # the second word's start: the reply ends before it
+    cut = c.completions.create(model="m", prompt="One, two, three, four,", temperature=0, max_tokens=6, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+    chat = c.chat.completions.create(model="m", messages=CHAT, temperature=0, max_tokens=8, stop=["e"])
+    assert "e" not in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_gives_the_same_sampled_text(embedded_server):
+    _, port = embedded_server
+    c = client(port)
+    ask = {"model": "m", "messages": CHAT, "temperature": 1.5, "max_tokens": 8}
+    first, again = (c.chat.completions.create(**ask, seed=11).choices[0].message.content for _ in range(2))
+    assert first == again
+    others = {c.chat.completions.create(**ask, seed=s).choices[0].message.content for s in (12, 13, 14)}
+    assert others - {first}
+
+
+def test_a_conversation_reads_only_its_new_turn_and_says_when_it_was_read_again(embedded_server):
+    _, port = embedded_server
+    c = client(port)
+    messages = [{"role": "user", "content": "Hello there."}]
+    one = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
+    messages += [
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "Go on."},
+    ]
+    two = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
+    assert two.h2o["conversation"] == one.h2o["conversation"] and not two.h2o["reread"]
+    assert two.h2o["cached_tokens"] == one.h2o["seen"] == two.usage.prompt_tokens_details.cached_tokens
+    assert two.h2o["read_tokens"] < one.h2o["read_tokens"]
+    # a history this server never generated: read again from the start, and said so
+    messages[1]["content"] = "Something I never said."
+    three = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
+    assert three.h2o["reread"] and three.h2o["cached_tokens"] == 0
+    assert three.h2o["conversation"] != one.h2o["conversation"]
+
+
+def test_models_health_and_stats(embedded_server):
+    _, port = embedded_server
+    assert [m.id for m in client(port).models.list()] == ["smollm2-135m"]
+    assert get(port, "/health") == (200, {"status": "ok", "model": "smollm2-135m", "draining": False})
+    status, stats = get(port, "/v1/stats")
+    assert status == 200 and stats["rows_max"] == 4 and stats["idle_conversations"]["count"] >= 1
+    assert stats["memory"]["rss"] > 0 and all(lane["budget"] for lane in stats["lanes"])
+
+
+# -- bad input: one clear status and message each, and the server serves on ---------------------------------------
+BAD = [
+    ("malformed JSON", b'{"messages": [', 400, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, "must be a JSON object"),
+    ("unknown field", {"messages": CHAT, "tempreature": 0.5}, 400, 'unknown field "tempreature"'),
+    ("wrong type", {"messages": CHAT, "max_tokens": "10"}, 400, '"max_tokens": input should be a valid integer'),
+    ("wrong type in a message", {"messages": [{"role": "user", "content": 5}]}, 400, '"messages.0.content"'),
+    ("no messages", {"temperature": 0}, 400, '"messages" is required'),
+    ("an unknown role", {"messages": [{"role": "robot", "content": "hi"}]}, 400, '"messages.0.role"'),
+    ("n above 1", {"messages": CHAT, "n": 2}, 400, '"n" must be 1'),
+    ("a temperature out of range", {"messages": CHAT, "temperature": -1}, 400, '"temperature" must be between'),
+    ("budget zero", {"messages": CHAT, "budget": 0}, 400, '"budget" must be a positive number'),
+    ("budget above the limit", {"messages": CHAT, "budget": 10**9}, 400, "above this server's limit of 4096"),
+    ("budget too small for snap", {"messages": CHAT, "budget": 1}, 400, "snap needs a budget of at least 2"),
+    ("a policy not served", {"messages": CHAT, "policy": "full"}, 400, "\"policy\" 'full' is not served"),
+    ("huge body", b'{"messages": "' + b"a" * 200_000 + b'"}', 413, "larger than this server's limit of 65,536"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "status", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_one_clear_error_and_the_server_serves_on(embedded_server, case, body, status, words):
+    _, port = embedded_server
+    got, answer = post(port, "/v1/chat/completions", body)
+    assert got == status, answer
+    message = answer["error"]["message"]
+    assert words in message and "\n" not in message and "Traceback" not in message
+    ok, reply = post(port, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0})
+    assert ok == 200 and reply["usage"]["completion_tokens"] == 1
+
+
+def test_an_api_key_is_required_when_set(tiny, one_thread):
+    with serving(tiny, api_key="sesame") as (_, port):
+        body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 2}
+        for headers, why in (({}, "no API key"), ({"Authorization": "Bearer wrong"}, "a wrong API key")):
+            status, answer = post(port, "/v1/chat/completions", body, headers)
+            assert status == 401 and why in answer["error"]["message"]
+            assert get(port, "/v1/models", headers)[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(port, "wrong").models.list()
+        reply = client(port, "sesame").chat.completions.create(model="t", **body)
+        assert reply.usage.completion_tokens == 2
+
+
+def test_a_cache_that_cannot_fit_is_a_503_and_the_server_serves_on(tiny, one_thread, monkeypatch):
+    from h2o_chat.models import memory
+
+    with serving(tiny) as (server, port):
+        monkeypatch.setattr(memory, "available_memory", lambda: 2**20)  # 1 MB left: no new lane fits
+        body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 2, "budget": 3000}
+        status, answer = post(port, "/v1/chat/completions", body)
+        assert status == 503 and "no memory for this conversation's cache" in answer["error"]["message"]
+        assert '"budget"' in answer["error"]["message"]  # says which budget would fit
+        monkeypatch.undo()
+        assert post(port, "/v1/chat/completions", body)[0] == 200
+        assert server.scheduler.busy == 0
+
+
+def test_a_client_gone_mid_stream_frees_its_row_at_the_next_step(embedded_server):
+    server, port = embedded_server
+    served = server.scheduler.served
+    body = json.dumps({"messages": CHAT, "max_tokens": 5000, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"data: ") < 3:  # the role, then text: the reply is under way
+            got += sock.recv(65536)
+        assert get(port, "/v1/stats")[1]["rows_busy"] == 1
+    deadline = time.monotonic() + 30
+    while get(port, "/v1/stats")[1]["rows_busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = get(port, "/v1/stats")[1]
+    assert stats["rows_busy"] == 0 and server.scheduler.served == served  # freed, not finished: 5000 tokens
+
+
+def test_the_command_serves_and_stops_cleanly_on_sigterm(tiny):
+    folder = tiny.spec.source
+    command = [sys.executable, "-m", "h2o_chat", "serve", "-m", folder, "--device", "cpu", "--port", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "serving" in line and "http://127.0.0.1:" in line, line
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        body = {"prompt": "w5 w6", "max_tokens": 3}
+        status, reply = post(port, "/v1/completions", body)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        out = proc.stderr.read()
+        assert proc.wait(30) == 0 and "stopped" in out and "Traceback" not in out
+    finally:
+        proc.kill()
+
+
+def test_the_command_refuses_what_it_cannot_serve_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "h2o_chat", "serve", "--policy", "recall"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--policy recall is not served" in result.stderr
+
+
+# -- under load ---------------------------------------------------------------------------------------------------
+def resident() -> int:
+    """This process's resident memory once the C heap has given back what it freed (glibc keeps freed blocks, and
+    the resident figure would then follow the allocator's history, not what is held)."""
+    import ctypes
+
+    import psutil
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thread):
+    """16 streaming clients, 10 turns each, decode together: every reply is complete and each conversation's text
+    is what the chat path (app/conversation.py) gives it alone (greedy); once every conversation is open the
+    process's resident memory stays flat; clients killed mid-stream leave no busy row. Short messages keep the
+    test quick: a turn then reads about a dozen tokens."""
+    from h2o_chat.app.conversation import ChatSettings, Conversation
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.sampling import Sampler
+
+    clients, turns, budget, max_tokens = 16, 10, 64, 3
+    limits = Limits(policy="h2o", budget=budget, max_tokens=max_tokens, temperature=0.0, repetition_penalty=1.1)
+    replies: dict[int, list[str]] = {}
+    rss: list[int] = []
+    errors: list[BaseException] = []
+    opened = threading.Barrier(clients, action=lambda: rss.append(resident()))
+
+    def converse(i: int, port: int) -> None:
+        try:
+            c, messages = client(port), []
+            for t in range(turns):
+                messages.append({"role": "user", "content": f"{i}-{t}"})
+                chunks = list(c.chat.completions.create(model="m", messages=messages, stream=True))
+                end = [ch for ch in chunks if ch.choices][-1]
+                assert end.choices[0].finish_reason in ("stop", "length") and not end.h2o["reread"]
+                assert (end.h2o["cached_tokens"] > 0) == (t > 0)  # each turn after the first reads only itself
+                messages.append({"role": "assistant", "content": "".join(ch.choices[0].delta.content or ""
+                                                                         for ch in chunks if ch.choices)})  # fmt: skip
+                if t in (1, 4):  # every conversation has its cache: memory must stay flat from here
+                    opened.wait(300)
+            replies[i] = [m["content"] for m in messages if m["role"] == "assistant"]
+        except BaseException as e:
+            errors.append(e)
+            opened.abort()
+
+    def killed(port: int) -> None:
+        stream = client(port).chat.completions.create(model="m", messages=CHAT, stream=True, max_tokens=2000)
+        for n, _ in enumerate(stream):
+            if n == 2:
+                break
+        stream.close()  # the connection goes: its row must be freed at the next step
+
+    with serving(embedded, limits=limits, rows=16, max_sessions=16) as (server, port):
+        threads = [threading.Thread(target=converse, args=(i, port)) for i in range(clients)]
+        threads += [threading.Thread(target=killed, args=(port,)) for _ in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(600)
+        assert not errors, errors[0]
+        rss.append(resident())
+        deadline = time.monotonic() + 30
+        while (server.scheduler.busy or server.scheduler.waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = get(port, "/v1/stats")[1]
+        assert stats["rows_busy"] == 0 and stats["waiting"] == 0
+        assert stats["idle_conversations"]["count"] == 16
+    # after turn 2 the rows may still grow to the peak of concurrent replies (3 MB each); after turn 5 nothing grows
+    grew = [(b - a) / 2**20 for a, b in zip(rss, rss[1:], strict=False)]
+    assert grew[1] < 24 and rss[-1] - rss[0] < 96 * 2**20, f"resident memory grew by {grew} MB"
+
+    for i in range(clients):
+        settings = ChatSettings(max_new_tokens=max_tokens, sampler=Sampler(repetition_penalty=1.1), decode="eager")
+        alone = Conversation(embedded, make_policy("h2o", budget), settings)
+        for t in range(turns):
+            text = "".join(r.text for r in alone.send(f"{i}-{t}"))
+            assert text == replies[i][t], (i, t)
