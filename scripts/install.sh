@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install h2o-chat and its embedded default model into the active Python environment.
 #   scripts/install.sh          the tool
-#   scripts/install.sh --dev    the tool plus pytest and ruff
+#   scripts/install.sh --dev    the tool plus pytest, ruff and the openai client (serve's tests)
 # An existing torch is kept (install your CUDA build first on a GPU machine); otherwise torch 2.13.0 is
 # installed, which resolves to the CPU build on our CPU machines and avoids several GB of CUDA wheels.
 set -euo pipefail
