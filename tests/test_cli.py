@@ -479,13 +479,9 @@ def test_a_slow_prompt_is_forecast_before_it_is_read(fast_load, monkeypatch):
     notes = [line for line in result.stderr.splitlines() if "will take about" in line]
     assert len(notes) == 1 and "a larger --chunk-size, or a GPU, reads faster" in notes[0]
     found = re.search(
-        r"reading ([\d,]+) tokens \(([\d,]+) of them twice: snap's probe reads the end first\) "
-        r"will take about \d+ s at",
-        notes[0],
+        r"reading ([\d,]+) tokens \(twice: snap's probe reads the prompt first\) will take about .+ at", notes[0]
     )
-    assert found, notes[0]
-    prompt, twice = (int(g.replace(",", "")) for g in found.groups())
-    assert 0 < twice < prompt  # the probe reads the last chunk-or-budget tokens again, not the whole prompt
+    assert found, notes[0]  # the probe reads the whole prompt (issue 41.7), then the prompt is read again
 
 
 def test_sigpipe_ends_quietly():

@@ -95,10 +95,10 @@ def test_prompt_ten_times_the_budget_stays_bounded(monkeypatch):
     engine = Engine(model, cache, "eager")
     engine.prefill(torch.randint(0, 256, (1, length)), chunk_size=chunk)
     per_pass = 2 * length // chunk  # two layers, every chunk
-    assert len(shapes) == 2 + per_pass  # the probe reads the prompt's last chunk only, then the whole prompt
+    assert len(shapes) == 2 * per_pass  # the probe reads the whole prompt, then the prompt is read again
     assert max(shapes) <= budget + chunk and max(scored) <= chunk  # the budget and one chunk
     # the second read tracks no attention mass: the observation's mass replaces it when the prompt ends
-    assert all(masses[:2]) and not any(masses[2:])
+    assert all(masses[:per_pass]) and not any(masses[per_pass:])
     assert cache.slots.capacity == budget and cache.observation is None and not cache.slots.extra
     stats = cache.stats()
     assert stats.seen == length and stats.kept == budget  # the probe's tokens were not counted twice
@@ -175,8 +175,8 @@ def test_prefill_reports_progress_after_each_chunk_and_snap_reads_twice():
     assert calls == [(2, 50), (18, 50), (34, 50), (50, 50)]
     calls.clear()
     prefill(model, H2OCache.for_model(model, make_policy("snap", 16)), ids, chunk_size=16, progress=calls_to(calls))
-    # snap: the probe reads the last chunk (16 columns), then the whole prompt is read: one bar for both
-    assert calls == [(16, 66), (18, 66), (34, 66), (50, 66), (66, 66)]
+    # snap: the probe reads the prompt, then it is read again: one bar for both
+    assert calls == [(2, 100), (18, 100), (34, 100), (50, 100), (52, 100), (68, 100), (84, 100), (100, 100)]
     calls.clear()
     prefill(model, H2OCache.for_model(model, make_policy("snap", 64)), ids, chunk_size=16, progress=calls_to(calls))
     assert calls[-1] == (50, 50)  # a prompt that fits the budget is read once
@@ -184,3 +184,27 @@ def test_prefill_reports_progress_after_each_chunk_and_snap_reads_twice():
 
 def calls_to(calls: list):
     return lambda done, total: calls.append((done, total))
+
+
+def test_the_probe_queries_see_the_whole_prompt(monkeypatch):
+    """Issue 41.7: the probe's final queries must come from a read of the whole prompt, as SnapKV's come from the
+    full prompt. A probe that read only the prompt's last chunk (the rest skipped) gave the same queries whatever
+    the prompt's beginning said, and lost a needle the question's queries find once they have read the text."""
+    budget, chunk, length = 32, 32, 320
+    captured = []
+    real_init = snap_module.Observation.__init__
+
+    def spy(self, probe, *args, **kwargs):
+        captured.append([q.clone() for q in probe.q])
+        real_init(self, probe, *args, **kwargs)
+
+    monkeypatch.setattr(snap_module.Observation, "__init__", spy)
+    model = tiny_model("llama", seed=24)
+    ids = torch.randint(4, 256, (1, length), generator=torch.Generator().manual_seed(24))
+    other = ids.clone()
+    other[:, :chunk] = torch.randint(4, 256, (1, chunk), generator=torch.Generator().manual_seed(25))
+    for prompt in (ids, other):
+        prefill(model, H2OCache.for_model(model, make_policy("snap", budget, window=4)), prompt, chunk_size=chunk)
+    (first, second) = captured
+    assert torch.equal(first[0], second[0])  # layer 0's queries are the last tokens' own embeddings
+    assert not torch.allclose(first[-1], second[-1], atol=1e-4)  # above it they have read the first chunk

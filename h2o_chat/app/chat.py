@@ -109,7 +109,7 @@ class ChatSession:
                     if stop.is_set():
                         break
         except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk
-            # the message's own tokens: snap's first pass (its probe of the message's end) is not counted
+            # the message's own tokens: snap's first pass (its probe) is not counted
             read = max(0, e.done - max(0, e.total - conv.pending))
             view.say(
                 f"(stopped reading your message after {read:,} of {conv.pending:,} tokens: it was not added, and the "

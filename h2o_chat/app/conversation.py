@@ -265,10 +265,10 @@ class Conversation:
             return encode(self.tokenizer, text), None
         return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
 
-    def reads(self, tokens: int, chunk: int | None = None) -> int:
-        """Columns a turn of `tokens` new tokens is read for: snap reads an overflowing prompt's last chunk
-        first (its probe chooses what the full read keeps)."""
-        return columns_read(self.cache, tokens, chunk or self.settings.chunk_size)
+    def reads(self, tokens: int) -> int:
+        """Columns a turn of `tokens` new tokens is read for: snap reads an overflowing prompt twice (its probe
+        chooses what the second read keeps)."""
+        return columns_read(self.cache, tokens)
 
     # -- a turn -----------------------------------------------------------------------------------
     def send(
@@ -298,7 +298,7 @@ class Conversation:
         before = self.cache.snapshot() if len(ids) > chunk or self._cheap_snapshot() else None
         kept = (self.fed, list(self.spans))  # what a taken-back turn restores
         if progress is not None:
-            progress(0, self.reads(len(ids), chunk))
+            progress(0, self.reads(len(ids)))
         self.messages.append(user)
         start = begin = self.fed
         for index, end in ends:  # one span per message (a whole loaded conversation has many)

@@ -83,7 +83,7 @@ class ReadingForecast:
         rate = done / max(1e-9, self.clock() - self.started)
         if total / rate < self.threshold:
             return None
-        twice = f" ({total - tokens:,} of them twice: snap's probe reads the end first)" if total > tokens else ""
+        twice = " (twice: snap's probe reads the prompt first)" if total > tokens else ""
         return (
             f"reading {tokens:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
             "a larger --chunk-size, or a GPU, reads faster"

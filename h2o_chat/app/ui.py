@@ -50,11 +50,11 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 
 def reading_label(total: int, prompt_tokens: int) -> str:
-    """What a prompt-reading bar says: snap's probe reads the end of a prompt that overflows the budget first
-    (the whole prompt when it is no longer than the probe), so one bar counts both passes."""
+    """What a prompt-reading bar says: snap's probe reads a prompt that overflows the budget first, then the
+    prompt is read again, so one bar counts both passes."""
     if not prompt_tokens or total <= prompt_tokens:
         return "reading the prompt"
-    return "reading the prompt" + (" (twice: snap)" if total >= 2 * prompt_tokens else " (its end twice: snap)")
+    return "reading the prompt (twice: snap)"
 
 
 def summary_line(

@@ -197,16 +197,12 @@ class Engine:
         done = [0]  # prompt columns read so far, over every pass
         with deferred_interrupt() as interrupted:
 
-            def feed(target, start: int = 0, total: int | None = None, real=None) -> torch.Tensor:
-                """Read columns [start:] of the prompt into `target`; `total`: columns read over every pass;
-                `real`: the mask to read them with (default the prompt's)."""
+            def feed(target, total: int | None = None) -> torch.Tensor:
+                """Read the prompt into `target`; `total`: columns read over every pass."""
                 total = ids.shape[1] if total is None else total
-                real = mask if real is None else real
-                return self._chunks(
-                    target, ids[:, start:], real[:, start:], chunk_size, progress, done, total, interrupted
-                )
+                return self._chunks(target, ids, mask, chunk_size, progress, done, total, interrupted)
 
-            return compress_prompt(cache, mask, feed, probe_tokens=chunk_size)
+            return compress_prompt(cache, mask, feed)
 
     def _chunks(self, cache, ids, mask, chunk_size, progress, done, total, interrupted) -> torch.Tensor:
         B, L = ids.shape

@@ -5,8 +5,11 @@ keeps what the text attends to, not what a question at its end will need. SnapKV
 last `window` queries (the observation window, usually the question) choose what to keep. Done naively that
 needs the whole prompt's keys at once; here it runs in two chunked passes:
 
-1. Probe: prefill the prompt into a throw-away copy of the cache (same budget) only to capture, in every
-   layer, the last `window` queries. Peak: two budgets + one chunk.
+1. Probe: prefill the whole prompt into a throw-away copy of the cache (same budget, evicting as h2o does) only
+   to capture, in every layer, the last `window` queries. Peak: two budgets + one chunk. The probe reads the whole
+   prompt, not only its end: the final queries of a question must have read the text to look for what it asks
+   (issue 41.7: a probe of the last chunk alone lost needles the whole-prompt probe finds, for half the prompt
+   time; docs/policies.md has the measurement).
 2. Select: prefill again into the real cache. Every chunk's keys (and the keys already held) are scored by
    those observation queries: logits max-pooled over `kernel` neighbouring positions so a selected token keeps
    its neighbours, normalised by a running log-sum-exp over every key seen, so each query spreads one unit of
@@ -160,34 +163,25 @@ def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
     return compress & (held.to(real.device) + real > budgets)
 
 
-def columns_read(cache, tokens: int, chunk_size: int) -> int:
+def columns_read(cache, tokens: int) -> int:
     """Columns a prompt of `tokens` will be read for in all, known on the host before reading it: snap reads
-    an overflowing prompt's last chunk first, then the whole prompt (progress bars show both from the start)."""
+    an overflowing prompt twice, its probe then the read that keeps (progress bars show both from the start)."""
     budgets = [g.policy.capacity for g in cache.groups if g.policy.compresses_prompts]
     if not budgets or min(min(budgets), cache.columns) + tokens <= min(budgets):
         return tokens
-    return tokens + (min(tokens, max(chunk_size, *budgets)) if PROBE == "tail" else tokens)
-
-
-# What the probe reads to find the prompt's last queries: "whole" (the prompt, evicting as h2o does, so the
-# final queries see heavy hitters and the recent half of the budget) or "tail" (only its last `probe_tokens`,
-# after skipping the rest: the final queries see that much recent text exactly; the probe costs one chunk).
-PROBE = "tail"
+    return 2 * tokens
 
 
 @torch.inference_mode()
-def compress_prompt(
-    cache, mask: torch.Tensor, prefill: Callable[..., torch.Tensor], probe_tokens: int = 512
-) -> torch.Tensor:
+def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Prefill a prompt with question-aware selection for the rows whose policy compresses prompts and whose
     own tokens overflow the budget; returns the last logits. `mask` (B, L) marks the prompt's real tokens;
-    `prefill(cache, start, total, mask)` is the plain chunked prefill of the prompt's columns [start:] into a cache
-    (the probe's copy or the real one), `total` the columns read over every pass (for progress), `mask` the
-    prompt's mask to read them with (default `mask`)."""
+    `prefill(cache, total)` is the plain chunked prefill of the prompt into a cache (the probe's copy or the real
+    one), `total` the columns read over every pass (for progress)."""
     L = mask.shape[1]
     rows = _overflowing_rows(cache, mask.sum(-1))
     if not bool(rows.any()):  # it all fits: nothing to choose (one host sync per prompt)
-        return prefill(cache, 0, L)
+        return prefill(cache, L)
     groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or mask.shape[0])]
     snaps = [g.policy for g in groups if isinstance(g.policy, Snap)]
     kernels = {p.kernel for p in snaps}
@@ -195,25 +189,17 @@ def compress_prompt(
         raise ValueError("rows of one batch compress prompts with one pooling kernel")
     windows = torch.tensor([g.policy.window if isinstance(g.policy, Snap) else 1 for g in groups], device=mask.device)
     window = int(windows.max())
-    # each row's probe reads its own tail (its budget, or a chunk if more), as it would alone: a row whose tail
-    # starts later sees the columns before it as padding, counted as read (`skip`) so positions stay true
-    caps = [g.policy.capacity if isinstance(g.policy, Snap) else 0 for g in groups]
-    own = torch.tensor([max(0, L - max(probe_tokens, c)) if PROBE == "tail" else 0 for c in caps], device=mask.device)
-    start = int(own.min())
-    before = torch.arange(L, device=mask.device) < own[:, None]  # (B, L): columns a row's probe skips
-
+    # every row's probe reads its whole prompt, evicting as h2o does at its own budget, as it would alone
     probe_cache = cache.fork()
     probe_cache.probe = Probe(probe_cache, window, cache.columns + L)
-    if bool(before.any()):
-        probe_cache.skip((mask.bool() & before).sum(-1), start)
-    prefill(probe_cache, start, 2 * L - start, mask.masked_fill(before, 0))
+    prefill(probe_cache, 2 * L)
     probe = probe_cache.probe
     del probe_cache
 
     plain = [not r and g.policy.by_score for g, r in zip(groups, rows.tolist(), strict=True)]
     cache.observation = Observation(probe, cache, rows, windows, kernels.pop(), track_mass=any(plain))
     try:
-        return prefill(cache, 0, 2 * L - start)
+        return prefill(cache, 2 * L)
     finally:
         cache.observation.finish()
         cache.observation = None
