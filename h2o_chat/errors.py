@@ -37,7 +37,17 @@ class CacheUsageError(H2OChatError):
 
 
 class ContextLimitError(H2OChatError):
-    """The model cannot read past its trained context (learned absolute positions, e.g. OPT)."""
+    """The model cannot read past its trained context (learned absolute positions, e.g. OPT): `context` tokens.
+    The engine says what happened; the chat adds what the user can do (`advice`)."""
+
+    advice = "start a new conversation (/reset) or shorten the input"
+
+    def __init__(self, context: int):
+        self.context = context
+        super().__init__(
+            f"the model's learned positions end at {context} tokens (OPT): it cannot read or write past them, "
+            "whatever the budget"
+        )
 
 
 class StdoutError(OSError):

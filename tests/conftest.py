@@ -9,6 +9,8 @@ import torch
 
 # keep test runs self-contained: converted weights go to a per-run folder unless the user points elsewhere
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# decode steps run eagerly unless a test asks for the compiled step (compiling costs seconds per model and batch)
+os.environ.setdefault("H2O_CHAT_DECODE", "eager")
 
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
 

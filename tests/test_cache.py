@@ -155,9 +155,10 @@ def test_storage_is_allocated_once_and_never_exceeds_budget(single_thread):
     assert count == 2000
     stats = cache.stats()
     assert stats.seen == 5 + 1999 and stats.kept == budget and stats.kept_max == budget
-    # layers * (K,V) * rows * heads * (budget + the spare slot) * head dim * fp32
-    assert stats.kv_bytes == 2 * 2 * 1 * 2 * (budget + 1) * 16 * 4
-    assert stats.kv_used_bytes == 2 * 2 * 1 * 2 * budget * 16 * 4
+    # layers * rows * heads * (budget + the spare slot) * (K,V of head dim in fp32 + position, rotation (int64)
+    # and score (fp32)), and the rows' counters (seen, next rotation: int64)
+    assert stats.kv_bytes == 2 * 1 * 2 * (budget + 1) * (2 * 16 * 4 + 8 + 8 + 4) + 1 * 2 * 8
+    assert stats.kv_used_bytes == 2 * 1 * 2 * budget * (2 * 16 * 4 + 8 + 8 + 4)
 
 
 # -- (d) batch rows evict independently: a row gives what the prompt gives alone ------------------------------
@@ -214,7 +215,9 @@ def test_chunked_long_prompt_holds_at_most_budget_plus_chunk(monkeypatch):
     assert cache.slots.capacity == budget
     stats = cache.stats()
     assert stats.seen == length and stats.kept == budget and stats.evicted == length - budget
-    assert stats.full_kv_bytes == stats.kv_used_bytes * length // budget
+    # a full cache would hold keys and values of every token; ours holds each kept slot (position, rotation and
+    # score included: 20 bytes beside 2 x 16 fp32)
+    assert stats.full_kv_bytes * 148 // 128 == stats.kv_used_bytes * length // budget
 
 
 def test_model_without_h2o_attention_is_refused():
@@ -268,18 +271,21 @@ def test_changing_budget_mid_stream_keeps_the_best_and_frees_the_rest():
 
 
 def test_stats_tell_allocated_from_in_use_bytes():
-    model = tiny_model("llama", seed=2)  # 2 layers, 2 KV heads of 16 dims, fp32: 512 bytes a token (K+V)
+    # 2 layers, 2 KV heads of 16 dims, fp32: a slot is K+V (128 bytes) + position, rotation, score (20): 592 bytes
+    # a token over layers and heads, 512 of them its keys and values (what a full cache holds of it)
+    model = tiny_model("llama", seed=2)
     cache = H2OCache.for_model(model, make_policy("h2o", 32))
     run(model, cache, torch.randint(0, 256, (1, 10)), [10])
     stats = cache.stats()
-    assert stats.kv_bytes == (32 + 1) * 512  # the whole budget (and its spare slot) from the first token
-    assert stats.kv_used_bytes == 10 * 512 == stats.full_kv_bytes  # ten tokens held, as a full cache would
+    rows = 2 * 8  # the row's counters: seen and the next rotation (int64)
+    assert stats.kv_bytes == (32 + 1) * 592 + rows  # the whole budget (and its spare slot) from the first token
+    assert stats.kv_used_bytes == 10 * 592 and stats.full_kv_bytes == 10 * 512  # ten tokens held
     run(model, cache, torch.randint(0, 256, (1, 40)), [1] * 40)
     stats = cache.stats()
-    assert stats.kv_used_bytes == 32 * 512 and stats.kv_bytes == 33 * 512 and stats.full_kv_bytes == 50 * 512
+    assert stats.kv_used_bytes == 32 * 592 and stats.kv_bytes == 33 * 592 + rows and stats.full_kv_bytes == 50 * 512
     record = stats.as_dict()
     assert record["kept"] == 32 and type(record["kept"]) is int and type(record["evicted"]) is int
-    assert record["kv_used_bytes"] == 32 * 512
+    assert record["kv_used_bytes"] == 32 * 592
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -307,3 +313,60 @@ def test_a_reset_cache_reads_the_next_sequence_as_a_fresh_one(name):
     read(reused, first)
     reused.reset()
     torch.testing.assert_close(read(reused, second), read(make(), second), atol=1e-5, rtol=1e-5)
+
+
+def test_a_field_added_to_the_storage_declaration_is_carried_everywhere(monkeypatch):
+    """The storage's buffers are declared once (`slots.FIELDS`): a new one is allocated, moved by eviction and
+    budget changes, selected with its rows, viewed, snapshotted, restored, cleared and counted without another
+    edit. Here it holds a copy of each slot's position: wherever tokens go, it must go with them."""
+    from h2o_chat.engine import slots as slots_module
+    from h2o_chat.engine.decode import Engine
+    from h2o_chat.models.memory import footprint
+
+    mark = slots_module.Field("mark", -7, torch.int32)
+    monkeypatch.setattr(slots_module, "FIELDS", (*slots_module.FIELDS, mark))
+    model = tiny_model("llama", seed=9)
+    cache = H2OCache.for_model(model, make_policy("h2o", 24), "auto")
+    engine = Engine(model, cache, "eager")
+    logits = engine.prefill(torch.randint(1, 256, (2, 20)))
+    s = cache.slots
+    assert s.mark.shape == s.pos.shape and s.mark.dtype == torch.int32
+
+    @torch.inference_mode()
+    def stamp() -> None:  # every held token's mark is its position
+        cache.slots.mark.copy_(cache.slots.pos.to(torch.int32).masked_fill(cache.slots.pos < 0, -7))
+
+    def carried(c=None) -> None:
+        c = c or cache
+        held = c.slots.pos >= 0
+        marks = c.slots.mark[held]
+        # a token kept since the stamp has its position; one placed since then has the field's empty value
+        assert bool(((marks == c.slots.pos[held].to(torch.int32)) | (marks == -7)).all())
+        assert bool((c.slots.mark[~held] == -7).all())
+        assert bool((marks != -7).any())  # some stamped tokens are still held
+
+    stamp()
+    list(engine.tokens(logits, 12))  # decode steps: the spare replaces victims
+    carried()
+    engine.prefill(torch.randint(1, 256, (2, 30)), chunk_size=8)  # chunks that do not fit: selection
+    carried()
+    stamp()
+    state = cache.snapshot()
+    assert state["slots"].mark.device.type == "cpu"
+    engine.prefill(torch.randint(1, 256, (2, 10)))
+    cache.restore(state)
+    carried()
+    view = cache.row(1)  # a row's view shares the storage
+    assert view.slots.mark.data_ptr() == cache.slots.mark[:, 1:2].data_ptr()
+    twin = cache.fork()
+    carried(twin)
+    cache.set_policy(make_policy("h2o", 16))  # a smaller budget moves the best slots into new storage
+    assert cache.slots.capacity == 16
+    carried()
+    cache.select_rows(torch.tensor([1]))
+    carried()
+    cache.clear_row(0)
+    assert bool((cache.slots.mark == -7).all())
+    fp = footprint(model.config)
+    assert cache.storage_bytes() == fp.kv_bytes(16, torch.float32, 1)  # counted in the one formula too
+    assert cache.storage_bytes() == cache.slots.nbytes() > 0

@@ -236,9 +236,10 @@ def test_decode_modes_are_checked():
     assert resolve_decode("auto", torch.device("cuda")) == "graph"
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         resolve_decode("graph", cpu)
-    for gone in ("fast", "compile"):  # compile measured slower than eager (CPU) and graph (CUDA): not offered
-        with pytest.raises(ConfigError, match="--decode must be one of auto, eager, graph"):
-            resolve_decode(gone, cpu)
+    with pytest.raises(ConfigError, match="--decode must be one of auto, eager, graph, compile"):
+        resolve_decode("fast", cpu)
+    with pytest.raises(ConfigError, match="on a GPU the step is a CUDA graph"):
+        resolve_decode("compile", torch.device("cuda"))
 
 
 def test_rows_can_leave_a_batch_mid_stream():

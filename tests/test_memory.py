@@ -4,6 +4,7 @@ prompts that would not fit bound what the profiler measures (every allocation, i
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -12,11 +13,10 @@ from conftest import tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.quant import bytes_per_element
 from h2o_chat.errors import DeviceError
 from h2o_chat.measure.prefill import cpu_peak_bytes
 from h2o_chat.models import memory
-from h2o_chat.models.memory import ModelShape, decode_bytes, fitting_chunk, prefill_bytes, storage_bytes
+from h2o_chat.models.memory import ModelShape, cache_storage_bytes, decode_bytes, fitting_chunk, prefill_bytes
 
 
 def _measured_and_estimated(
@@ -24,8 +24,7 @@ def _measured_and_estimated(
 ):
     model = tiny_model("llama", seed=30, layers=3)
     shape = ModelShape.of(model.config)
-    if kv_quant != "none":
-        shape = dataclasses.replace(shape, kv_elem=bytes_per_element(kv_quant, torch.float32, shape.head_dim))
+    shape = dataclasses.replace(shape, kv_quant=kv_quant)
     budget = 48
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(1, 256, (length - 37 * r,), generator=g).tolist() for r in range(rows)]
@@ -55,19 +54,52 @@ def test_an_8bit_cache_is_estimated_as_it_is_stored(policy):
     measured, estimate = _measured_and_estimated(policy, 1, 600, 64, kv_quant="8bit")
     assert measured <= estimate < 4 * measured, (measured, estimate)
     shape = ModelShape.of(tiny_model("llama", layers=3).config)
-    narrow = dataclasses.replace(shape, kv_elem=bytes_per_element("8bit", torch.float32, shape.head_dim))
-    assert storage_bytes(narrow, 4, 1, 48) < 0.5 * storage_bytes(shape, 4, 1, 48)
+    narrow = dataclasses.replace(shape, kv_quant="8bit")
+    assert cache_storage_bytes(narrow, 4, 1, 48) < 0.5 * cache_storage_bytes(shape, 4, 1, 48)
+
+
+def _hinted(error: pytest.ExceptionInfo) -> int:
+    return int(re.search(r"--budget (\d+) fits", str(error.value)).group(1))
 
 
 def test_a_budget_that_fits_only_in_8_bits_is_refused_unquantized_and_taken_in_8_bits(monkeypatch):
     config = tiny_model("llama", layers=3).config
-    per_token = memory.Footprint(0, 0, 3, 2, 16).kv_bytes(1, torch.float32)
-    monkeypatch.setattr(memory, "available_memory", lambda: int(memory.OVERHEAD * per_token * 500))
-    with pytest.raises(DeviceError, match="--budget 1000: a 1000-token KV cache needs .*--budget 499 fits"):
+    fp = memory.Footprint(0, 0, 3, 2, 16)
+    free = int(memory.OVERHEAD * fp.token_bytes(torch.float32) * 500)
+    monkeypatch.setattr(memory, "available_memory", lambda: free)
+    with pytest.raises(DeviceError, match="--budget 1000: a 1000-token KV cache needs .*fits") as e:
         memory.check_budget(config, torch.float32, torch.device("cpu"), 1000)
-    memory.check_budget(config, torch.float32, torch.device("cpu"), 1000, kv_quant="8bit")  # ~0.27x the bytes
-    with pytest.raises(DeviceError, match="a 2500-token KV cache in 8 bits needs .*--budget 1777 fits"):
+    hint = _hinted(e)  # the hint fits, one more token does not
+    assert fp.total_bytes(torch.float32, "none", hint) <= free < fp.total_bytes(torch.float32, "none", hint + 1)
+    memory.check_budget(config, torch.float32, torch.device("cpu"), 1000, kv_quant="8bit")  # ~0.3x the bytes
+    with pytest.raises(DeviceError, match="a 2500-token KV cache in 8 bits needs .*fits") as e:
         memory.check_budget(config, torch.float32, torch.device("cpu"), 2500, kv_quant="8bit")
+    narrow = dataclasses.replace(fp, kv_quant="8bit")
+    hint = _hinted(e)
+    assert narrow.total_bytes(torch.float32, "none", hint) <= free < narrow.total_bytes(torch.float32, "none", hint + 1)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snap", "recall", "full", "sink"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_quant", ["none", "8bit"])
+def test_the_footprint_is_the_storage_the_cache_allocates(policy, dtype, kv_quant):
+    """One formula (`slots.storage_bytes`) for the fit checks, the panel and bench: the estimate before loading
+    equals the bytes the cache allocates, for every policy, dtype and storage."""
+    model = tiny_model("llama", seed=3, layers=3).to(dtype)
+    budget, rows = 40, 2
+    pol = make_policy(policy, budget) if policy != "full" else make_policy("full")
+    cache = H2OCache.for_model(model, pol, kv_quant=kv_quant)
+    cache.reserve(budget)
+    Engine(model, cache, "eager").prefill(torch.randint(1, 256, (rows, 30)))
+    fp = dataclasses.replace(memory.footprint(model.config), kv_quant=kv_quant)
+    capacity = cache.slots.capacity
+    allocated = sum(t.numel() * t.element_size() for t in (*cache.slots.slot_tensors(), *cache.slots.row_tensors()))
+    assert fp.kv_bytes(capacity, dtype, rows) == allocated == cache.storage_bytes() == cache.stats().kv_bytes
+    shape = dataclasses.replace(ModelShape.of(model.config), kv_quant=kv_quant)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    assert cache_storage_bytes(shape, elem, rows, capacity) == allocated
+    per_token = memory.kv_token_bytes(model.config, dtype, kv_quant)
+    assert per_token * rows * (capacity + 1) < allocated <= per_token * rows * (capacity + 2)
 
 
 def test_the_prefill_estimate_counts_what_recall_keeps_and_brings_back():

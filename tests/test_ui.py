@@ -33,7 +33,7 @@ def test_bench_table_prints_measured_ratios_without_targets():
 
 
 def stats(seen: int = 415, kept: float = 64.0, evicted: float = 351.0, **kwargs):
-    from h2o_chat.engine.slots import CacheStats
+    from h2o_chat.engine.stats import CacheStats
 
     return CacheStats(
         "snap", 64, {"heavy": 32, "recent": 32}, 30, seen, kept, 64, 64, evicted,

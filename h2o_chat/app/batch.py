@@ -24,7 +24,7 @@ from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
-from h2o_chat.engine.slots import mean_count
+from h2o_chat.engine.stats import mean_count
 from h2o_chat.errors import ConfigError, H2OChatError, InputError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded

@@ -117,7 +117,8 @@ class ChatSession:
             )
             return
         except H2OChatError as e:  # e.g. a model that cannot read past its context: the session stays
-            view.error(e)
+            advice = getattr(e, "advice", None)
+            view.error(f"{e}; {advice}" if advice else e)
             return
         except Exception as e:
             if not out_of_memory(e):

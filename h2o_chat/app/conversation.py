@@ -28,8 +28,8 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
-from h2o_chat.engine.slots import CacheStats
 from h2o_chat.engine.snap import columns_read
+from h2o_chat.engine.stats import CacheStats
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 _LAZY = {
     "H2OCache": "h2o_chat.engine.cache",
-    "CacheStats": "h2o_chat.engine.slots",
+    "CacheStats": "h2o_chat.engine.stats",
     "Engine": "h2o_chat.engine.decode",
     "make_policy": "h2o_chat.engine.policies",
     "prepare_model": "h2o_chat.engine.attention",

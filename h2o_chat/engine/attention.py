@@ -52,8 +52,13 @@ def attention_over_slots(
     valid: torch.Tensor,  # (B, 1, S) bool: slots holding a token (the same for every head)
     recalled: Recalled | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
+
+    `new`: the step's own key and value (B, H, 1, D), attended in the place of the last slot (the spare, which
+    they are written into when the step ends): the storage is only read here, so a compiled step has no write
+    into it (see `decode.py`).
 
     `recalled`: evicted tokens attended too (the recall policy: `store.Recalled`, their logits as the store's
     ranking computed them, or their keys), in the same softmax; they get no mass. Their logits join the slots' (not
@@ -64,10 +69,16 @@ def attention_over_slots(
     B, Hq, T, D = query.shape
     H, S = keys.shape[1], keys.shape[2]
     qg = (query * scaling).reshape(B, H, (Hq // H) * T, D)  # query heads of a group share their KV head
+    if new is not None:  # the slots before the spare, then the new token in the spare's place
+        S -= 1
+        keys, values, valid = keys[:, :, :S], values[:, :, :S], valid[..., :S]
+        scales = None if scales is None else (scales[0][:, :, :S], scales[1][:, :, :S])
     logits = (qg @ keys.to(qg.dtype).transpose(-1, -2)).float()  # (B, H, G, S)
     if scales is not None:
         logits *= scales[0].transpose(-1, -2)
     logits.masked_fill_(~valid[:, :, None, :], -torch.inf)
+    if new is not None:
+        logits = torch.cat((logits, (qg @ new[0].transpose(-1, -2)).float()), dim=-1)  # (B, H, G, S + 1)
     if recalled is not None:
         if recalled.logits is not None:  # the store's ranking computed them (a decode step)
             more = recalled.logits * scaling
@@ -84,6 +95,10 @@ def attention_over_slots(
         out = held.to(values.dtype) @ values  # (B, H, G, Dv)
     else:
         out = (held * scales[1].transpose(-1, -2)).to(query.dtype) @ values.to(query.dtype)
+    if new is not None:
+        own = probs[..., S : S + 1]  # (B, H, G, 1)
+        out = out + own.to(out.dtype) * new[1]
+        held, S = probs[..., : S + 1], S + 1
     if recalled is not None:
         rest = probs[..., S:]
         out += (rest if rest.dtype == out.dtype else rest.to(out.dtype)) @ recalled.values

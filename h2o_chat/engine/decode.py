@@ -3,18 +3,19 @@
 In the style of gpt-fast: `prefill` (chunked; snap's two passes), then `decode` steps of one token per row.
 The engine says what each forward is (`cache.begin("chunk" | "step")` ... `cache.end()`), never the shape. A
 decode step is static -- the cache's shapes never change, its bookkeeping stays on the device, sampling happens
-on the device -- so it can run two ways (`--decode`):
+on the device -- so it can run three ways (`--decode`):
 
-- eager: plain PyTorch (the CPU default: on CPU nothing is gained by capturing).
 - graph: the whole step (model forward, cache update, eviction, sampling) captured once as a CUDA graph and
   replayed; capturing takes a second or two (the CUDA default).
+- compile: the model's forward and sampling as one program compiled by inductor, eviction eagerly after it
+  (`compiled.py` says why); compiled once per machine and model, kept in a cache directory.
+- eager: plain PyTorch (the CPU default, and the fallback of the other two).
 
-(`torch.compile` of the step was measured slower than both -- 233 vs 84 ms/token eager on CPU, 13.3 vs 8.9 ms
-captured on an H100 -- and is not offered.) Host bookkeeping (`cache.before_forward`) runs before each step,
-outside the captured region; renumbering positions rewrites storage in place, so a captured step stays valid.
-When something changes shape -- the cache re-allocates, rows leave the batch, the sampler's settings change --
-the step is captured again. `tokens()` streams sampled tokens one step behind the device on CUDA: step t+1 is
-queued before token t is read back, so the GPU never waits for the host.
+Host bookkeeping (`cache.before_forward`) runs before each step, outside the captured or compiled region;
+renumbering positions rewrites storage in place, so a captured step stays valid. When something changes shape
+-- the cache re-allocates, rows leave the batch, the sampler's settings change -- the step is captured (or
+compiled) again. `tokens()` streams sampled tokens one step behind the device on CUDA: step t+1 is queued before
+token t is read back, so the GPU never waits for the host.
 
 Ctrl-C while a prompt is read takes effect at the end of the chunk being read (`PrefillInterrupted`), so the
 cache always holds whole chunks.
@@ -23,6 +24,7 @@ cache always holds whole chunks.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -30,13 +32,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from h2o_chat.engine import compiled
 from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.sampling import RowSampler, Sampler
 from h2o_chat.engine.slots import mark_static
 from h2o_chat.engine.snap import compress_prompt
 from h2o_chat.errors import ConfigError
 
-DECODE_MODES = ("auto", "eager", "graph")
+DECODE_MODES = ("auto", "eager", "graph", "compile")
 DEFAULT_CHUNK = 512
 _WARMUP = 2  # eager steps before a capture (lazy CUDA initialisation must not happen inside one)
 
@@ -45,13 +48,24 @@ Progress = Callable[[int, int], None] | None
 
 
 def resolve_decode(mode: str, device: torch.device) -> str:
-    """auto -> graph on CUDA, eager elsewhere; an explicit mode must be possible on this device."""
+    """auto -> graph on CUDA; on CPU eager, or what `H2O_CHAT_DECODE` says (compile: see `compiled.py` for why
+    it is not the default: its first compilation takes minutes on a small CPU); an explicit mode must be possible
+    on this device."""
     if mode not in DECODE_MODES:
         raise ConfigError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
     if mode == "auto":
-        return "graph" if device.type == "cuda" else "eager"
+        if device.type == "cuda":
+            return "graph"
+        mode = os.environ.get("H2O_CHAT_DECODE") or "eager"
+        if mode not in ("eager", "compile"):
+            raise ConfigError(f"H2O_CHAT_DECODE must be eager or compile, got {mode!r}")
+        return "eager" if mode == "compile" and compiled.unavailable() else mode
     if mode == "graph" and device.type != "cuda":
-        raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use eager here")
+        raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use compile or eager here")
+    if mode == "compile" and device.type != "cpu":
+        raise ConfigError("--decode compile builds the CPU's decode step; on a GPU the step is a CUDA graph (graph)")
+    if mode == "compile" and compiled.unavailable():
+        raise ConfigError(f"--decode compile is not possible here: {compiled.unavailable()}; use eager")
     return mode
 
 
@@ -125,6 +139,7 @@ class Engine:
         self._key = None
         self._warmups = 0  # eager steps run since the step last changed (a capture needs two)
         self._graph = None
+        self._program = None  # the compiled step (`--decode compile`), for the step's current key
         self._out = None
         self._pool = None
         self._host = None  # pinned buffers for reading tokens back without waiting for the next step
@@ -135,9 +150,12 @@ class Engine:
     # -- description ------------------------------------------------------------------------------
     def describe(self) -> str:
         """For the panel: how decode steps run."""
-        if self.mode == "graph" and self.captures:
-            return f"CUDA graph ({self.captures} captured, {self.setup_seconds:.1f} s)"
-        return "CUDA graph" if self.mode == "graph" else "eager"
+        what = {"graph": ("CUDA graph", "captured"), "compile": ("compiled", "compiled")}.get(self.mode)
+        if what is None:
+            return "eager"
+        if self.captures:
+            return f"{what[0]} ({self.captures} {what[1]}, {self.setup_seconds:.1f} s)"
+        return what[0]
 
     # -- sampling ---------------------------------------------------------------------------------
     def set_sampler(self, sampler: Sampler | None, batch: int, **per_row) -> None:
@@ -240,11 +258,41 @@ class Engine:
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step, all on the device: the static input tokens in, logits and next tokens out."""
         cache = self.cache
-        logits = self._forward(self._tokens[:, None], cache.begin("step"), cache)
-        cache.end()  # eviction for every layer, rows advance
-        tokens = self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
+        positions = cache.begin("step")
+        if self._program is not None:
+            logits, tokens, *cache.forward.kept = self._program(self._tokens, positions)
+        else:
+            logits, tokens = self._produce(self._tokens, positions)
+        cache.end()  # new tokens into their slots, eviction for every layer, rows advance
         self._tokens.copy_(tokens)
         return logits, tokens
+
+    def _produce(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward over the read-only storage, and sampling: what `compile` makes one program of."""
+        logits = self._forward(tokens[:, None], positions, self.cache)
+        tokens = self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
+        return logits, tokens
+
+    def _compiled_body(self, tokens: torch.Tensor, positions: torch.Tensor):
+        logits, tokens = self._produce(tokens, positions)
+        return logits, tokens, *self.cache.forward.take()
+
+    def _compile_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compiled step: built (or loaded from inductor's cache) at its first call after the step changed."""
+        if self._program is not None:
+            return self._body()
+        if self.on_setup is not None:
+            self.on_setup("compiling the decode step for this CPU (once per machine; later starts load it)")
+        t = time.perf_counter()
+        self._program = compiled.compile_step(self._compiled_body)
+        try:
+            out = self._body()
+        except Exception as e:  # noqa: BLE001 -- inductor's failures have many types; eager steps still work
+            self._program = None
+            return self._fall_back(e, "compiling one")
+        self.captures += 1
+        self.setup_seconds += time.perf_counter() - t
+        return out
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,12 +311,16 @@ class Engine:
         sampler = self.sampler
         key = (cache.version, self._tokens.shape[0], sampler and sampler.serial, sampler and sampler.shape_key)
         if key != self._key:
-            self._key, self._warmups, self._graph, self._out = key, 0, None, None
-        if self.mode == "graph" and cache.store is not None:  # its size changes every step: not capturable
-            self.cache.notices.append("decode steps run eagerly: the recall policy's store grows every step")
+            self._key, self._warmups, self._graph, self._out, self._program = key, 0, None, None, None
+        if self.mode != "eager" and cache.store is not None:  # its size changes every step: not capturable
+            self.cache.notices.append(
+                "decode steps run eagerly: the recall policy ranks its store natively and it grows every step"
+            )
             self.mode, self._graph = "eager", None
         if self.mode == "eager":
             return self._body()
+        if self.mode == "compile":
+            return self._compile_step()
         return self._graph_step()
 
     def _graph_step(self):
@@ -292,19 +344,19 @@ class Engine:
             with torch.cuda.graph(graph, pool=self._pool):
                 self._out = self._body()  # recorded, not run: the replay below performs this step
         except RuntimeError as e:  # something in the model reads the device (e.g. dynamic rope scaling)
-            return self._fall_back(e)
+            return self._fall_back(e, "capturing one")
         self._graph = graph
         self.captures += 1
         self.setup_seconds += time.perf_counter() - t
         graph.replay()
         return self._out
 
-    def _fall_back(self, error: Exception) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step that cannot be captured runs eagerly from now on, and the user is told why."""
+    def _fall_back(self, error: Exception, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.cache.abort()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
-        self.cache.notices.append(f"decode steps run eagerly: capturing one failed ({reason[:160]})")
-        self.mode, self._graph = "eager", None
+        self.cache.notices.append(f"decode steps run eagerly: {what} failed ({reason[:160]})")
+        self.mode, self._graph, self._program = "eager", None, None
         sync(self.device)
         return self._body()
 

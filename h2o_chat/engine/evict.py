@@ -65,20 +65,31 @@ class NewTokens:
     score: torch.Tensor  # (L, B, H, T) fp32 mass received within the chunk (zeros when not tracked)
     extra: list[torch.Tensor] = field(default_factory=list)  # per-slot side buffers (snap's), (L, B, H, T, ...)
 
-    def buffers(self, shape: torch.Size, quantized: bool = False) -> list[torch.Tensor | None]:
-        """In `Slots.buffers()` order, every one (L, B, H, T, ...); keys and values quantized with their scales
-        for 8-bit storage."""
-        L, B, H, T = shape
-
-        def spread(t: torch.Tensor) -> torch.Tensor:
-            return t[None, :, None, :].expand(L, B, H, T)
-
-        kv, scales = [self.keys, self.values], []
-        if quantized:
-            scales = [None, None]
-            if self.keys is not None:
-                (kv[0], scales[0]), (kv[1], scales[1]) = quantize(self.keys), quantize(self.values)
-        return [*kv, spread(self.pos), spread(self.rot), self.score, *scales, *self.extra]
+    def buffers(self, slots: Slots) -> list[torch.Tensor | None]:
+        """In `slots.buffers()` order, every one (L, B, H, T, ...); keys and values quantized with their scales
+        for 8-bit storage; a field the chunk gives nothing for, its empty value; None: already in place."""
+        L, B, H, T = self.score.shape
+        given = {
+            "pos": self.pos[None, :, None, :].expand(L, B, H, T),
+            "rot": self.rot[None, :, None, :].expand(L, B, H, T),
+            "score": self.score,
+            "keys": self.keys,
+            "values": self.values,
+            "kscale": None,
+            "vscale": None,
+        }
+        if slots.quantized and self.keys is not None:
+            (given["keys"], given["kscale"]), (given["values"], given["vscale"]) = (
+                quantize(self.keys),
+                quantize(self.values),
+            )
+        out = []
+        for f, buf in zip(slots.fields, slots.slot_tensors(), strict=True):
+            if f.name in given:
+                out.append(given[f.name])
+            else:
+                out.append(buf.new_full((L, B, H, T, *buf.shape[4:]), f.empty))
+        return [*out, *self.extra]
 
 
 def append_slots(slots: Slots, real: torch.Tensor) -> torch.Tensor:
@@ -103,7 +114,7 @@ def chunk(
         target = append_slots(slots, new.pos >= 0)[None, :, None, :].expand(L, B, H, T)
     else:
         target = _pair_freed_with_survivors(slots, new, rules, priority, store)
-    for buf, values in zip(slots.buffers(), new.buffers(torch.Size((L, B, H, T)), slots.quantized), strict=True):
+    for buf, values in zip(slots.buffers(), new.buffers(slots), strict=True):
         if values is not None:
             buf.scatter_(3, per_slot(target, buf), values.to(buf.dtype))
     slots.clear_spare()

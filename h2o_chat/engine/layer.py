@@ -4,8 +4,9 @@ Storage lives in the cache (`Slots`: every layer stacked, allocated once); a lay
 What a forward is -- a decode step or a prompt chunk -- is said by whoever started it (the decode engine, or
 the hooks `prepare_model` puts on the model for `model.generate`), never inferred here from a shape:
 
-- a decode step: `H2OCache.update` has written the token into the layer's spare slot; attention runs over every
-  slot with empty ones masked (fixed shapes) and the mass is added to the scores.
+- a decode step: attention runs over every slot with empty ones masked (fixed shapes), the new token in the
+  spare slot's place; the storage is only read, and the new key, value and mass are kept for `end()`, which
+  writes them for every layer at once (so a compiled step writes nothing inside its program).
 - a prompt chunk: attention over the filled slots and the chunk (PyTorch's fused kernel for the output where
   that is faster, see `attention.attention_with_mass`); the stored slots' mass is added to their scores and the
   chunk's tokens wait in the cache until the forward ends, when `evict.chunk` places every layer's at once.
@@ -16,15 +17,10 @@ placed after the slots in a step and before them in a chunk; those get no mass.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_chat.engine.attention import attention_over_slots, attention_with_mass
-
-if TYPE_CHECKING:
-    from h2o_chat.engine.cache import H2OCache
 
 
 class H2OLayer(CacheLayerMixin):
@@ -34,34 +30,23 @@ class H2OLayer(CacheLayerMixin):
     is_compileable = False  # see H2OCache.is_compileable
     is_croppable = False
 
-    def __init__(self, cache: H2OCache, idx: int):
+    def __init__(self, cache, idx: int):
+        # `cache`: the H2OCache this layer belongs to (it imports this module, not the other way round). The
+        # base class's __init__ is not called: keys, values and is_initialized are read-only views of the cache's
+        # storage here, and assigning them (transformers' offloading does) fails loudly instead of being ignored
         self.cache, self.layer_idx = cache, idx
-        super().__init__()
 
-    # -- views of the shared storage (transformers' base class assigns keys/values/is_initialized: ignored) --
     @property
     def is_initialized(self) -> bool:
         return self.cache.slots is not None
-
-    @is_initialized.setter
-    def is_initialized(self, value: bool) -> None:
-        pass
 
     @property
     def keys(self) -> torch.Tensor | None:
         return None if self.cache.slots is None else self.cache.slots.read("keys", (self.layer_idx,))
 
-    @keys.setter
-    def keys(self, value) -> None:
-        pass
-
     @property
     def values(self) -> torch.Tensor | None:
         return None if self.cache.slots is None else self.cache.slots.read("values", (self.layer_idx,))
-
-    @values.setter
-    def values(self, value) -> None:
-        pass
 
     @property
     def pos(self) -> torch.Tensor:
@@ -115,12 +100,9 @@ class H2OLayer(CacheLayerMixin):
             # the recall policy: the tokens this query wants back from the evicted ones
             got = cache.store.recall(i, query) if cache.store is not None else None
             scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
-            out, mass = attention_over_slots(query, slots.keys[i], slots.values[i], scaling, fwd.valid, got, scales)
-            score = slots.score[i]
-            if cache.rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
-                torch.addcmul(mass, score, cache.rules.decay, out=score)
-            else:
-                score += mass
+            kv = slots.keys[i], slots.values[i]
+            out, mass = attention_over_slots(query, *kv, scaling, fwd.valid, got, scales, new=(key, value))
+            fwd.keep(key, value, mass)  # written, and the mass added, for every layer at once when the step ends
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them
         stored = (i, slice(None), slice(None), slice(0, n))

@@ -13,12 +13,27 @@ slot holds a token depends on the row only: `valid()` is one (B, S) mask for eve
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+import contextlib
+import functools
+from dataclasses import dataclass
 
 import torch
 
 from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
+
+
+def inference(method):
+    """Run a method that changes the storage in inference mode (storage made in inference mode may only be
+    changed there), without entering it again where it is on."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():  # a traced step: its caller runs it in inference mode
+            return method(*args, **kwargs)
+        with contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def mark_static(*tensors: torch.Tensor) -> None:
@@ -35,28 +50,68 @@ def per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return index.view(*index.shape, *([1] * len(extra))).expand(*index.shape, *extra)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Field:
+    """One per-slot buffer of the storage, (L, B, H, S, ...): everything that copies, moves, clears or counts the
+    storage derives from `FIELDS`, so a buffer added there is carried everywhere."""
+
+    name: str
+    empty: int | float  # an empty slot's value (and a new token's, unless the forward gives one)
+    dtype: torch.dtype | None  # None: the stored keys'/values' (the model's dtype, or int8 with 8-bit storage)
+    width: str = ""  # trailing dim: "key" / "value" (head dims), "one" (a scale), "" (none)
+    quantized_only: bool = False  # only with 8-bit storage (`quant.py`)
+
+
+FIELDS = (
+    Field("keys", 0, None, "key"),  # rotated as the model rotated them
+    Field("values", 0, None, "value"),
+    Field("pos", -1, torch.long),  # the token's true position, -1 = empty
+    Field("rot", -1, torch.long),  # the position its key was rotated at
+    Field("score", 0, torch.float32),  # accumulated attention mass
+    Field("kscale", 0, SCALE_DTYPE, "one", quantized_only=True),  # per-token scales of 8-bit keys and values
+    Field("vscale", 0, SCALE_DTYPE, "one", quantized_only=True),
+)
+ROW_FIELDS = ("seen", "next_rot")  # per row (B,) long: real tokens seen; the position the next key is rotated at
+
+
+def fields(quantized: bool) -> tuple[Field, ...]:
+    return tuple(f for f in FIELDS if quantized or not f.quantized_only)
+
+
+def slot_bytes(key_dim: int, value_dim: int, elem: int, quant: str = "none") -> int:
+    """Bytes of one slot (one layer, row and KV head) over every field: the one formula for the storage's size,
+    used by the cache, the memory checks, the panel and `bench`. `elem`: bytes per element of the model's dtype."""
+    widths = {"key": key_dim, "value": value_dim, "one": 1, "": 1}
+    kv = 1 if quant == "8bit" else elem
+    return sum(
+        widths[f.width] * (kv if f.dtype is None else torch.empty(0, dtype=f.dtype).element_size())
+        for f in fields(quant == "8bit")
+    )
+
+
+def storage_bytes(
+    layers: int, rows: int, kv_heads: int, capacity: int, key_dim: int, value_dim: int, elem: int, quant: str = "none"
+) -> int:
+    """Bytes of the storage `Slots.allocate` makes: `capacity` slots and the spare per layer, row and KV head,
+    and the row fields."""
+    per_slot = slot_bytes(key_dim, value_dim, elem, quant)
+    return layers * rows * kv_heads * (capacity + 1) * per_slot + rows * len(ROW_FIELDS) * 8
+
+
 class Slots:
-    """Every layer's slot storage, allocated once. S = capacity + 1: the last slot is the spare.
+    """Every layer's slot storage, allocated once: one attribute per field of `FIELDS` (L, B, H, S, ...) and per
+    row field (B,). S = capacity + 1: the last slot is the spare. `dtype` is the model's, what `read` gives."""
 
-    With 8-bit storage (`quant.py`) keys and values are int8 and `kscale`/`vscale` (L, B, H, S, 1) hold each
-    token's scale; `dtype` is the model's, what `read` gives back."""
-
-    keys: torch.Tensor  # (L, B, H, S, D)
-    values: torch.Tensor  # (L, B, H, S, Dv)
-    pos: torch.Tensor  # (L, B, H, S) long, -1 = empty
-    rot: torch.Tensor  # (L, B, H, S) long: the position each key was rotated at
-    score: torch.Tensor  # (L, B, H, S) fp32
-    seen: torch.Tensor  # (B,) real tokens per row
-    next_rot: torch.Tensor  # (B,) the position the next token's key is rotated at
-    kscale: torch.Tensor | None = None  # (L, B, H, S, 1) float16: 8-bit storage only
-    vscale: torch.Tensor | None = None
-    dtype: torch.dtype | None = None  # the model's: keys and values as attention reads them
-    extra: list[torch.Tensor] = field(default_factory=list)  # side buffers moved with the slots (snap's)
-
-    def __post_init__(self) -> None:
-        if self.dtype is None:
-            self.dtype = self.keys.dtype
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.quantized = "kscale" in tensors
+        self.fields = fields(self.quantized)
+        names = [f.name for f in self.fields] + list(ROW_FIELDS)
+        if sorted(tensors) != sorted(names):
+            raise ValueError(f"storage needs {names}, got {list(tensors)}")
+        for name in names:
+            setattr(self, name, tensors[name])
+        self.dtype = dtype
+        self.extra: list[torch.Tensor] = []  # side buffers moved with the slots (snap's observation logits)
 
     @property
     def capacity(self) -> int:
@@ -67,47 +122,36 @@ class Slots:
     def batch(self) -> int:
         return self.keys.shape[1]
 
-    @property
-    def quantized(self) -> bool:
-        return self.kscale is not None
-
     @classmethod
     def allocate(cls, layers: int, key: torch.Tensor, value: torch.Tensor, capacity: int, quant: str = "none"):
         B, H, _, D = key.shape
         L, S, dev = layers, capacity + 1, key.device
-        scales = {}
-        if quant == "8bit":
-            scales = {
-                "kscale": torch.zeros(L, B, H, S, 1, dtype=SCALE_DTYPE, device=dev),
-                "vscale": torch.zeros(L, B, H, S, 1, dtype=SCALE_DTYPE, device=dev),
-            }
-        stored = torch.int8 if scales else key.dtype
-        return cls(
-            keys=torch.zeros(L, B, H, S, D, dtype=stored, device=dev),
-            values=torch.zeros(L, B, H, S, value.shape[-1], dtype=stored, device=dev),
-            pos=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
-            rot=torch.full((L, B, H, S), -1, dtype=torch.long, device=dev),
-            score=torch.zeros(L, B, H, S, dtype=torch.float32, device=dev),
-            seen=torch.zeros(B, dtype=torch.long, device=dev),
-            next_rot=torch.zeros(B, dtype=torch.long, device=dev),
-            dtype=key.dtype,
-            **scales,
-        )
+        stored = torch.int8 if quant == "8bit" else key.dtype
+        widths = {"key": (D,), "value": (value.shape[-1],), "one": (1,), "": ()}
+        tensors = {
+            f.name: torch.full((L, B, H, S, *widths[f.width]), f.empty, dtype=f.dtype or stored, device=dev)
+            for f in fields(quant == "8bit")
+        }
+        tensors.update({name: torch.zeros(B, dtype=torch.long, device=dev) for name in ROW_FIELDS})
+        return cls(tensors, key.dtype)
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """The per-slot tensors (L, B, H, S, ...) of the storage itself (not the side buffers)."""
-        scales = [self.kscale, self.vscale] if self.quantized else []
-        return [self.keys, self.values, self.pos, self.rot, self.score, *scales]
+        """The per-slot tensors (L, B, H, S, ...) of the storage itself, in `FIELDS` order (not the side buffers)."""
+        return [getattr(self, f.name) for f in self.fields]
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in ROW_FIELDS]
 
     def buffers(self) -> list[torch.Tensor]:
         """The per-slot tensors that move together when a token changes slot."""
         return [*self.slot_tensors(), *self.extra]
 
-    def _with(self, tensors: list[torch.Tensor], seen: torch.Tensor, next_rot: torch.Tensor) -> Slots:
-        """Storage like this one made of `tensors` (in `slot_tensors` order)."""
-        keys, values, pos, rot, score, *scales = tensors
-        kscale, vscale = scales if scales else (None, None)
-        return Slots(keys, values, pos, rot, score, seen, next_rot, kscale, vscale, self.dtype)
+    def _map(self, per_slot_fn, per_row_fn) -> Slots:
+        """New storage: every field's tensor passed through `per_slot_fn(field, t)`, every row field's through
+        `per_row_fn(t)`."""
+        tensors = {f.name: per_slot_fn(f, getattr(self, f.name)) for f in self.fields}
+        tensors.update({name: per_row_fn(getattr(self, name)) for name in ROW_FIELDS})
+        return Slots(tensors, self.dtype)
 
     # -- keys and values as the model's dtype ------------------------------------------------------------
     def read(self, which: str, index: tuple = ()) -> torch.Tensor:
@@ -156,6 +200,7 @@ class Slots:
             out.append(t)
         return out[0], out[1]
 
+    # -- which slots hold tokens --------------------------------------------------------------------------
     def valid(self) -> torch.Tensor:
         """(B, S) bool: slots holding a token, the same in every layer and head (see the module's layout)."""
         return self.pos[0, :, 0] >= 0
@@ -164,45 +209,37 @@ class Slots:
         """(B,) tokens held per row (per layer and head)."""
         return self.valid()[:, : self.capacity].sum(-1)
 
+    # -- derived from the fields ----------------------------------------------------------------------------
     def clear_spare(self) -> None:
-        self.pos[..., self.capacity] = -1
-        self.score[..., self.capacity] = 0
+        for f in self.fields:
+            getattr(self, f.name)[:, :, :, self.capacity] = f.empty
+
+    def clear_row(self, r: int) -> None:
+        """Empty row r (a new prompt takes it)."""
+        for f in self.fields:
+            getattr(self, f.name)[:, r] = f.empty
+        for t in self.row_tensors():
+            t[r] = 0
 
     def moved(self, keep: torch.Tensor, capacity: int) -> Slots:
         """New storage of `capacity` (+ spare) slots holding the slots `keep` (L, B, H, k) first, in order."""
         k = keep.shape[-1]
 
-        def move(t: torch.Tensor, fill: float) -> torch.Tensor:
-            out = t.new_full((*t.shape[:3], capacity + 1, *t.shape[4:]), fill)
+        def move(f: Field, t: torch.Tensor) -> torch.Tensor:
+            out = t.new_full((*t.shape[:3], capacity + 1, *t.shape[4:]), f.empty)
             out[:, :, :, :k] = t.gather(3, per_slot(keep, t))
             return out
 
-        fills = {id(self.pos): -1, id(self.rot): -1}
-        moved = [move(t, fills.get(id(t), 0)) for t in self.slot_tensors()]
-        return self._with(moved, self.seen, self.next_rot)
+        return self._map(move, lambda t: t)
 
-    def mark_static(self) -> None:
-        """Fixed addresses for a captured step, which writes into these in place."""
-        mark_static(*self.slot_tensors(), self.seen, self.next_rot)
-
-    def rows(self, index: torch.Tensor) -> Slots:
+    def select(self, index: torch.Tensor) -> Slots:
+        """New storage of the rows `index` (a batch's finished rows leave)."""
         index = index.to(self.seen.device)
-        pick = [t.index_select(1, index) for t in self.slot_tensors()]
-        return self._with(pick, self.seen.index_select(0, index), self.next_rot.index_select(0, index))
+        return self._map(lambda f, t: t.index_select(1, index), lambda t: t.index_select(0, index))
 
     def row(self, r: int) -> Slots:
         """Row r as storage of its own that shares this storage's memory (writes land in row r)."""
-        return self._with(
-            [t[:, r : r + 1] for t in self.slot_tensors()], self.seen[r : r + 1], self.next_rot[r : r + 1]
-        )
-
-    def clear_row(self, r: int) -> None:
-        """Empty row r (a new prompt takes it)."""
-        self.pos[:, r] = -1
-        self.rot[:, r] = -1
-        self.score[:, r] = 0
-        self.seen[r] = 0
-        self.next_rot[r] = 0
+        return self._map(lambda f, t: t[:, r : r + 1], lambda t: t[r : r + 1])
 
     def copy(self, device: torch.device | str | None = None) -> Slots:
         """An independent copy (on `device`, e.g. the host, or where it is)."""
@@ -210,69 +247,26 @@ class Slots:
         def dup(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, copy=True) if device else t.clone()
 
-        return self._with([dup(t) for t in self.slot_tensors()], dup(self.seen), dup(self.next_rot))
+        return self._map(lambda f, t: dup(t), dup)
 
     def load(self, other: Slots) -> None:
         """Overwrite this storage in place (same shapes) with `other`'s contents: addresses stay, so a captured
         decode step stays valid."""
-        for mine, theirs in zip(self.slot_tensors(), other.slot_tensors(), strict=True):
+        for mine, theirs in zip(
+            self.slot_tensors() + self.row_tensors(), other.slot_tensors() + other.row_tensors(), strict=True
+        ):
             mine.copy_(theirs)
-        self.seen.copy_(other.seen)
-        self.next_rot.copy_(other.next_rot)
 
-    def token_bytes(self) -> int:
-        """Stored bytes of one token's key and value in one slot (one layer, row and KV head), scales included."""
-        per = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
-        return per + (2 * self.kscale.element_size() if self.quantized else 0)
+    def mark_static(self) -> None:
+        """Fixed addresses for a captured step, which writes into these in place."""
+        mark_static(*self.slot_tensors(), *self.row_tensors())
 
+    def nbytes(self) -> int:
+        """Bytes the storage occupies (every field and row field; not the side buffers of a prompt's reading)."""
+        return sum(t.numel() * t.element_size() for t in self.slot_tensors() + self.row_tensors())
 
-@dataclass(frozen=True)
-class CacheStats:
-    """A snapshot for the panel, batch records and benchmarks. Token counts are per row and KV head."""
-
-    policy: str
-    budget: int | None
-    split: dict[str, int]
-    layers: int
-    seen: int  # tokens seen (the longest row)
-    kept: float  # tokens held per layer and head (mean)
-    kept_min: int
-    kept_max: int
-    evicted: float  # tokens evicted per layer, row and head (mean)
-    kv_bytes: int  # bytes the key/value buffers occupy (allocated: the whole budget from the first token)
-    kv_used_bytes: int  # bytes of the tokens held: tokens held x bytes per token, over layers, rows, heads
-    full_kv_bytes: int  # bytes a full cache would hold for the same tokens
-    positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute, trained context 8192"
-    store_bytes: int = 0  # the recall policy's store of evicted tokens (off the accelerator: host memory)
-    kv_quant: str = "none"  # "8bit": held keys and values in int8 with a scale per token
-
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
-
-    @classmethod
-    def combine(cls, parts: list[CacheStats]) -> CacheStats:
-        """Several snapshots side by side (the policy groups of one cache) as one."""
-        first = parts[0]
-        return cls(
-            policy=" | ".join(dict.fromkeys(p.policy for p in parts)),
-            budget=max((p.budget or 0 for p in parts), default=0) or None,
-            split=first.split,
-            layers=first.layers,
-            seen=max(p.seen for p in parts),
-            kept=sum(p.kept for p in parts) / len(parts),
-            kept_min=min(p.kept_min for p in parts),
-            kept_max=max(p.kept_max for p in parts),
-            evicted=sum(p.evicted for p in parts) / len(parts),
-            kv_bytes=sum(p.kv_bytes for p in parts),
-            kv_used_bytes=sum(p.kv_used_bytes for p in parts),
-            full_kv_bytes=sum(p.full_kv_bytes for p in parts),
-            positions=first.positions,
-            store_bytes=sum(p.store_bytes for p in parts),
-            kv_quant=first.kv_quant,
-        )
-
-
-def mean_count(x: float) -> int | float:
-    """A mean token count for JSON: an integer when it is whole, else one decimal."""
-    x = round(x, 1)
-    return int(x) if x == int(x) else x
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (one layer, row and KV head) over every field: `slot_bytes` of this storage."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        quant = "8bit" if self.quantized else "none"
+        return slot_bytes(self.keys.shape[-1], self.values.shape[-1], elem, quant)

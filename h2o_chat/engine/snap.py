@@ -154,7 +154,7 @@ def _overflowing_rows(cache, real: torch.Tensor) -> torch.Tensor:
     B = real.shape[0]
     held = cache.slots.held() if cache.slots is not None else torch.zeros_like(real)
     compress, budgets = [], []
-    groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or B)]
+    groups = cache.row_groups(B)
     for g in groups:
         compress.append(g.policy.compresses_prompts)
         budgets.append(g.policy.capacity or 0)
@@ -182,7 +182,7 @@ def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tens
     rows = _overflowing_rows(cache, mask.sum(-1))
     if not bool(rows.any()):  # it all fits: nothing to choose (one host sync per prompt)
         return prefill(cache, L)
-    groups = cache._rows or [g for g in cache.groups for _ in range(g.rows or mask.shape[0])]
+    groups = cache.row_groups(mask.shape[0])
     snaps = [g.policy for g in groups if isinstance(g.policy, Snap)]
     kernels = {p.kernel for p in snaps}
     if len(kernels) > 1:

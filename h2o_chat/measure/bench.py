@@ -10,6 +10,7 @@ graph capture). Configurations:
   user could pick with plain transformers
 - full: h2o-chat's cache without eviction (capacity reserved up front), through the decode engine
 - h2o: the paper's policy at the given budget, through the decode engine
+- h2o-compiled: the same with the CPU's compiled decode step (`--decode compile`), whatever `--decode` says
 - h2o-rolling: the same with --positions rolling: held tokens renumbered by order whenever positions would
   pass twice the budget (what every step past the trained context runs)
 - h2o-nobound: h2o with a budget above the longest length (nothing evicted: the cost of scoring itself)
@@ -43,10 +44,10 @@ from h2o_chat.measure import llamacpp
 
 QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")
 CONFIGS = (
-    "dynamic", "static", "static-compiled", "full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED,
-    llamacpp.CONFIG,
+    "dynamic", "static", "static-compiled", "full", "h2o", "h2o-compiled", "h2o-rolling", "h2o-nobound", "snap",
+    "recall", *QUANTIZED, llamacpp.CONFIG,
 )  # fmt: skip
-OURS = ("full", "h2o", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
+OURS = ("full", "h2o", "h2o-compiled", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
 
 
 def storage_of(config: str) -> tuple[str, str]:
@@ -126,7 +127,8 @@ class _Run:
             positions = "rolling" if config == "h2o-rolling" else "absolute"
             self.cache = H2OCache.for_model(model, self.policy, positions, kv_quant=quant)
             self.cache.reserve(total)
-            self.engine = Engine(model, self.cache, decode)
+            # h2o-compiled: the CPU's compiled step beside the run's own mode (`--decode`), in the same rounds
+            self.engine = Engine(model, self.cache, "compile" if config == "h2o-compiled" else decode)
             self.decode = self.engine.mode
             return
         self.impl, self.policy, self.budget = "sdpa", make_policy("full"), None

@@ -18,6 +18,7 @@ from h2o_chat.engine import recall_rank
 from h2o_chat.engine import store as recall_store
 from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in elements
 from h2o_chat.engine.quant import bytes_per_element
+from h2o_chat.engine.slots import slot_bytes, storage_bytes
 from h2o_chat.errors import DeviceError
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -46,10 +47,24 @@ class Footprint:
         rest = self.other_params - self.table_params
         return int(self.linear_params * linear + self.table_params * tables + rest * per)
 
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """One token's slot in every layer and KV head of a row, as the cache stores it (`slots.slot_bytes`)."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return self.layers * self.kv_heads * slot_bytes(self.head_dim, self.head_dim, elem, self.kv_quant)
+
     def kv_bytes(self, tokens: int, dtype: torch.dtype, batch: int = 1) -> int:
-        """Keys and values for `tokens` per row in every layer, as the cache stores them."""
-        elem = bytes_per_element(self.kv_quant, dtype, self.head_dim)
-        return int(2 * self.layers * self.kv_heads * self.head_dim * tokens * batch * elem)
+        """The cache's storage for a budget of `tokens` per row, exactly as `Slots.allocate` makes it (the spare
+        slot, positions, rotations, scores and scales included): `slots.storage_bytes`."""
+        if tokens <= 0:
+            return 0
+        elem = torch.empty(0, dtype=dtype).element_size()
+        hd = self.head_dim
+        return storage_bytes(self.layers, batch, self.kv_heads, tokens, hd, hd, elem, self.kv_quant)
+
+    def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1) -> int:
+        """The largest budget whose storage (`kv_bytes`, with the overhead) fits in `free` bytes (0: none)."""
+        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot and the row's counters
+        return max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype)))
 
     def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False) -> int:
         weights = self.weight_bytes(dtype, quantize, cpu)
@@ -85,8 +100,8 @@ def _kv_shape(config) -> dict[str, int]:
 
 
 def kv_token_bytes(config, dtype: torch.dtype, kv_quant: str = "none") -> int:
-    """Bytes one token's keys and values take in every layer, as the cache stores them (a row)."""
-    return Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant).kv_bytes(1, dtype)
+    """Bytes one token's slot takes in every layer, as the cache stores it (a row): `Footprint.token_bytes`."""
+    return Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant).token_bytes(dtype)
 
 
 def gb(n: float) -> str:
@@ -116,8 +131,7 @@ def check_fits(
             options.append(f"--quantize {q} needs ~{gb(fp.total_bytes(dtype, q, kv_tokens, rows, cpu))}")
     weights_only = fp.total_bytes(dtype, quantize, 0, cpu=cpu)
     if weights_only <= free_bytes:  # the weights fit: a smaller budget would
-        per_token = fp.kv_bytes(1, dtype, rows) * OVERHEAD
-        budget = int((free_bytes - weights_only) / per_token)
+        budget = fp.budget_fitting(free_bytes - weights_only, dtype, rows)
         if budget >= 64:
             options.append(f"--budget {budget} fits" + (f" with {rows} rows (--batch-size)" if rows > 1 else ""))
     where = "on this GPU" if gpu else "in this machine's memory"
@@ -166,7 +180,7 @@ def check_budget(
     need = fp.total_bytes(dtype, "none", kv_tokens, rows)
     if need <= free:
         return
-    fits = int(free / (OVERHEAD * fp.kv_bytes(1, dtype, rows)))
+    fits = fp.budget_fitting(free, dtype, rows)
     has = f"the GPU has {gb(free)} free" if gpu else f"this machine has {gb(free)} of memory available"
     cache = _cache_words(kv_tokens, rows, kv_quant)
     raise DeviceError(f"{flag} {kv_tokens}: {cache} needs ~{gb(need)}, but {has}; {flag} {fits} fits")
@@ -212,7 +226,7 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
-    kv_elem: float | None = None  # bytes per stored key/value element when not the compute dtype's (8-bit)
+    kv_quant: str = "none"  # how the cache stores keys and values (`quant.py`)
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -226,16 +240,16 @@ class ModelShape:
             intermediate, text.vocab_size,
         )  # fmt: skip
 
-    def kv_slot_bytes(self, elem: int) -> int:
-        """Keys and values of one token in every layer and KV head (as stored: `kv_elem` bytes per element when
-        set, 8-bit storage), plus its position, rotation and score."""
-        stored = self.kv_elem or elem
-        return int(self.layers * self.kv_heads * (2 * self.head_dim * stored + 8 + 8 + 4))
+
+def cache_storage_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
+    """The cache's storage: `capacity` slots and a spare, every layer, row and KV head (`slots.storage_bytes`)."""
+    hd = shape.head_dim
+    return storage_bytes(shape.layers, rows, shape.kv_heads, capacity, hd, hd, elem, shape.kv_quant)
 
 
-def storage_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
-    """The cache's storage: `capacity` slots and a spare, every layer, row and KV head."""
-    return rows * (capacity + 1) * shape.kv_slot_bytes(elem)
+def _stored_elem(shape: ModelShape) -> float | None:
+    """Bytes per stored key/value element when narrower than the model's dtype (8-bit storage), else None."""
+    return None if shape.kv_quant == "none" else bytes_per_element(shape.kv_quant, torch.float32, shape.head_dim)
 
 
 def store_bytes(shape: ModelShape, elem: int, rows: int, stored: int) -> int:
@@ -243,8 +257,8 @@ def store_bytes(shape: ModelShape, elem: int, rows: int, stored: int) -> int:
     values, positions, marks and empty flags of the old and the new buffers together while it doubles (at most
     3 x stored entries, at least 1.5 x its first allocation)."""
     per_entry = recall_store.entry_bytes(
-        shape.layers, rows, shape.kv_heads, shape.head_dim, shape.head_dim, elem, value_elem=shape.kv_elem
-    )  # 8-bit storage (kv_elem): the store keeps values in 8 bits too, keys wide
+        shape.layers, rows, shape.kv_heads, shape.head_dim, shape.head_dim, elem, value_elem=_stored_elem(shape)
+    )  # 8-bit storage: the store keeps values in 8 bits too, keys wide
     return int(max(3 * stored, 3 * recall_store.GROW // 2) * per_entry)
 
 
@@ -279,7 +293,7 @@ def prefill_bytes(
     block = min(B * Hq * T * N, MASS_BLOCK) * (2 * elem + 4 + 4) if mass else 0  # logits (+ mask), probabilities
     activations = B * T * (4 * shape.hidden + 3 * shape.intermediate + 2 * (Hq + 2 * H) * D) * elem
     logits = B * shape.vocab * 4 * 2
-    total = storage_bytes(shape, elem, B, capacity) + stash + layer_keys + mask + block + activations + logits
+    total = cache_storage_bytes(shape, elem, B, capacity) + stash + layer_keys + mask + block + activations + logits
     if recall:
         total += B * H * recall * 2 * D * elem  # the recalled keys and values, before they join the slots'
         total += B * (H + Hq) * T * N * elem + B * H * T * recall * (elem + 1)  # per-head masks, their front
@@ -289,7 +303,7 @@ def prefill_bytes(
         total += store_bytes(shape, elem, B, stored) + ranking
     if snap:
         G = Hq // H
-        total += storage_bytes(shape, elem, B, capacity)  # the probe's copy (pass 1)
+        total += cache_storage_bytes(shape, elem, B, capacity)  # the probe's copy (pass 1)
         total += L * B * H * (capacity + 1 + T) * G * window * 4 * 2  # observation logits (pass 2)
     return int(total)
 
@@ -303,7 +317,7 @@ def decode_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
     eviction = shape.layers * B * shape.kv_heads * (capacity + 1) * 48
     activations = B * (4 * shape.hidden + 3 * shape.intermediate) * elem
     logits = B * shape.vocab * 4 * 4
-    return storage_bytes(shape, elem, B, capacity) + attention + eviction + activations + logits
+    return cache_storage_bytes(shape, elem, B, capacity) + attention + eviction + activations + logits
 
 
 def available_bytes(device: torch.device) -> int:
@@ -356,8 +370,7 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
         dtype = torch.float16
     elem = torch.tensor([], dtype=dtype).element_size()
     shape = ModelShape.of(model.config)
-    if cache.kv_quant != "none":  # the slots are stored narrower than the model computes
-        shape = dataclasses.replace(shape, kv_elem=bytes_per_element(cache.kv_quant, dtype, shape.head_dim))
+    shape = dataclasses.replace(shape, kv_quant=cache.kv_quant)
     policies = [g.policy for g in cache.groups]
     snap = next((p for p in policies if p.compresses_prompts), None)
     recalled = max((getattr(p, "recalled", 0) for p in policies), default=0)  # the recall policy's rows

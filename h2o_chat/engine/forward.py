@@ -1,0 +1,195 @@
+"""A forward through the cache, begun and ended explicitly: what kind it is, and what it leaves for its end.
+
+1. `begin_step` / `begin_chunk`: a decode step writes the new token's position into the spare slot; a prompt
+   chunk numbers its tokens and builds its attention mask, once for every layer. Both return the model's
+   position ids.
+2. The model runs; each layer's attention (`H2OLayer.attend`) reads the storage and gives its new keys, values
+   and the mass its slots received to the `Forward` (a chunk that fits is written into its slots at once).
+3. `end`: a step's new tokens go into the spare slot (every layer in one write) and its mass into the scores;
+   then `evict.step` or `evict.chunk` places the new tokens for every layer at once; rows advance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_chat.engine import allocation, evict
+from h2o_chat.engine.positions import RowState
+from h2o_chat.engine.slots import Slots
+from h2o_chat.errors import CacheUsageError
+
+
+@dataclass
+class Forward:
+    """The forward now running: what kind it is and, for a prompt chunk, what it leaves for `end()`."""
+
+    kind: str  # "step" | "chunk"
+    columns: int  # T
+    valid: torch.Tensor | None = None  # step: (B, 1, S) slots holding a token
+    real: torch.Tensor | None = None  # chunk: (B, T) real (non-padding) tokens
+    pos_new: torch.Tensor | None = None  # chunk: (B, T) true positions, -1 = padding
+    rot_new: torch.Tensor | None = None  # chunk: (B, T) positions the new keys are rotated at
+    attend_from: int = 0  # chunk: stored slots that can hold tokens (the chunk's keys follow them)
+    fits: bool = False  # chunk: every row has room for all its tokens (no selection needed)
+    track_mass: bool = True  # chunk: some row's policy needs the attention mass
+    fused: bool = False  # chunk: output from the fused kernel (see attention.attention_with_mass)
+    keys: torch.Tensor | None = None  # chunk: (L, B, H, T, D), filled layer by layer
+    values: torch.Tensor | None = None
+    score: torch.Tensor | None = None  # chunk: (L, B, H, T) fp32 mass the new tokens received
+    probe: object | None = None  # snap pass 1 (`snap.Probe`)
+    observation: object | None = None  # snap pass 2 (`snap.Observation`)
+    stored_valid: torch.Tensor | None = None  # chunk: (B, attend_from) stored slots holding a token
+    target: torch.Tensor | None = None  # chunk that fits: (B, T) the slots its tokens are written into
+    layers: int = 0
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+    # step: each layer's new key and value (B, H, 1, D) and the mass its slots received (B, H, S), the new
+    # token's own at the spare's index; `take` stacks them for every layer
+    new: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    kept: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
+
+    def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor) -> None:
+        self.new.append((key, value, mass))
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every layer's new keys and values (L, B, H, D) and masses (L, B, H, S), stacked."""
+        keys, values, masses = zip(*self.new, strict=True)
+        self.new = []
+        return torch.stack(keys)[..., 0, :], torch.stack(values)[..., 0, :], torch.stack(masses)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, T, n + T) additive, built once per chunk for every layer and head: a real query sees the
+        stored tokens and the real chunk tokens up to itself; a padding query sees only itself."""
+        if self._mask is None or self._mask.dtype != dtype:
+            self._mask = self._build_mask(dtype)
+        return self._mask
+
+    def recalled_mask(self, mask: torch.Tensor, recalled: torch.Tensor) -> torch.Tensor:
+        """The chunk's mask (B, 1, T, N) with R recalled tokens in front, which every real query sees where
+        `recalled` (B, H, R) holds a token: (B, H, T, R + N), per KV head (what is recalled differs by head)."""
+        B, H, R = recalled.shape
+        seen = recalled[:, :, None, :] & self.real[:, None, :, None]  # (B, H, T, R)
+        front = torch.zeros(seen.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~seen, -torch.inf)
+        return torch.cat((front, mask.expand(-1, H, -1, -1)), dim=-1)
+
+    def _build_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        real, T = self.real, self.columns
+        dev = real.device
+        new = torch.ones(T, T, dtype=torch.bool, device=dev).tril() & real[:, None, None, :]  # (B, 1, T, T)
+        new = (new & real[:, None, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
+        allowed = new
+        if self.attend_from:
+            allowed = torch.cat((self.stored_valid[:, None, None, :] & real[:, None, :, None], new), dim=-1)
+        return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, -torch.inf)
+
+    def stash(self, slots: Slots, i: int, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor | None) -> None:
+        """Layer i's new keys, values and mass, once its attention has run: when the chunk fits they go straight
+        into their slots (appended); otherwise they wait, every layer's together, until the forward ends."""
+        B, H, T, _ = key.shape
+        if self.score is None:
+            self.score = torch.zeros(self.layers, B, H, T, dtype=torch.float32, device=key.device)
+            if self.fits:
+                self.target = evict.append_slots(slots, self.real)  # (B, T), the same in every layer
+            else:
+                self.keys = key.new_empty(self.layers, *key.shape)
+                self.values = value.new_empty(self.layers, *value.shape)
+        if mass is not None:
+            self.score[i] = mass
+        if self.fits:
+            slots.scatter(i, self.target[:, None, :, None], key, value)
+            return
+        self.keys[i] = key
+        self.values[i] = value
+
+
+def before(cache, new_tokens: int, real: list[int] | None) -> None:
+    """`H2OCache.before_forward`: context checks and renumbering (`Numbering.check`), room in a full cache, then
+    the columns counted, per row too."""
+    if real is None:
+        real = [new_tokens] * len(cache.rows)
+    elif not cache.rows:  # the first rows' counts, before storage exists (allocate keeps them)
+        cache.rows = [RowState(g, cache.columns, cache.columns) for g in cache.row_groups(len(real))]
+    cache.numbering.check(cache, new_tokens, real)
+    allocation.grow(cache, new_tokens)
+    cache.columns += new_tokens
+    for row, n in zip(cache.rows, real, strict=True):
+        row.bound += n
+        row.columns += new_tokens
+
+
+def begin_step(cache) -> torch.Tensor:
+    """`cache` (an `H2OCache`) begins a decode step: the new token's position goes into the spare slot."""
+    s = cache.slots
+    if s is None:
+        raise CacheUsageError("a decode step needs a prompt first: begin with a chunk")
+    spare = s.capacity
+    s.pos[..., spare] = s.seen[None, :, None]
+    s.rot[..., spare] = s.next_rot[None, :, None]
+    cache.forward = Forward("step", 1, valid=s.valid()[:, None, :], layers=len(cache.layers))
+    return s.next_rot[:, None]
+
+
+def begin_chunk(cache, mask: torch.Tensor | None, T: int, batch: int | None) -> torch.Tensor:
+    """`cache` begins a prompt chunk of T columns (`mask` (B, T) marks real tokens, None = all)."""
+    s = cache.slots
+    if mask is None:
+        B = s.batch if s is not None else batch
+        if B is None:
+            raise CacheUsageError("a prompt chunk needs its padding mask or its batch size")
+        real = torch.ones(B, T, dtype=torch.bool, device=s.seen.device if s is not None else None)
+    else:
+        real = mask.bool()
+    B = real.shape[0]
+    zeros = torch.zeros(B, dtype=torch.long, device=real.device)
+    seen, next_rot = (s.seen, s.next_rot) if s is not None else (zeros, zeros)
+    steps = real.cumsum(-1) - 1
+    before = cache.columns - T
+    capacity = s.capacity if s is not None else cache.capacity_for(0)
+    limits = [g.policy.capacity or capacity for g in cache.groups]
+    fwd = Forward(
+        "chunk",
+        T,
+        real=real,
+        pos_new=(seen[:, None] + steps).masked_fill(~real, -1),
+        rot_new=(next_rot[:, None] + steps).masked_fill(~real, -1),
+        attend_from=min(capacity, before) if s is not None else 0,
+        fits=before + T <= min(limits),
+        track_mass=any(g.policy.by_score for g in cache.groups)
+        and (cache.observation is None or cache.observation.track_mass),
+        fused=real.device.type == "cuda",
+        probe=cache.probe,
+        observation=cache.observation,
+        layers=len(cache.layers),
+    )
+    if fwd.attend_from:
+        fwd.stored_valid = s.valid()[:, : fwd.attend_from]
+    cache.forward = fwd
+    return fwd.rot_new.clamp(min=0)
+
+
+def end(cache, fwd: Forward) -> None:
+    """Place the forward's new tokens, evict, advance the rows."""
+    s = cache.slots
+    if fwd.kind == "step":
+        keys, values, mass = fwd.kept if fwd.kept is not None else fwd.take()
+        s.write((slice(None), slice(None), slice(None), s.capacity), keys, values)
+        if cache.rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
+            torch.addcmul(mass, s.score, cache.rules.decay, out=s.score)
+        else:
+            s.score += mass
+        evict.step(s, cache.rules, cache.store)
+        s.seen += 1
+        s.next_rot += 1
+        return
+    if fwd.score is None:  # nothing reached the attention (an empty model?)
+        return
+    extra = [fwd.observation.new_obs] if fwd.observation is not None else []
+    new = evict.NewTokens(fwd.keys, fwd.values, fwd.pos_new, fwd.rot_new, fwd.score, extra)
+    priority = None
+    if fwd.observation is not None and not fwd.fits:
+        priority = fwd.observation.priority(cache, new)
+    evict.chunk(s, new, cache.rules, fwd.fits, priority, cache.store)
+    added = fwd.real.sum(-1)
+    s.seen += added
+    s.next_rot += added

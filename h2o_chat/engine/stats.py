@@ -1,0 +1,130 @@
+"""What a cache holds, for the panel, batch records and benchmarks: `CacheStats` snapshots and per-row counts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot for the panel, batch records and benchmarks. Token counts are per row and KV head."""
+
+    policy: str
+    budget: int | None
+    split: dict[str, int]
+    layers: int
+    seen: int  # tokens seen (the longest row)
+    kept: float  # tokens held per layer and head (mean)
+    kept_min: int
+    kept_max: int
+    evicted: float  # tokens evicted per layer, row and head (mean)
+    kv_bytes: int  # bytes the storage occupies (allocated: the whole budget from the first token), every field
+    kv_used_bytes: int  # bytes of the slots holding tokens: tokens held x bytes per slot, over layers, rows, heads
+    full_kv_bytes: int  # bytes a full cache would hold for the same tokens
+    positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute, trained context 8192"
+    store_bytes: int = 0  # the recall policy's store of evicted tokens (off the accelerator: host memory)
+    kv_quant: str = "none"  # "8bit": held keys and values in int8 with a scale per token
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
+
+    @classmethod
+    def combine(cls, parts: list[CacheStats]) -> CacheStats:
+        """Several snapshots side by side (the policy groups of one cache) as one."""
+        first = parts[0]
+        return cls(
+            policy=" | ".join(dict.fromkeys(p.policy for p in parts)),
+            budget=max((p.budget or 0 for p in parts), default=0) or None,
+            split=first.split,
+            layers=first.layers,
+            seen=max(p.seen for p in parts),
+            kept=sum(p.kept for p in parts) / len(parts),
+            kept_min=min(p.kept_min for p in parts),
+            kept_max=max(p.kept_max for p in parts),
+            evicted=sum(p.evicted for p in parts) / len(parts),
+            kv_bytes=sum(p.kv_bytes for p in parts),
+            kv_used_bytes=sum(p.kv_used_bytes for p in parts),
+            full_kv_bytes=sum(p.full_kv_bytes for p in parts),
+            positions=first.positions,
+            store_bytes=sum(p.store_bytes for p in parts),
+            kv_quant=first.kv_quant,
+        )
+
+
+def mean_count(x: float) -> int | float:
+    """A mean token count for JSON: an integer when it is whole, else one decimal."""
+    x = round(x, 1)
+    return int(x) if x == int(x) else x
+
+
+def of_rows(cache, rows: slice, group=None) -> CacheStats:
+    """A snapshot of the batch rows `rows` (following `group`, the first group by default)."""
+    group = group or cache.groups[0]
+    policy = group.policy
+    label = positions_label(cache, group, rows)
+    s = cache.slots
+    layers = len(cache.layers)
+    if s is None:
+        return CacheStats(policy.name, policy.budget, policy.split(), layers, 0, 0.0, 0, 0, 0.0, 0, 0, 0, label)
+    pos = s.pos[:, rows, :, : s.capacity]
+    kept = (pos >= 0).sum(-1)  # (L, b, H)
+    slot_bytes = s.slot_bytes()  # one slot over every field, as stored
+    kv_elem = torch.empty(0, dtype=s.dtype).element_size()
+    full_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * kv_elem  # what a full cache keeps of a token
+    seen = s.seen[rows]
+    share = len(seen) / s.batch
+    return CacheStats(
+        policy=policy.name,
+        budget=policy.budget,
+        split=policy.split(),
+        layers=layers,
+        seen=int(seen.max()),
+        kept=float(kept.float().mean()),
+        kept_min=int(kept.min()),
+        kept_max=int(kept.max()),
+        evicted=float((seen[None, :, None] - kept).float().mean()),  # every real token seen is held or gone
+        kv_bytes=int(s.nbytes() * share),
+        kv_used_bytes=int(kept.sum()) * slot_bytes,
+        full_kv_bytes=int(seen.sum()) * full_bytes * s.keys.shape[0] * s.keys.shape[2],
+        positions=label,
+        store_bytes=0 if cache.store is None else int(cache.store.nbytes() * share),
+        kv_quant="8bit" if s.quantized else "none",
+    )
+
+
+def of_groups(cache) -> list[CacheStats]:
+    """One snapshot per policy group (rows side by side)."""
+    out, start = [], 0
+    for g in cache.groups:
+        n = g.rows if g.rows is not None else (cache.slots.batch if cache.slots is not None else 1)
+        out.append(of_rows(cache, slice(start, start + n), g))
+        start += n
+    return out
+
+
+def positions_label(cache, group, rows: slice) -> str:
+    """How the rows `rows` number their tokens now and why (each row renumbers on its own: one row that passed
+    the trained context says nothing of the others)."""
+    if cache.rows:
+        switched = [r.switched for r in cache.rows[rows]]
+    else:
+        switched = [cache.numbering.starts_switched(g) for g in cache.groups]
+    return cache.numbering.label(group, switched)
+
+
+def kept_fraction(cache, start: int, end: int, row: int = 0) -> float:
+    if end <= start or cache.slots is None:
+        return 1.0
+    pos = cache.slots.pos[:, row, :, : cache.slots.capacity]  # (L, H, S)
+    inside = ((pos >= start) & (pos < end)).sum(-1).float()  # (L, H)
+    return float(inside.mean()) / (end - start)
+
+
+def row_stats(cache, row: int) -> dict:
+    s = cache.slots
+    seen = int(s.seen[row])
+    kept = float((s.pos[:, row, :, : s.capacity] >= 0).sum(-1).float().mean())
+    return {"seen": seen, "kept": kept, "evicted": seen - kept}
