@@ -64,7 +64,13 @@ class Store:
     row brings back per step (0: a row that does not recall, and keeps nothing). `block`: only 1."""
 
     def __init__(
-        self, layers: int, key: torch.Tensor, value: torch.Tensor, recalled: list[int], block: int, quant: bool = False
+        self,
+        layers: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        recalled: list[int],
+        block: int = 1,
+        quant: bool = False,
     ):
         _check_block(block)
         B, H, _, D = key.shape
@@ -102,9 +108,9 @@ class Store:
         self._moved()
 
     def _moved(self) -> None:
-        """The buffers were replaced or their entries moved or turned."""
+        """The buffers were replaced or their entries moved or turned: each (row, head)'s first entry in a layer's
+        buffers flattened (kept: a step would rebuild it per layer), and a new version."""
         _, B, H = self.shape
-        # each (row, head)'s first entry in a layer's buffers flattened (kept: a step would rebuild it per layer)
         self.offsets = torch.arange(B * H).view(B * H, 1) * self.capacity
         self.version += 1
 
@@ -210,10 +216,8 @@ class Store:
     @torch.inference_mode()
     def put_row(self, r: int, other: Store) -> None:
         """Row r (emptied by `clear_row`) takes the one row of `other` (what a prompt read into row r alone
-        evicted: continuous batching), its entries first. A batch whose rows were refilled holds entries that
-        nothing uses (a finished row's, and each refilled row's gap up to the shared count): once they are half
-        of the busiest row's, every row's entries move to the front (`compact`), so the store stays the size of
-        what the rows hold, however many prompts pass through them."""
+        evicted: continuous batching), its entries first; then `compact`, so the store stays the size of what the
+        rows hold, however many prompts pass through them."""
         n = other.count
         if self.full:
             return  # a full store keeps nothing new (the cache said so)
@@ -232,8 +236,8 @@ class Store:
 
     @torch.inference_mode()
     def compact(self) -> None:
-        """Every row's entries moved to the front, in order (every entry buffer with them), when at least half of
-        the entries up to the count hold nothing for the busiest row; the count becomes the busiest row's."""
+        """Every row's entries moved to the front, in order, once at least half of those up to the count hold
+        nothing for the busiest row (a finished row's, a refilled row's gap); the count becomes the busiest row's."""
         n, (_, B, _) = self.count, self.shape
         held = (~self.empty[:, :, :, :n]).any(0).any(1)  # (B, n): an entry some layer and head of the row uses
         most = int(held.sum(1).max())
