@@ -204,11 +204,9 @@ class Recall(Snap):
     # mass counts less than recent (the plain sum favours old tokens). 0.99 from the tuning text (alice.txt, 2,048
     # tokens, 10% budget: perplexity 1.016x the full cache's with the plain sum, 1.012x with 0.99 or 0.95)
     decay: float = 0.99
-    # every evicted key is ranked by its exact logit; Quest's blocks were measured too coarse here (the multi-turn
+    # (each evicted key is ranked by its own logit: Quest's blocks were measured too coarse here -- the multi-turn
     # recall evaluation on the tuning texts, 10% budget: likelihood gain kept 0.04 with blocks of 16, 0.47 with 4,
-    # 0.97 with 1): evicted tokens leave one or a few at a time, so a block mixes unrelated ones. Not a setting:
-    # the cache still reads it for its store (always 1)
-    block: ClassVar[int] = 1
+    # 0.97 with 1 -- evicted tokens leave one or a few at a time, so a block mixes unrelated ones)
 
     def __post_init__(self) -> None:
         if not 0 < self.decay <= 1:
