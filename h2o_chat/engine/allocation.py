@@ -42,7 +42,7 @@ def allocate(cache, key: torch.Tensor, value: torch.Tensor) -> None:
 def make_store(cache) -> None:
     """A store of evicted tokens when some row recalls; a policy change keeps what was evicted recallable."""
     policies = [r.group.policy for r in cache.rows]
-    if cache.slots is None or not any(isinstance(p, Recall) for p in policies):
+    if cache.slots is None or cache.is_fork or not any(isinstance(p, Recall) for p in policies):
         cache.store = None
         return
     recalled = [p.recalled if isinstance(p, Recall) else 0 for p in policies]
@@ -52,7 +52,7 @@ def make_store(cache) -> None:
         return
     first = (0, slice(None), slice(None), slice(0, 1))  # a template: shapes and the model's dtype
     key, value = s.read("keys", first), s.read("values", first)
-    cache.store = Store(len(cache.layers), key, value, recalled, 1, quant=s.quantized)
+    cache.store = Store(len(cache.layers), key, value, recalled, quant=s.quantized)
 
 
 def reserve(cache, tokens: int) -> None:

@@ -98,6 +98,7 @@ class H2OCache(CacheProtocol):
         self.notices: list[str] = []  # things the user should be told once (the UI pops them)
         self.reserved = 0  # a full cache makes room for this many tokens when it allocates
         self.is_view = False  # a row's view of another cache's storage (see row()): never re-allocates
+        self.is_fork = False  # a throw-away copy (snap's probe, `fork()`): keeps nothing it evicts
         self._start()
 
     def _start(self) -> None:

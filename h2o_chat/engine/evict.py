@@ -108,7 +108,7 @@ def chunk(
 ) -> None:
     """Place a chunk's tokens. `fits` (host-known): every row has room for all of them, so they are appended.
     Otherwise the T lowest of stored + new lose (`priority`, (L, B, H, C + T), overrides the rules': snap); a
-    `store` keeps the losers (sorted by position, so a store block holds neighbours)."""
+    `store` keeps the losers (sorted by position)."""
     L, B, H, T = new.score.shape
     if fits:
         target = append_slots(slots, new.pos >= 0)[None, :, None, :].expand(L, B, H, T)

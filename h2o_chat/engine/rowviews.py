@@ -37,6 +37,9 @@ def _twin(cache, slots):
 def fork(cache):
     twin = _twin(cache, None if cache.slots is None else cache.slots.copy())
     twin.notices = []
+    # nor does it make a store when it allocates: a fork of an empty cache and one of a filled row (a refilled
+    # batch row) must read alike, and a row's probe would otherwise recall what the other never kept
+    twin.is_fork = True
     return twin
 
 
