@@ -75,8 +75,7 @@ def test_an_8bit_cache_stores_a_quarter_of_the_bytes_and_predicts_what_the_full_
         assert (diff.abs() <= scale.float() / 2 + 1e-5).all()
     s, p = quant.stats(), plain.stats()
     D = quant.slots.keys.shape[-1]
-    # per slot: int8 keys and values + two float16 scales vs float32, each with a position, rotation and score
-    assert s.kv_bytes / p.kv_bytes == pytest.approx((2 * D + 2 * 2 + 20) / (2 * 4 * D + 20), rel=1e-3)
+    assert s.kv_bytes / p.kv_bytes == pytest.approx((D + 2) / (4 * D))  # int8 + a float16 scale vs float32
     assert s.full_kv_bytes == p.full_kv_bytes  # the full cache compared with is the model's dtype
     assert s.kv_quant == "8bit" and p.kv_quant == "none"
     assert "allocated in 8 bits" in ui.describe_kv(s) and "8 bits" not in ui.describe_kv(p)  # the panel says so
@@ -93,8 +92,10 @@ def test_an_8bit_cache_evicts_like_the_full_precision_one(policy):
     want, got = _logits(model, plain, ids, 100), _logits(model, quant, ids, 100)
     assert (got - want).abs().mean() < 0.15 * want.abs().mean()  # measured 0.02-0.07
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85  # measured 0.92-1
-    same = (quant.slots.pos == plain.slots.pos).float().mean()
-    assert same > 0.8, float(same)
+    # the same tokens held per layer and head (their slots may be in another order: recall's recalled slots)
+    rows = zip(quant.slots.pos.flatten(0, -2).tolist(), plain.slots.pos.flatten(0, -2).tolist(), strict=True)
+    same = sum(len(set(q) & set(p)) / len(set(p)) for q, p in rows) / plain.slots.pos.flatten(0, -2).shape[0]
+    assert same > 0.9, same  # measured 0.98
     if policy == "recall":  # the store keeps keys wide (a step ranks them all) and values in 8 bits
         assert quant.store.keys.dtype == torch.float32 and quant.store.values.dtype == torch.int8
         assert quant.store.count == plain.store.count > 0
