@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from h2o_chat.engine import attention
 from h2o_chat.engine.attention import attention_with_mass, causal_sdpa
-from h2o_chat.engine.cache import Forward
+from h2o_chat.engine.forward import Forward
 
 
 def reference(q, k, v, scale, allowed):
