@@ -112,7 +112,7 @@ def test_a_chat_that_cannot_bring_messages_back_is_told_once_how_to_keep_them():
     said = 'note: your message "my name is Ada" is 49% cached: the model sees only part of it; say again what matters'
     assert out == [said + hint, said + "; a larger /budget keeps more"]
     recalling = ChatView(Console(file=io.StringIO(), width=200, no_color=True), None, "tiny", "cpu, float32")
-    recalling.reply_ended(False, None, [Report()], recalls=True)  # recall and reread bring messages back
+    recalling.reply_ended(False, None, [Report()], recalls=True)  # recall brings messages back
     assert "/policy recall" not in recalling.console.file.getvalue()
     from h2o_chat.engine.policies import POLICIES
 
