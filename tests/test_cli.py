@@ -81,7 +81,7 @@ def test_piped_json_record(fast_load):
     assert '"kept": 32,' in result.stdout and '"evicted": 32.0' not in result.stdout  # whole means as integers
     assert record["cache"]["kept"] == 32 and record["cache"]["seen"] > 32
     # the budget is full: every slot but the spare one a decode step writes into
-    assert record["cache"]["kv_used_bytes"] == record["cache"]["kv_bytes"] * 32 // 33
+    assert record["cache"]["kv_used_bytes"] == (record["cache"]["kv_bytes"] - 16) * 32 // 33  # 16: the counters
     assert record["cache"]["evicted"] == record["cache"]["seen"] - 32
     assert record["generated_tokens"] <= 24 and record["finish_reason"] in ("stop", "length")
     assert record["decode"] == "eager"  # the embedded model on the CPU: eager steps
@@ -166,7 +166,7 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         (["--min-p", "1.5"], "hi", ["--min-p must be at least 0 (off) and below 1, got 1.5"]),
         (["--threads", "0"], "hi", ["--threads must be a positive integer"]),
         (["--stop", ""], "hi", ["--stop needs some text"]),
-        (["--decode", "fast"], "hi", ["--decode must be one of auto, eager, graph, got 'fast'"]),
+        (["--decode", "fast"], "hi", ["--decode must be one of auto, eager, graph, compile, got 'fast'"]),
         (["--kv-quant", "4bit"], "hi", ["--kv-quant must be none or 8bit, got '4bit'"]),
         (["--decode", "graph", "--device", "cpu"], "hi", ["--decode graph captures CUDA graphs"]),
         # issue 22.13: what is wrong with --budget 1 for snap is the budget, not the window
@@ -633,7 +633,9 @@ def test_the_kv_memory_sets_the_budget_it_holds_as_the_cache_stores_it(fast_load
     memory given (for all batch rows together); the cache then allocates no more than that. Bad sizes are one
     line each, before anything loads."""
     text = embedded.model.config
-    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * 64 * 4  # fp32 keys and values, D = 64
+    # a token's slot in every layer and KV head: fp32 keys and values (D = 64), position and rotation (int64),
+    # score (fp32): `slots.slot_bytes`, the one formula
+    per_token = text.num_hidden_layers * text.num_key_value_heads * (2 * 64 * 4 + 8 + 8 + 4)
     memory = 3 * 2**20
     budget = memory // per_token
     result = invoke(["--kv-memory", "3MB", "--max-new-tokens", "4", "--temperature", "0"], "Say hi.")
@@ -645,7 +647,9 @@ def test_the_kv_memory_sets_the_budget_it_holds_as_the_cache_stores_it(fast_load
     assert budget * per_token / 2**20 - 0.1 <= allocated <= 3.0  # the budget it holds, within the memory given
     result = invoke(["--kv-memory", "3MB", "--kv-quant", "8bit", "--max-new-tokens", "2"], "Say hi.")
     eight = int(re.search(r"a budget of (\d+) tokens", result.stderr).group(1))
-    assert result.exit_code == 0 and eight == memory // (per_token // 4 * (1 + 2 / 64))  # int8 + a scale per token
+    # int8 keys and values with a float16 scale each, the same position, rotation and score
+    eight_per_token = text.num_hidden_layers * text.num_key_value_heads * (2 * 64 + 2 * 2 + 8 + 8 + 4)
+    assert result.exit_code == 0 and eight == memory // eight_per_token
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": 1, "prompt": "Say hi."}\n{"id": 2, "prompt": "Name a colour."}\n')
     out = tmp_path / "out.jsonl"
@@ -687,7 +691,9 @@ def test_budget_takes_tokens_a_memory_or_a_share_of_the_trained_context(fast_loa
     --budget reads what /budget reads: a memory as --kv-memory does, a share of the trained context (8,192 here),
     and says what it came to; a number without a unit is a whole number of tokens."""
     text = embedded.model.config
-    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * 64 * 4  # fp32 keys and values, D = 64
+    # a token's slot in every layer and KV head: fp32 keys and values (D = 64), position and rotation (int64),
+    # score (fp32): `slots.slot_bytes`, the one formula
+    per_token = text.num_hidden_layers * text.num_key_value_heads * (2 * 64 * 4 + 8 + 8 + 4)
     for given, tokens, how in (
         ("64MB", 64 * 2**20 // per_token, f"({per_token:,} bytes a token)"),
         ("10%", 819, "(10% of the trained context, 8,192)"),

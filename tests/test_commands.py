@@ -65,12 +65,12 @@ def test_bad_commands_are_shown_not_raised(embedded):
     cmds.run("/budget lots")
     cmds.run("/budget 0")
     cmds.run("/load /nonexistent.json")
-    cmds.run("/budget 1KB")  # a size, but not one token's keys and values (46,080 bytes here)
+    cmds.run("/budget 1KB")  # a size, but not one token's slots (47,880 bytes here)
     assert view.errors[0] == (
         "/budget takes a number of tokens (512), a memory (64MB) or a share of the trained context (10%), got 'lots'"
     )
     assert "positive" in view.errors[1] and "not found" in view.errors[2]
-    assert view.errors[3] == "/budget 1KB holds no token: a token's keys and values take 46,080 bytes"
+    assert view.errors[3] == "/budget 1KB holds no token: a token takes 47,880 bytes in the cache"
     assert conv.policy == make_policy("snap", 64)  # nothing changed
 
 

@@ -35,9 +35,10 @@ def test_footprint_of_real_shapes():
     assert 6.7e9 < llama.linear_params + llama.other_params < 6.8e9  # LLaMA-2-7B: 6.74B parameters
     assert 12.4 * GB < llama.weight_bytes(torch.float16) < 12.7 * GB
     assert 3.6 * GB < llama.weight_bytes(torch.float16, "4bit") < 4.1 * GB  # NF4 + fp16 embeddings/head
-    assert llama.kv_bytes(4096, torch.float16) == 2 * GB  # 32 layers x 32 heads x 128 x 2 x fp16
+    # 32 layers x 32 heads x (4,096 slots + the spare) x (128 x 2 x fp16 + position, rotation, score), + counters
+    assert llama.kv_bytes(4096, torch.float16) == 32 * 32 * 4097 * (128 * 2 * 2 + 20) + 16
     gqa = footprint(shape_config("llama-3-8b"))
-    assert gqa.kv_heads == 8 and gqa.kv_bytes(4096, torch.float16) == GB // 2
+    assert gqa.kv_heads == 8 and gqa.kv_bytes(4096, torch.float16) == 32 * 8 * 4097 * (128 * 2 * 2 + 20) + 16
     opt = footprint(shape_config("opt-6.7b"))
     assert 6.6e9 < opt.linear_params + opt.other_params < 6.7e9
 
@@ -72,10 +73,11 @@ def test_throughput_at_equal_memory_on_cpu(tmp_path):
     full, h2o = records
     assert full.config == "full" and h2o.config == "h2o" and h2o.budget == 32
     assert h2o.batch > full.batch > 0  # a small cache per row fits more rows in the same memory
-    # exactly the slots each allocated (+1 spare): 2 layers x (K, V) x 2 KV heads x head dim 32 x fp32
-    per_slot = 2 * 2 * 2 * 32 * 4
-    assert h2o.kv_bytes == h2o.batch * (32 + 1) * per_slot
-    assert full.kv_bytes == full.batch * (256 + 16 + 1) * per_slot  # a full cache: the whole sequence, once
+    # exactly the slots each allocated (+1 spare): 2 layers x 2 KV heads x ((K, V) of head dim 32 in fp32 +
+    # position, rotation, score), and each row's two counters
+    per_slot = 2 * 2 * (2 * 32 * 4 + 20)
+    assert h2o.kv_bytes == h2o.batch * ((32 + 1) * per_slot + 16)
+    assert full.kv_bytes == full.batch * ((256 + 16 + 1) * per_slot + 16)  # a full cache: the whole sequence, once
     assert full.decode == h2o.decode == "eager"  # both through the same engine
 
 

@@ -99,7 +99,7 @@ def test_chat_streamed_and_not_give_one_reply_with_usage_and_cache_stats(embedde
     assert whole.model == "any"
     h2o = whole.h2o  # ours: the conversation's cache
     assert h2o["policy"] == "snap" and h2o["budget"] == 64 and h2o["seen"] == whole.usage.prompt_tokens + 5
-    assert h2o["kept"] <= 64 and h2o["evicted"] == h2o["seen"] - h2o["kept"] and not h2o["reread"]
+    assert h2o["kept"] <= 64 and h2o["evicted"] == h2o["seen"] - h2o["kept"] and not h2o["read_again"]
     stream = c.chat.completions.create(
         model="any", messages=CHAT, temperature=0, max_tokens=6, stream=True, stream_options={"include_usage": True}
     )
@@ -143,13 +143,13 @@ def test_a_conversation_reads_only_its_new_turn_and_says_when_it_was_read_again(
         {"role": "user", "content": "Go on."},
     ]
     two = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
-    assert two.h2o["conversation"] == one.h2o["conversation"] and not two.h2o["reread"]
+    assert two.h2o["conversation"] == one.h2o["conversation"] and not two.h2o["read_again"]
     assert two.h2o["cached_tokens"] == one.h2o["seen"] == two.usage.prompt_tokens_details.cached_tokens
     assert two.h2o["read_tokens"] < one.h2o["read_tokens"]
     # a history this server never generated: read again from the start, and said so
     messages[1]["content"] = "Something I never said."
     three = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
-    assert three.h2o["reread"] and three.h2o["cached_tokens"] == 0
+    assert three.h2o["read_again"] and three.h2o["cached_tokens"] == 0
     assert three.h2o["conversation"] != one.h2o["conversation"]
 
 
@@ -300,7 +300,7 @@ def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thre
                 messages.append({"role": "user", "content": f"{i}-{t}"})
                 chunks = list(c.chat.completions.create(model="m", messages=messages, stream=True))
                 end = [ch for ch in chunks if ch.choices][-1]
-                assert end.choices[0].finish_reason in ("stop", "length") and not end.h2o["reread"]
+                assert end.choices[0].finish_reason in ("stop", "length") and not end.h2o["read_again"]
                 assert (end.h2o["cached_tokens"] > 0) == (t > 0)  # each turn after the first reads only itself
                 messages.append({"role": "assistant", "content": "".join(ch.choices[0].delta.content or ""
                                                                          for ch in chunks if ch.choices)})  # fmt: skip

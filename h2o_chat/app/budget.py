@@ -34,15 +34,15 @@ def parse_size(name: str, text: str) -> int:
 
 
 def tokens_in(flag: str, text: str, memory: int, per_token: int, rows: int = 1, kv_quant: str = "none") -> int:
-    """The budget `memory` bytes hold (`flag` `text` as the user wrote it): the most tokens per row whose keys and
-    values, `per_token` bytes a row, fit for `rows` rows; an error when not one does."""
+    """The budget `memory` bytes hold (`flag` `text` as the user wrote it): the most tokens per row whose slots
+    (keys, values, position, rotation and score: `per_token` bytes a row) fit for `rows` rows; an error when
+    not one does."""
     tokens = memory // (per_token * rows)
     if tokens < 1:
         stored = " in 8 bits" if kv_quant == "8bit" else ""
         rows_words = f" for {rows} rows" if rows > 1 else ""
         raise H2OChatError(
-            f"{flag} {text} holds no token: a token's keys and values take {per_token * rows:,} bytes"
-            f"{stored}{rows_words}"
+            f"{flag} {text} holds no token: a token takes {per_token * rows:,} bytes in the cache{stored}{rows_words}"
         )
     return tokens
 

@@ -264,7 +264,7 @@ class Scheduler:
             "generated_tokens": n,
             "h2o": {
                 "conversation": turn.session.id,
-                "reread": turn.reread,
+                "read_again": turn.read_again,
                 "read_tokens": len(turn.ids),
                 "cached_tokens": turn.cached,
                 "policy": job.req.policy.name,
@@ -316,7 +316,7 @@ class Scheduler:
 
 def _log_line(result: dict) -> str:
     h = result["h2o"]
-    again = " (read again from the start)" if h["reread"] else ""
+    again = " (read again from the start)" if h["read_again"] else ""
     return (
         f"{h['conversation']}: read {h['read_tokens']} tokens{again}, {h['cached_tokens']} cached, "
         f"generated {result['generated_tokens']} | kept {h['kept']:g} of {h['seen']} seen | "

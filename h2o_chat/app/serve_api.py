@@ -239,7 +239,7 @@ def build_policy(name: str | None, budget: int | None, limits: Limits):
 
     name = limits.policy if name is None else name
     if name not in SERVED_POLICIES:
-        why = "is not served (its state is not held in a row)" if name in ("recall", "reread", "full") else "unknown"
+        why = "is not served (its state is not held in a row)" if name in ("recall", "full") else "unknown"
         raise ApiError(400, f'"policy" {name!r} {why}; choose one of: {", ".join(SERVED_POLICIES)}', param="policy")
     budget = limits.budget if budget is None else budget
     if budget < 1:

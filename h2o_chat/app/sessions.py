@@ -8,7 +8,7 @@ A `Session` is a conversation's cache row as its last reply left it, copied out 
   session generated; it reads only what follows that reply, rendered as the chat reads a new turn
   (app/conversation.py's sentinel), so the reply's tokens are never re-tokenized from its text;
 - a completion request continues the idle session whose fed token ids are a prefix of its prompt's ids;
-- anything else starts a new session, read from the start (`Turn.reread` when it carried earlier replies: the
+- anything else starts a new session, read from the start (`Turn.read_again` when it carried earlier replies: the
   conversation was evicted, or asked for another budget or policy).
 
 Idle sessions live in a `SessionStore`, least recently used first out, within a count and a memory limit.
@@ -48,7 +48,7 @@ class Turn:
     session: Session
     ids: list[int]  # tokens to read now
     cached: int  # tokens the conversation had seen already (not read again)
-    reread: bool  # the request carried earlier replies that no idle session held: read from the start
+    read_again: bool  # the request carried earlier replies that no idle session held: read from the start
 
 
 def snapshot_bytes(state: dict) -> int:
