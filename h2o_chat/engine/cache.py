@@ -103,7 +103,8 @@ class H2OCache(CacheProtocol):
 
     def _start(self) -> None:
         """The state of one sequence, declared once: a new cache starts with it, `reset` returns to it, and
-        `rowviews` copies, views and snapshots it by these names (`SEQUENCE`)."""
+        `rowviews` copies and views it (a snapshot carries `rowviews.SNAPSHOT`, the rows, the slots and the store's
+        count)."""
         self.slots: Slots | None = None
         self.rules: Rules | None = None
         self.store: Store | None = None  # evicted tokens of rows that recall (`engine/store.py`)
@@ -277,8 +278,7 @@ class H2OCache(CacheProtocol):
             return fw.begin_step(self)
         if kind != "chunk":
             raise CacheUsageError(f"unknown kind of forward {kind!r}")
-        with torch.inference_mode():
-            return fw.begin_chunk(self, mask, columns, batch)
+        return fw.begin_chunk(self, mask, columns, batch)
 
     @inference
     def end(self) -> None:

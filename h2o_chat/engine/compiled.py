@@ -50,7 +50,7 @@ def unavailable() -> str | None:
 
 
 def compile_step(body: Callable) -> Callable:
-    """`body(tokens, positions) -> outputs`, compiled for the CPU: one graph, static shapes, frozen weights."""
+    """`body(tokens, positions) -> outputs`, compiled for the CPU: one graph, static shapes (`INDUCTOR_OPTIONS`)."""
     from torch._inductor.runtime import cache_dir_utils
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, cache_dir_utils.default_cache_dir()):

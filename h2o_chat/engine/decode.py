@@ -64,8 +64,8 @@ def resolve_decode(mode: str, device: torch.device) -> str:
         raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use compile or eager here")
     if mode == "compile" and device.type != "cpu":
         raise ConfigError("--decode compile builds the CPU's decode step; on a GPU the step is a CUDA graph (graph)")
-    if mode == "compile" and compiled.unavailable():
-        raise ConfigError(f"--decode compile is not possible here: {compiled.unavailable()}; use eager")
+    if mode == "compile" and (why := compiled.unavailable()):
+        raise ConfigError(f"--decode compile is not possible here: {why}; use eager")
     return mode
 
 

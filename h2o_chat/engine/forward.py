@@ -17,7 +17,7 @@ import torch
 
 from h2o_chat.engine import allocation, evict
 from h2o_chat.engine.positions import RowState
-from h2o_chat.engine.slots import Slots
+from h2o_chat.engine.slots import Slots, inference
 from h2o_chat.errors import CacheUsageError
 
 
@@ -130,6 +130,7 @@ def begin_step(cache) -> torch.Tensor:
     return s.next_rot[:, None]
 
 
+@inference
 def begin_chunk(cache, mask: torch.Tensor | None, T: int, batch: int | None) -> torch.Tensor:
     """`cache` begins a prompt chunk of T columns (`mask` (B, T) marks real tokens, None = all)."""
     s = cache.slots

@@ -83,10 +83,7 @@ def slot_bytes(key_dim: int, value_dim: int, elem: int, quant: str = "none") -> 
     used by the cache, the memory checks, the panel and `bench`. `elem`: bytes per element of the model's dtype."""
     widths = {"key": key_dim, "value": value_dim, "one": 1, "": 1}
     kv = 1 if quant == "8bit" else elem
-    return sum(
-        widths[f.width] * (kv if f.dtype is None else torch.empty(0, dtype=f.dtype).element_size())
-        for f in fields(quant == "8bit")
-    )
+    return sum(widths[f.width] * (kv if f.dtype is None else f.dtype.itemsize) for f in fields(quant == "8bit"))
 
 
 def storage_bytes(
@@ -267,6 +264,6 @@ class Slots:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot (one layer, row and KV head) over every field: `slot_bytes` of this storage."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         quant = "8bit" if self.quantized else "none"
         return slot_bytes(self.keys.shape[-1], self.values.shape[-1], elem, quant)

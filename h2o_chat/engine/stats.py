@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class CacheStats:
@@ -72,8 +70,7 @@ def of_rows(cache, rows: slice, group=None) -> CacheStats:
     pos = s.pos[:, rows, :, : s.capacity]
     kept = (pos >= 0).sum(-1)  # (L, b, H)
     slot_bytes = s.slot_bytes()  # one slot over every field, as stored
-    kv_elem = torch.empty(0, dtype=s.dtype).element_size()
-    full_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * kv_elem  # what a full cache keeps of a token
+    full_bytes = (s.keys.shape[-1] + s.values.shape[-1]) * s.dtype.itemsize  # what a full cache keeps of a token
     seen = s.seen[rows]
     share = len(seen) / s.batch
     return CacheStats(

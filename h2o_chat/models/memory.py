@@ -49,7 +49,7 @@ class Footprint:
 
     def token_bytes(self, dtype: torch.dtype) -> int:
         """One token's slot in every layer and KV head of a row, as the cache stores it (`slots.slot_bytes`)."""
-        elem = torch.empty(0, dtype=dtype).element_size()
+        elem = dtype.itemsize
         return self.layers * self.kv_heads * slot_bytes(self.head_dim, self.head_dim, elem, self.kv_quant)
 
     def kv_bytes(self, tokens: int, dtype: torch.dtype, batch: int = 1) -> int:
@@ -57,7 +57,7 @@ class Footprint:
         slot, positions, rotations, scores and scales included): `slots.storage_bytes`."""
         if tokens <= 0:
             return 0
-        elem = torch.empty(0, dtype=dtype).element_size()
+        elem = dtype.itemsize
         hd = self.head_dim
         return storage_bytes(self.layers, batch, self.kv_heads, tokens, hd, hd, elem, self.kv_quant)
 
