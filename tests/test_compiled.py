@@ -49,6 +49,7 @@ def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positi
     want, want_pos, _, _ = _run(model, "eager", policy, positions, prompts, sampled)
     got, got_pos, engine, cache = _run(model, "compile", policy, positions, prompts, sampled)
     assert engine.mode == "compile" and engine.captures >= 1, cache.pop_notices()
+    assert engine._program.replaying  # the steps ran without dynamo's checks (`compiled.Program`)
     assert got == want
     assert torch.equal(got_pos, want_pos)  # the same tokens kept per layer, row and head, every 50 steps
     assert cache.stats().seen == 40 + STEPS - 1
@@ -90,3 +91,46 @@ def test_auto_is_eager_on_cpu_unless_told_to_compile(monkeypatch):
     monkeypatch.setattr(compiled, "unavailable", lambda: "no C++ compiler (g++) for inductor's CPU code")
     monkeypatch.setenv("H2O_CHAT_DECODE", "compile")
     assert resolve_decode("auto", cpu) == "eager"
+
+
+class _Holder:
+    def __init__(self):
+        self.weight = torch.arange(6.0).view(2, 3)
+        self.seen: list[torch.Tensor] = []
+
+    def pure(self, x):
+        return (self.weight @ x).relu(), self.weight.sum(0) * x
+
+    def remembers(self, x):  # Python state of its own: dynamo restores it after each call
+        y = self.weight @ x
+        self.seen.append(y)
+        return (y,)
+
+
+def test_a_program_over_fixed_tensors_is_replayed_and_reads_them_as_they_are_now():
+    h, x = _Holder(), torch.ones(3)
+    program = compiled.Program(h.pure)
+    for step in range(5):
+        x.add_(1)
+        h.weight[0, step % 3] -= 2  # changed in place, as the cache's storage is
+        got, want = program(x), h.pure(x)
+        assert all(torch.allclose(a, b) for a, b in zip(got, want, strict=True)), step
+    assert program.replaying
+
+
+def test_a_program_with_state_of_its_own_or_new_inputs_keeps_dynamos_checks():
+    h = _Holder()
+    program = compiled.Program(h.remembers)
+    for step in range(4):
+        x = torch.full((3,), float(step))  # a new tensor each call
+        (got,) = program(x)
+        assert torch.equal(got, h.weight @ x) and torch.equal(h.seen[-1], got)
+    assert not program.replaying and len(h.seen) == 4
+
+    h2 = _Holder()
+    program = compiled.Program(h2.pure)
+    for step in range(4):
+        h2.weight = torch.full((2, 3), float(step))  # the body reads a new tensor each call
+        got = program(torch.ones(3))
+        assert torch.equal(got[0], torch.full((2,), 3.0 * step))
+    assert not program.replaying

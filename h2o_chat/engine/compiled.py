@@ -31,8 +31,9 @@ import torch
 
 # Neither frozen weights nor the C++ wrapper: both measured no faster per step here, and the first compilation
 # took ~330 s with the wrapper against ~95 without; a warm start ~29 s with frozen weights against ~16 without
-# (2-core Xeon, shared: docs/experiments.md)
-INDUCTOR_OPTIONS: dict = {}
+# (2-core Xeon, shared: docs/experiments.md). Without the size and stride check of every buffer the program's
+# Python makes per step (~20 per layer): 13.2 against 14.4 ms a step (docs/results/cpu.md).
+INDUCTOR_OPTIONS: dict = {"size_asserts": False}
 
 
 def cache_dir() -> Path:
@@ -49,10 +50,73 @@ def unavailable() -> str | None:
     return None
 
 
-def compile_step(body: Callable) -> Callable:
-    """`body(tokens, positions) -> outputs`, compiled for the CPU: one graph, static shapes (`INDUCTOR_OPTIONS`)."""
-    from torch._inductor.runtime import cache_dir_utils
+class Program:
+    """`body(tokens, positions) -> outputs` compiled for the CPU (one graph, static shapes), then replayed.
 
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, cache_dir_utils.default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())  # torch's default is in /tmp
-    return torch.compile(body, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS or None)
+    Called through `torch.compile`, each call first checks dynamo's guards: some 10,000 here (every weight's
+    type, shape and strides, the modules' attributes), 0.5-1 ms a step, 5% of it. A decode step is built to read
+    only tensors that stay where they are between steps -- the discipline a CUDA graph needs -- so once two calls
+    through dynamo have given the compiled graph the same inputs (the same memory, shapes and strides, while the
+    first call's tensors are held) and the body's result was exactly the graph's outputs (no Python state of its
+    own to restore after it: `Forward.slots_valid`), later calls run the graph on those inputs directly, as a
+    CUDA graph is replayed. What would change the step (the cache's storage, the batch, the sampler) changes the
+    engine's key, and a new key builds a new `Program`. A body that does not qualify keeps dynamo's checks
+    (`replaying` stays False).
+    """
+
+    def __init__(self, body: Callable):
+        from torch._inductor.runtime import cache_dir_utils
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, cache_dir_utils.default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())  # torch's default is in /tmp
+        self._graph: Callable | None = None  # inductor's compiled graph
+        self._calls: list[tuple[tuple, object]] = []  # (inputs, outputs) of the graph's calls through dynamo
+        self._inputs: tuple | None = None  # once replaying: the inputs every call reads
+        self.replaying = False
+        self._guarded = torch.compile(body, backend=self._compile, fullgraph=True, dynamic=False)
+
+    def _compile(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        graph = compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS or None)
+        self._graph = graph
+
+        def recorded(*args):
+            out = graph(*args)
+            if len(self._calls) < 2:
+                self._calls.append((args, out))
+            return out
+
+        return recorded
+
+    def __call__(self, *args):
+        if self.replaying:
+            return self._graph(*self._inputs)
+        out = self._guarded(*args)
+        if len(self._calls) == 2 and self._inputs is None:
+            (first, _), (second, raw) = self._calls
+            self.replaying = _same_places(first, second) and _exactly(out, raw)
+            self._inputs = first if self.replaying else ()
+            self._calls = []
+        return out
+
+
+def _place(x):
+    if isinstance(x, torch.Tensor):
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+    return (type(x), x)
+
+
+def _same_places(first: tuple, second: tuple) -> bool:
+    return len(first) == len(second) and all(_place(a) == _place(b) for a, b in zip(first, second, strict=True))
+
+
+def _exactly(result, graph_outputs) -> bool:
+    """The body returned the graph's outputs themselves, all of them, in order."""
+    result, graph_outputs = list(result), list(graph_outputs)
+    return len(result) == len(graph_outputs) and all(a is b for a, b in zip(result, graph_outputs, strict=True))
+
+
+def compile_step(body: Callable) -> Program:
+    """The decode step's body compiled (`Program`)."""
+    return Program(body)

@@ -52,10 +52,20 @@ class Forward:
     def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor) -> None:
         self.new.append((key, value, mass))
 
+    def slots_valid(self, slots: Slots) -> torch.Tensor:
+        """step: (B, 1, S) the slots holding a token, found once per step from the slots' positions (inside the
+        step, so that a compiled step reads nothing made outside it but the storage). A compiled step keeps no
+        state of its own (`compiled.py`): it finds them again in each layer, a few fused comparisons."""
+        if torch.compiler.is_compiling():
+            return slots.valid()[:, None, :]
+        if self.valid is None:
+            self.valid = slots.valid()[:, None, :]
+        return self.valid
+
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every layer's new keys and values (L, B, H, D) and masses (L, B, H, S), stacked."""
         keys, values, masses = zip(*self.new, strict=True)
-        self.new = []
+        self.new.clear()
         return torch.stack(keys)[..., 0, :], torch.stack(values)[..., 0, :], torch.stack(masses)
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +136,7 @@ def begin_step(cache) -> torch.Tensor:
     spare = s.capacity
     s.pos[..., spare] = s.seen[None, :, None]
     s.rot[..., spare] = s.next_rot[None, :, None]
-    cache.forward = Forward("step", 1, valid=s.valid()[:, None, :], layers=len(cache.layers))
+    cache.forward = Forward("step", 1, layers=len(cache.layers))
     return s.next_rot[:, None]
 
 

@@ -101,7 +101,7 @@ class H2OLayer(CacheLayerMixin):
             got = cache.store.recall(i, query) if cache.store is not None else None
             scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
             kv = slots.keys[i], slots.values[i]
-            out, mass = attention_over_slots(query, *kv, scaling, fwd.valid, got, scales, new=(key, value))
+            out, mass = attention_over_slots(query, *kv, scaling, fwd.slots_valid(slots), got, scales, new=(key, value))
             fwd.keep(key, value, mass)  # written, and the mass added, for every layer at once when the step ends
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them

@@ -225,7 +225,7 @@ class RowSampler:
         tokens = self._draw(logits)
         if self.penalized:
             self.recent.scatter_(1, (self.draws % PENALTY_WINDOW)[:, None], tokens[:, None])
-        self.draws += 1
+        self.draws.add_(1)  # in place, no attribute stored: a compiled step keeps no state of its own
         return tokens
 
     def _draw(self, logits: torch.Tensor) -> torch.Tensor:
