@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from h2o_chat.models import cpu_quant
-from h2o_chat.models.cpu_quant import GROUP, Int4Linear, Int8Linear, gguf_q4, quantize_model
+from h2o_chat.models.cpu_quant import (
+    GROUP,
+    REFINED,
+    REFINED_AFTER_4BIT,
+    Int4Linear,
+    Int8Linear,
+    gguf_q4,
+    quantize_model,
+)
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="this torch lacks the int4 CPU kernel"
@@ -198,7 +206,7 @@ def test_the_lm_heads_best_logits_are_exact_where_bfloat16_would_tie_them():
     torch.manual_seed(4)
     w, x = torch.randn(4096, 64), torch.randn(3, 64) * 4
     head = Int8Linear.from_float(w)
-    head.refine_top = True
+    head.refine_top = REFINED
     got = head(x)
     exact = x.double() @ head.dequantize().double().t()
     best = exact.argmax(-1)
@@ -207,3 +215,26 @@ def test_the_lm_heads_best_logits_are_exact_where_bfloat16_would_tie_them():
     assert torch.allclose(top.double(), exact.gather(-1, best[:, None]), rtol=1e-6, atol=1e-5)
     plain = Int8Linear.from_float(w)(x)  # without: the top value is bfloat16's
     assert not torch.allclose(plain.gather(-1, best[:, None]).double(), exact.gather(-1, best[:, None]), rtol=1e-6)
+
+
+def test_a_4bit_lm_head_keeps_the_int8_tables_best_logits_exactly():
+    """Decode steps read the head's 4-bit copy (half the bytes), then recompute each row's best outputs from the
+    int8 table: those equal the int8 table's float32 product, the greedy token is the int8 head's, and only the
+    outputs below them carry 4-bit error. A prompt's chunk (16 tokens per row or more) multiplies by int8."""
+    torch.manual_seed(5)
+    w, x = torch.randn(4096, 64), torch.randn(3, 64) * 4
+    head = Int8Linear.from_float(w)
+    head.use_4bit_products()
+    assert head.refine_top == REFINED_AFTER_4BIT and head.fast is not None and head.fast.nibbles is None
+    got = head(x).double()
+    exact = x.double() @ head.dequantize().double().t()
+    best = exact.topk(32, dim=-1).indices
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert torch.allclose(got.gather(-1, best), exact.gather(-1, best), rtol=1e-6, atol=1e-5)
+    refined = (got - exact).abs() < 1e-4  # recomputed: exact; the others: the 4-bit copy's
+    assert (refined.sum(-1) >= REFINED_AFTER_4BIT).all() and (refined.sum(-1) < 4096).all()
+    assert (got - exact).abs().max() < 0.1 * exact.abs().max()
+    chunk = torch.randn(1, 16, 64)
+    plain = Int8Linear.from_float(w)
+    plain.refine_top = REFINED_AFTER_4BIT
+    assert torch.equal(head(chunk), plain(chunk))  # the int8 product, refined alike

@@ -11,6 +11,12 @@ embedded model's 540 MB of float32 per token). PyTorch ships the kernels that re
   GGUF stores as Q8_0 (a scale per 32 values) and which is re-scaled per row: one int8 table serves the input
   embedding (a row gather) and the tied LM head (the product).
 
+A decode step's bytes are what it costs (the step runs at the processor's cache bandwidth), and the LM head is
+the largest single read (the embedded model's int8 table: 28 MB of a step's ~118). With 4-bit weights the head
+reads a 4-bit copy of its table (14 MB + scales) for a decode step's product, then recomputes each row's
+`REFINED_AFTER_4BIT` best outputs exactly from the int8 table (`Int8Linear._refine`): the logits that decide a
+greedy or sampled token are the int8 table's, the rest carry 4-bit error.
+
 Both kernels are fast only with bfloat16 activations (their float32 paths are 10-30x slower), so a packed
 linear takes its input in bfloat16 and returns the model's dtype.
 
@@ -30,7 +36,11 @@ GROUP = 32  # input channels per int4 scale/zero (GGUF's block size)
 COMPUTE = torch.bfloat16  # what the packed kernels are fast with
 DENSE_TOKENS = 16  # a forward of this many tokens per row or more multiplies densely (a prompt chunk)
 DENSE_BLOCK = 2048  # output channels dequantized at a time by the dense path (bounds its transient)
-REFINED = 16  # LM-head outputs per row recomputed in float32 (`Int8Linear._refine`)
+REFINED = 16  # LM-head outputs per row recomputed in float32 from the int8 table (`Int8Linear._refine`)
+# ... when the product went through the head's 4-bit copy: perplexity over 1,024 tokens of alice.txt (full cache)
+# 1.8% above the int8 head's with 16 refined, 1.0% with 64, 0.47% with 256 (the 4-bit error of the many tokens
+# below the top still weighs in the softmax's sum); a sampler's candidates (40) are well inside
+REFINED_AFTER_4BIT = 256
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -52,8 +62,16 @@ def _int4_pack(q: torch.Tensor) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """y = x W^T + b with W (N, K) held as 4-bit values in groups of `GROUP` along K."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
-        # q (N, K) in 0..15; scale, zero (N, K / GROUP): w = (q - 8) * scale + zero
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        dense: bool = True,
+    ):
+        # q (N, K) in 0..15; scale, zero (N, K / GROUP): w = (q - 8) * scale + zero. `dense`: keep the nibbles
+        # in plain order for prompt chunks (`_dense`); without them only `matvec` works
         super().__init__()
         N, K = q.shape
         if K % GROUP:
@@ -63,11 +81,11 @@ class Int4Linear(nn.Module):
         sz = torch.stack((scale.float().t(), zero.float().t()), dim=-1)  # (K / GROUP, N, 2)
         self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
         # the nibbles as (N, K / 2) uint8 in plain order, for the dense path: the kernel's packing is its own
-        self.register_buffer("nibbles", pack_nibbles(q))
+        self.register_buffer("nibbles", pack_nibbles(q) if dense else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dense: bool = True) -> Int4Linear:
         """Asymmetric 4-bit per group of 32 (min/max, as GGUF's Q4_1)."""
         w = weight.detach().float()
         N, K = w.shape
@@ -75,7 +93,7 @@ class Int4Linear(nn.Module):
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-10)
         q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).view(N, K)
-        return cls(q.to(torch.uint8), scale, lo + 8 * scale, bias)
+        return cls(q.to(torch.uint8), scale, lo + 8 * scale, bias, dense)
 
     def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W (N, K) as the kernel sees it (its bfloat16 scales and zeros, float32 arithmetic) for output channels
@@ -91,12 +109,15 @@ class Int4Linear(nn.Module):
         if (shape[-2] if x.dim() > 2 else 1) >= DENSE_TOKENS:
             y = self._dense(x.reshape(-1, shape[-2], self.in_features).to(COMPUTE))
         else:
-            x2 = x.reshape(-1, self.in_features).to(COMPUTE)  # (M, K)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+            y = self.matvec(x.reshape(-1, self.in_features))
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*shape[:-1], self.out_features)
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, N) bfloat16 through the packed kernel, bias not added."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE), self.packed, GROUP, self.scales_zeros)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, K) -> (B, T, N) through the dequantized weight, in blocks of output channels. One product per
@@ -124,14 +145,21 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", q.to(torch.int8).contiguous())  # (N, K)
         self.register_buffer("scales", scale.float().to(COMPUTE).contiguous())  # (N,)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.refine_top = False  # the LM head: its best outputs recomputed in float32 (`_refine`)
+        self.refine_top = 0  # the LM head: its best outputs per row recomputed in float32 (`_refine`)
+        self.fast: Int4Linear | None = None  # the LM head: a 4-bit copy for decode steps (`use_4bit_products`)
+
+    def use_4bit_products(self) -> None:
+        """Decode steps (fewer than `DENSE_TOKENS` tokens per row) multiply through a 4-bit copy of the table,
+        half the bytes; the best outputs are then recomputed from this int8 table."""
+        self.refine_top = REFINED_AFTER_4BIT
+        self.fast = Int4Linear.from_float(self.dequantize(), dense=False)
 
     def _refine(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The kernel returns bfloat16: logits near the top share values (17.375 for two tokens), so greedy
-        decoding chose among ties by index and top-k 1 among them at random. Each row's `REFINED` best outputs
+        decoding chose among ties by index and top-k 1 among them at random. Each row's `refine_top` best outputs
         are recomputed from the float32 input and the int8 weights (those within bfloat16's error of the best are
         a handful): y in place. Fixed shapes, no host read: it compiles into the decode step."""
-        cols = y.topk(REFINED, dim=-1).indices  # (M, k)
+        cols = y.topk(min(self.refine_top, y.shape[-1]), dim=-1).indices  # (M, k)
         w = self.weight_int8[cols].float() * self.scales[cols][..., None].float()  # (M, k, K)
         exact = (w * x[:, None, :].float()).sum(-1)
         if self.bias is not None:
@@ -151,7 +179,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE), self.weight_int8, self.scales)
+        if self.fast is not None and (shape[-2] if x.dim() > 2 else 1) < DENSE_TOKENS:  # tokens per row
+            y = self.fast.matvec(x2)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE), self.weight_int8, self.scales)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
@@ -312,7 +343,10 @@ def quantize_model(model: nn.Module, fmt: str, int4_blocks: dict | None = None) 
     dtype = embed.weight.dtype
     if head is not None:
         table = Int8Linear.from_float(head.weight, head.bias)
-        table.refine_top = True
+        if fmt == "4bit":
+            table.use_4bit_products()
+        else:
+            table.refine_top = REFINED
         model.set_output_embeddings(table)
         if tied:
             model.set_input_embeddings(Int8Embedding(table, dtype, getattr(embed, "padding_idx", None)))

@@ -46,12 +46,13 @@ class Loaded:
 
     @property
     def weights(self) -> str:
-        """The weights' format, for the panel and records: 'float32', 'int4 groups of 32, int8 embedding', ..."""
+        """The weights' format, for the panel and records: 'float32', 'int4 groups of 32 (LM head too), int8
+        embedding', ..."""
         if self.quantize == "none":
             return str(self.dtype).removeprefix("torch.")
         if self.device.type == "cuda":
             return "nf4 (bitsandbytes)" if self.quantize == "4bit" else "int8 (bitsandbytes)"
-        return "int4 groups of 32, int8 embedding" if self.quantize == "4bit" else "int8 per channel"
+        return "int4 groups of 32 (LM head too), int8 embedding" if self.quantize == "4bit" else "int8 per channel"
 
     @property
     def context(self) -> int | None:

@@ -26,6 +26,7 @@ _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
 # h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles + a plain copy for prompt chunks + a
 # bfloat16 scale and zero per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
 _CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 1.0 + 4 / 32}
+_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy for decode steps
 OVERHEAD = 1.15  # activations, CUDA context and allocator slack on top of weights + KV
 
 
@@ -38,6 +39,7 @@ class Footprint:
     head_dim: int
     kv_quant: str = "none"  # "8bit": the cache holds keys and values in int8 with a scale per token
     table_params: int = 0  # the embedding and LM head tables (once if tied), within other_params
+    head_params: int = 0  # the LM head's table alone
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
         """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
@@ -45,7 +47,8 @@ class Footprint:
         linear = (_CPU_LINEAR_BYTES if cpu else _LINEAR_BYTES)[quantize] or per
         tables = 1.0 if cpu and quantize != "none" else per
         rest = self.other_params - self.table_params
-        return int(self.linear_params * linear + self.table_params * tables + rest * per)
+        head_copy = self.head_params * _CPU_HEAD_COPY_BYTES[quantize] if cpu else 0
+        return int(self.linear_params * linear + self.table_params * tables + rest * per + head_copy)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
         """One token's slot in every layer and KV head of a row, as the cache stores it (`slots.slot_bytes`)."""
@@ -85,7 +88,11 @@ def footprint(config) -> Footprint:
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     tables = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), out_head) if m is not None}
     return Footprint(
-        linear_params=linear, other_params=total - linear, **_kv_shape(config), table_params=sum(tables.values())
+        linear_params=linear,
+        other_params=total - linear,
+        **_kv_shape(config),
+        table_params=sum(tables.values()),
+        head_params=head_weight.numel() if head_weight is not None else 0,
     )
 
 
