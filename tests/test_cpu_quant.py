@@ -238,3 +238,32 @@ def test_a_4bit_lm_head_keeps_the_int8_tables_best_logits_exactly():
     plain = Int8Linear.from_float(w)
     plain.refine_top = REFINED_AFTER_4BIT
     assert torch.equal(head(chunk), plain(chunk))  # the int8 product, refined alike
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "opt"])
+def test_linears_that_read_one_input_multiply_as_one_and_give_what_they_gave_apart(family, monkeypatch):
+    """q, k, v (and gate, up) joined into one int4 product where the family calls them in order: the model's
+    outputs are those of the separate linears, for a prompt (the dense path) and for single tokens (the packed
+    kernel), with qwen2's biases; a family not known to call them in order keeps them apart."""
+    import copy
+
+    from conftest import tiny_model
+
+    model = tiny_model(family, seed=8)
+    apart = copy.deepcopy(model)
+    quantize_model(model, "4bit")
+    monkeypatch.setattr(cpu_quant, "share_inputs", lambda m: 0)
+    quantize_model(apart, "4bit")
+    parts = [m for m in model.modules() if isinstance(m, cpu_quant.SharedPart)]
+    if family == "opt":
+        assert not parts
+        return
+    assert len(parts) == 2 * 5  # two layers: q, k, v and gate, up
+    assert not any(isinstance(m, cpu_quant.SharedPart) for m in apart.modules())
+    ids = torch.tensor([[(11 * i) % 250 + 1 for i in range(24)]])
+    with torch.inference_mode():
+        for n in (24, 1):  # a prompt (16 tokens per row or more: dense), then one token (packed kernel)
+            a, b = model(input_ids=ids[:, :n]).logits, apart(input_ids=ids[:, :n]).logits
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert all(not p.group.pending for p in parts)  # nothing held between forwards

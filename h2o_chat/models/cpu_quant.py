@@ -95,6 +95,17 @@ class Int4Linear(nn.Module):
         q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).view(N, K)
         return cls(q.to(torch.uint8), scale, lo + 8 * scale, bias, dense)
 
+    @classmethod
+    def join(cls, parts: list[Int4Linear]) -> Int4Linear:
+        """One linear whose outputs are the parts' outputs, in order (the same values, scales and zeros)."""
+        q = torch.cat([unpack_nibbles(p.nibbles) for p in parts])
+        sz = torch.cat([p.scales_zeros.float() for p in parts], dim=1)  # (K / G, N, 2); bfloat16 exactly
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([p.bias if p.bias is not None else p.packed.new_zeros(p.out_features, dtype=torch.float32)
+                              for p in parts])  # fmt: skip
+        return cls(q, sz[..., 0].t(), sz[..., 1].t(), bias)
+
     def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W (N, K) as the kernel sees it (its bfloat16 scales and zeros, float32 arithmetic) for output channels
         `rows`, in `dtype`."""
@@ -133,6 +144,76 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+class SharedInput(nn.Module):
+    """Int4 linears that read the same input, multiplied as one: a layer's q, k and v; its gate and up. A
+    decode step's products are small (a vector times 576 x 192 for k), where each kernel call has a fixed cost
+    of its own: one call instead of three saves it, and the input is read once. The model's code still calls
+    each part (`SharedPart`) in its own order: the first multiplies by the joined table and holds the result,
+    the others take their columns of it, and the last lets it go, so that nothing is held between forwards (and
+    a compiled step keeps no state of its own). Only for families whose attention and MLP call their parts in
+    the order given (`SHARED_INPUTS`): a test runs each against the separate linears."""
+
+    def __init__(self, joined: Int4Linear, sizes: list[int]):
+        super().__init__()
+        self.joined, self.sizes = joined, sizes
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.pending: list[torch.Tensor] = []
+
+
+class SharedPart(nn.Module):
+    """Part `index` of a `SharedInput` group, in the place of the linear it was."""
+
+    def __init__(self, group: SharedInput, index: int):
+        super().__init__()
+        self.group, self.index = group, index
+        self.in_features, self.out_features = group.joined.in_features, group.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        if self.index == 0:
+            g.pending.clear()  # a forward interrupted between the parts left its product: not reused
+            g.pending.append(g.joined(x))
+        y = g.pending[0]
+        if self.index == len(g.sizes) - 1:
+            g.pending.clear()
+        start = g.starts[self.index]
+        return y[..., start : start + self.out_features]
+
+    def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This part's W (out_features, K), as `Int4Linear.dequantize` gives it."""
+        start = self.group.starts[self.index]
+        return self.group.joined.dequantize(slice(start, start + self.out_features), dtype)[rows]
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of {self.group.joined.out_features} columns: {self.out_features}"
+
+
+# families whose modules call these linears, on the same input, in this order (transformers' llama, mistral and
+# qwen2 code: q, k, v in attention; gate, then up, in the MLP)
+SHARED_INPUTS = {
+    ("llama", "mistral", "qwen2"): (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+}
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Join the int4 linears that read one input (`SharedInput`) where the family is known to call them in
+    order; returns the groups made."""
+    names = next((n for fams, n in SHARED_INPUTS.items() if model.config.model_type in fams), ())
+    made = 0
+    for module in list(model.modules()):
+        for group in names:
+            parts = [getattr(module, n, None) for n in group]
+            if not all(isinstance(p, Int4Linear) and p.nibbles is not None for p in parts):
+                continue
+            if len({p.in_features for p in parts}) != 1:
+                continue
+            shared = SharedInput(Int4Linear.join(parts), [p.out_features for p in parts])
+            for i, n in enumerate(group):
+                setattr(module, n, SharedPart(shared, i))
+            made += 1
+    return made
 
 
 class Int8Linear(nn.Module):
@@ -354,3 +435,5 @@ def quantize_model(model: nn.Module, fmt: str, int4_blocks: dict | None = None) 
         model.set_input_embeddings(
             Int8Embedding(Int8Linear.from_float(embed.weight), dtype, getattr(embed, "padding_idx", None))
         )
+    if fmt == "4bit":
+        share_inputs(model)
