@@ -32,6 +32,24 @@ def test_bench_table_prints_measured_ratios_without_targets():
     assert "target" not in out and "NOT met" not in out and " met" not in out
 
 
+def test_bench_ratios_against_llama_cpp_for_the_eager_and_the_compiled_step():
+    records = [
+        BenchRecord(config, "full" if config == "llama.cpp" else "h2o", 32, seen, ms, 50, measured_at=seen)
+        for config, seen, ms in [
+            ("llama.cpp", 40, 10.0),
+            ("llama.cpp", 80, 20.0),
+            ("h2o", 40, 16.0),
+            ("h2o", 80, 16.5),
+            ("h2o-compiled", 40, 8.0),
+            ("h2o-compiled", 80, 8.5),
+        ]
+    ]
+    got = dict(ratios(records, 32))
+    assert got["h2o 32 / llama.cpp: ms/token at 80 seen"] == 16.5 / 20.0
+    assert got["h2o-compiled 32 / llama.cpp: ms/token at 40 seen"] == 8.0 / 10.0
+    assert got["h2o-compiled 32 / llama.cpp: ms/token at 80 seen"] == 8.5 / 20.0
+
+
 def stats(seen: int = 415, kept: float = 64.0, evicted: float = 351.0, **kwargs):
     from h2o_chat.engine.stats import CacheStats
 

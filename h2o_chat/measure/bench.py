@@ -330,8 +330,9 @@ def ratios(records: list[BenchRecord], budget: int) -> list[tuple[str, float]]:
     for base in ("static-compiled", "full", "dynamic", "static"):
         if (base, hi) in at and ("h2o", hi) in at:
             out.append((f"h2o {budget} / {base}: ms/token at {hi} seen", at["h2o", hi] / at[base, hi]))
-    for n in lengths if (llamacpp.CONFIG, hi) in at and ("h2o", hi) in at else ():
-        out.append((f"h2o {budget} / llama.cpp: ms/token at {n} seen", at["h2o", n] / at[llamacpp.CONFIG, n]))
+    for ours in ("h2o", "h2o-compiled"):
+        for n in lengths if (llamacpp.CONFIG, hi) in at and (ours, hi) in at else ():
+            out.append((f"{ours} {budget} / llama.cpp: ms/token at {n} seen", at[ours, n] / at[llamacpp.CONFIG, n]))
     for base in ("dynamic", "full"):
         if (base, hi) in kv and ("h2o", hi) in kv:
             out.append((f"{base} / h2o {budget}: KV bytes at {hi} seen", kv[base, hi] / kv["h2o", hi]))
