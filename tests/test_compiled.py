@@ -134,3 +134,19 @@ def test_a_program_with_state_of_its_own_or_new_inputs_keeps_dynamos_checks():
         got = program(torch.ones(3))
         assert torch.equal(got[0], torch.full((2,), 3.0 * step))
     assert not program.replaying
+
+
+def test_auto_compiles_a_cpu_step_for_a_long_generation_only(monkeypatch):
+    from h2o_chat.engine.decode import LONG_GENERATION, decode_for
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
+    assert decode_for("auto", cpu, LONG_GENERATION) == "compile"
+    assert decode_for("auto", cpu, LONG_GENERATION - 1) == "auto"  # resolved to eager on CPU
+    assert decode_for("eager", cpu, 10 * LONG_GENERATION) == "eager"  # asked for: kept
+    assert decode_for("auto", cuda, 10 * LONG_GENERATION) == "auto"  # a CUDA graph there
+    monkeypatch.setenv("H2O_CHAT_DECODE", "eager")  # the environment decides (the test suite's own setting)
+    assert decode_for("auto", cpu, 10 * LONG_GENERATION) == "auto"
+    monkeypatch.delenv("H2O_CHAT_DECODE")
+    monkeypatch.setattr(compiled, "unavailable", lambda: "no C++ compiler (g++) for inductor's CPU code")
+    assert decode_for("auto", cpu, 10 * LONG_GENERATION) == "auto"

@@ -47,10 +47,16 @@ _WARMUP = 2  # eager steps before a capture (lazy CUDA initialisation must not h
 Progress = Callable[[int, int], None] | None
 
 
+# tokens one generation may decode from which `auto` compiles a CPU step (`decode_for`): the compilation costs
+# ~11 s at a later start on a machine (~45 s the first time) and a compiled step saves ~13 ms of ~25 (the
+# embedded model, 2-core Xeon: docs/results/cpu.md), so it is repaid from ~800 tokens
+LONG_GENERATION = 1000
+
+
 def resolve_decode(mode: str, device: torch.device) -> str:
     """auto -> graph on CUDA; on CPU eager, or what `H2O_CHAT_DECODE` says (compile: see `compiled.py` for why
-    it is not the default: its first compilation takes minutes on a small CPU); an explicit mode must be possible
-    on this device."""
+    it is not the default: a start pays its compilation, which a short reply does not repay; `decode_for`
+    compiles for a long generation); an explicit mode must be possible on this device."""
     if mode not in DECODE_MODES:
         raise ConfigError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
     if mode == "auto":
@@ -67,6 +73,15 @@ def resolve_decode(mode: str, device: torch.device) -> str:
     if mode == "compile" and (why := compiled.unavailable()):
         raise ConfigError(f"--decode compile is not possible here: {why}; use eager")
     return mode
+
+
+def decode_for(mode: str, device: torch.device, new_tokens: int) -> str:
+    """--decode for a run that may decode `new_tokens` in one generation (piped text, a batch's lines): `auto`
+    on a CPU compiles the step for a long one (`LONG_GENERATION`) where a compiler is at hand and
+    `H2O_CHAT_DECODE` does not decide; otherwise `mode` as given (`resolve_decode` resolves it)."""
+    if mode != "auto" or device.type != "cpu" or os.environ.get("H2O_CHAT_DECODE"):
+        return mode
+    return "compile" if new_tokens >= LONG_GENERATION and compiled.unavailable() is None else mode
 
 
 class PrefillInterrupted(KeyboardInterrupt):
