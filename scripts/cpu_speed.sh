@@ -2,7 +2,7 @@
 # The CPU comparison of docs/results/cpu.md in one command: decode ms/token and prompt tokens/s of h2o-chat's
 # default weights (the embedded GGUF's own 4-bit values) and of float32 weights, each run with llama.cpp on the
 # same GGUF as a row of the same run; start-up (cold and warm) and resident memory. Needs llama-cpp-python
-# (see h2o_chat/measure/llamacpp.py for the build flags). ~20 min on a 2-core machine; keep the machine quiet.
+# (see h2o_chat/measure/llamacpp.py for the build flags). ~30 min on a 2-core machine; keep the machine quiet.
 #   scripts/cpu_speed.sh [OUT_DIR]        (default docs/results/cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,9 @@ threads=${THREADS:-2}
   python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'
 } | tee "$out/machine.txt"
 
+echo "== decode, 4-bit weights (the default): the compiled and the eager step" >&2
+h2o-chat bench --threads "$threads" --lengths 512,2048,4096,8192 --budget 512 \
+  --configs h2o,h2o-compiled,llama.cpp | tee "$out/decode-compiled.txt"
 for weights in 4bit none; do
   echo "== decode, --quantize $weights" >&2
   h2o-chat bench --quantize "$weights" --threads "$threads" --lengths 512,2048,4096,8192 --budget 512 \

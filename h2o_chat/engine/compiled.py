@@ -12,12 +12,12 @@ of the whole buffer -- per layer when the layers write views of it (the reason a
 same step with eviction left out, in a 30-layer reproduction): so the program returns what the step produced
 and eviction runs eagerly after it, on the stacked storage, in place.
 
-Compiling the embedded model's step takes minutes on a 2-core CPU the first time (C++ code generation for 30
+Compiling the embedded model's step takes ~45 s on a 2-core CPU the first time (C++ code generation for 30
 layers); inductor keeps what it generated in a cache directory (`cache_dir()`), so a later start on the same
-machine loads it instead, after tracing the model again (seconds). That first cost is why `auto` stays eager on
-CPU: a chat started once for a few replies would wait longer than it saves; a long generation gains. The engine
-announces a compilation, counts its cost apart from the steps' and falls back to eager steps, saying why, when
-one fails. The recall policy's step calls its native ranking and grows its store every step: it runs eagerly.
+machine loads it instead, after tracing the model again (~10 s). That cost is why `auto` compiles only for a long
+generation (`decode.decode_for`): a chat's short replies would wait longer than they save. The engine announces a
+compilation, counts its cost apart from the steps' and falls back to eager steps, saying why, when one fails.
+The recall policy's step calls its native ranking and grows its store every step: it runs eagerly.
 """
 
 from __future__ import annotations
