@@ -220,7 +220,7 @@ def test_the_lm_heads_best_logits_are_exact_where_bfloat16_would_tie_them():
 def test_a_4bit_lm_head_keeps_the_int8_tables_best_logits_exactly():
     """Decode steps read the head's 4-bit copy (half the bytes), then recompute each row's best outputs from the
     int8 table: those equal the int8 table's float32 product, the greedy token is the int8 head's, and only the
-    outputs below them carry 4-bit error. A prompt's chunk (16 tokens per row or more) multiplies by int8."""
+    outputs below them carry 4-bit error. A prompt's logits go the same way."""
     torch.manual_seed(5)
     w, x = torch.randn(4096, 64), torch.randn(3, 64) * 4
     head = Int8Linear.from_float(w)
@@ -234,10 +234,12 @@ def test_a_4bit_lm_head_keeps_the_int8_tables_best_logits_exactly():
     refined = (got - exact).abs() < 1e-4  # recomputed: exact; the others: the 4-bit copy's
     assert (refined.sum(-1) >= REFINED_AFTER_4BIT).all() and (refined.sum(-1) < 4096).all()
     assert (got - exact).abs().max() < 0.1 * exact.abs().max()
-    chunk = torch.randn(1, 16, 64)
-    plain = Int8Linear.from_float(w)
-    plain.refine_top = REFINED_AFTER_4BIT
-    assert torch.equal(head(chunk), plain(chunk))  # the int8 product, refined alike
+    chunk = torch.randn(1, 16, 64) * 4  # a prompt's logits: the same head (a full cache's perplexity uses them)
+    whole, rows = head(chunk)[0].double(), torch.cat([head(chunk[:, i]) for i in range(16)]).double()
+    assert torch.equal(whole.argmax(-1), rows.argmax(-1))
+    exact = chunk[0].double() @ head.dequantize().double().t()
+    best = exact.topk(32, dim=-1).indices
+    assert torch.allclose(whole.gather(-1, best), exact.gather(-1, best), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "opt"])

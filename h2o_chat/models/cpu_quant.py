@@ -13,7 +13,7 @@ embedded model's 540 MB of float32 per token). PyTorch ships the kernels that re
 
 A decode step's bytes are what it costs (the step runs at the processor's cache bandwidth), and the LM head is
 the largest single read (the embedded model's int8 table: 28 MB of a step's ~118). With 4-bit weights the head
-reads a 4-bit copy of its table (14 MB + scales) for a decode step's product, then recomputes each row's
+reads a 4-bit copy of its table (14 MB + scales) for its products, then recomputes each row's
 `REFINED_AFTER_4BIT` best outputs exactly from the int8 table (`Int8Linear._refine`): the logits that decide a
 greedy or sampled token are the int8 table's, the rest carry 4-bit error.
 
@@ -230,8 +230,10 @@ class Int8Linear(nn.Module):
         self.fast: Int4Linear | None = None  # the LM head: a 4-bit copy for decode steps (`use_4bit_products`)
 
     def use_4bit_products(self) -> None:
-        """Decode steps (fewer than `DENSE_TOKENS` tokens per row) multiply through a 4-bit copy of the table,
-        half the bytes; the best outputs are then recomputed from this int8 table."""
+        """Multiply through a 4-bit copy of the table, half the bytes of a decode step's largest read; the best
+        outputs are then recomputed from this int8 table. Every product goes this way (a prompt's logits too, no
+        slower there): a full cache's perplexity, computed from a prompt's logits, is then that of the same head
+        as a decode step's."""
         self.refine_top = REFINED_AFTER_4BIT
         self.fast = Int4Linear.from_float(self.dequantize(), dense=False)
 
@@ -260,7 +262,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.fast is not None and (shape[-2] if x.dim() > 2 else 1) < DENSE_TOKENS:  # tokens per row
+        if self.fast is not None:  # every product, a prompt's too: evaluation measures what decoding uses
             y = self.fast.matvec(x2)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE), self.weight_int8, self.scales)
