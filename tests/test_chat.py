@@ -127,6 +127,32 @@ def test_cache_carries_over_between_turns(embedded, tmp_path):
     assert second_user.role == "user" and second_user.end - second_user.start < 25
 
 
+def test_a_long_chat_on_cpu_compiles_its_step_once_its_replies_have_run_long(embedded, monkeypatch):
+    """--decode auto: a chat's first replies decode eagerly (a compilation would cost more than they take); once
+    its replies have run `LONG_GENERATION` tokens, the next turn compiles the step (here: the step's body, run
+    as the program, so that the suite compiles nothing). recall's step stays eager."""
+    from h2o_chat.engine import compiled, decode
+
+    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
+    monkeypatch.setattr(decode, "LONG_GENERATION", 12)
+    monkeypatch.setattr(compiled, "compile_step", lambda body: body)
+    for policy in ("h2o", "recall"):
+        settings = ChatSettings(max_new_tokens=8, sampler=Sampler(0), stop=())
+        conv = Conversation(embedded, make_policy(policy, 512), settings)
+        modes = []
+        for text in ("Count from one to twenty.", "Go on.", "Again, please."):
+            before = conv.replied
+            replies = list(conv.send(text))
+            modes.append((before, conv.engine.mode))
+            assert replies and conv.replied == before + len(replies)
+        if policy == "recall":
+            assert all(mode == "eager" for _, mode in modes), modes
+            continue
+        assert all((mode == "compile") == (before >= 12) for before, mode in modes), modes
+        assert modes[0][1] == "eager" and modes[-1][1] == "compile", modes
+        assert conv.engine.captures == 1  # compiled once, at the first step of the turn that switched
+
+
 def test_second_turn_feeds_only_the_template_tail(embedded):
     conv = Conversation(embedded, make_policy("h2o", 512), ChatSettings(max_new_tokens=8, sampler=Sampler(0)))
     list(conv.send("Hi"))

@@ -25,7 +25,7 @@ from h2o_chat.app.messages import (
     write_conversation,
 )
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress, decode_for
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.snap import columns_read
@@ -114,6 +114,7 @@ class Conversation:
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
         self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
         self._on_setup: Callable[[str], None] | None = None
+        self.replied = 0  # tokens of every reply so far: a long chat compiles its CPU step (`_compile_when_long`)
         self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
@@ -308,6 +309,7 @@ class Conversation:
         carried = (self._unfed, self._fed_stop)  # what the last turn left for this one (restored if taken back)
         self._unfed = self._fed_stop = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
+        self._compile_when_long()
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
@@ -343,6 +345,16 @@ class Conversation:
                 self._end_turn(user, reply, last, count, start + len(ids), reply_index)
                 self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
 
+    def _compile_when_long(self) -> None:
+        """`--decode auto` on a CPU: once the chat's replies have run `LONG_GENERATION` tokens, its decode step is
+        compiled (at this turn's first step, announced; `decode_for` says why not sooner). Not for recall, whose
+        step runs eagerly."""
+        engine = self.engine
+        if engine.mode != "eager" or self.cache.store is not None or self.policy.name == "recall":
+            return
+        if decode_for(self.settings.decode, engine.device, self.replied) == "compile":
+            engine.mode = "compile"
+
     def _cheap_snapshot(self) -> bool:
         """Whether a copy of the cache before each turn (for /undo) is cheap: a bounded cache of a small model's
         size. A large one is not copied every turn; /undo then re-reads the conversation."""
@@ -359,6 +371,7 @@ class Conversation:
         elif last is not None and last.token not in self.stop_ids:
             self._unfed = last.token
         self.fed += fed_reply
+        self.replied += count
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.spans.append(Span("assistant", reply_index, reply_start, self.fed))
         self._tell_recalled()
