@@ -350,7 +350,7 @@ class Conversation:
         compiled (at this turn's first step, announced; `decode_for` says why not sooner). Not for recall, whose
         step runs eagerly."""
         engine = self.engine
-        if engine.mode != "eager" or self.cache.store is not None or self.policy.name == "recall":
+        if engine.mode != "eager" or self.policy.name == "recall":
             return
         if decode_for(self.settings.decode, engine.device, self.replied) == "compile":
             engine.mode = "compile"

@@ -83,7 +83,7 @@ class Program:
 
         def recorded(*args):
             out = graph(*args)
-            if len(self._calls) < 2:
+            if self._inputs is None and len(self._calls) < 2:  # until replaying is decided
                 self._calls.append((args, out))
             return out
 

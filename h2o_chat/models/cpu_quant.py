@@ -102,8 +102,7 @@ class Int4Linear(nn.Module):
         sz = torch.cat([p.scales_zeros.float() for p in parts], dim=1)  # (K / G, N, 2); bfloat16 exactly
         bias = None
         if any(p.bias is not None for p in parts):
-            bias = torch.cat([p.bias if p.bias is not None else p.packed.new_zeros(p.out_features, dtype=torch.float32)
-                              for p in parts])  # fmt: skip
+            bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
         return cls(q, sz[..., 0].t(), sz[..., 1].t(), bias)
 
     def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -197,11 +196,10 @@ SHARED_INPUTS = {
 }
 
 
-def share_inputs(model: nn.Module) -> int:
+def share_inputs(model: nn.Module) -> None:
     """Join the int4 linears that read one input (`SharedInput`) where the family is known to call them in
-    order; returns the groups made."""
+    order."""
     names = next((n for fams, n in SHARED_INPUTS.items() if model.config.model_type in fams), ())
-    made = 0
     for module in list(model.modules()):
         for group in names:
             parts = [getattr(module, n, None) for n in group]
@@ -212,8 +210,6 @@ def share_inputs(model: nn.Module) -> int:
             shared = SharedInput(Int4Linear.join(parts), [p.out_features for p in parts])
             for i, n in enumerate(group):
                 setattr(module, n, SharedPart(shared, i))
-            made += 1
-    return made
 
 
 class Int8Linear(nn.Module):
@@ -227,7 +223,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.float().to(COMPUTE).contiguous())  # (N,)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.refine_top = 0  # the LM head: its best outputs per row recomputed in float32 (`_refine`)
-        self.fast: Int4Linear | None = None  # the LM head: a 4-bit copy for decode steps (`use_4bit_products`)
+        self.fast: Int4Linear | None = None  # the LM head: a 4-bit copy for its products (`use_4bit_products`)
 
     def use_4bit_products(self) -> None:
         """Multiply through a 4-bit copy of the table, half the bytes of a decode step's largest read; the best
