@@ -30,29 +30,40 @@ def allocate(cache, key: torch.Tensor, value: torch.Tensor) -> None:
     counts = [g.rows for g in cache.groups]
     if None not in counts and sum(counts) != B:
         raise CacheUsageError(f"the cache's policies cover {sum(counts)} rows, the batch has {B}")
-    bounds = [r.bound for r in cache.rows] if len(cache.rows) == B else [cache.columns] * B
+    counted = len(cache.rows) == B  # `before_forward` counted the first chunk's tokens already
+    bounds = [r.bound for r in cache.rows] if counted else [cache.columns] * B
+    seen = [r.seen for r in cache.rows] if counted else [0] * B
     cache.rows = [
-        RowState(g, cache.columns, b, cache.numbering.starts_switched(g))
-        for g, b in zip(cache.row_groups(B), bounds, strict=True)
+        RowState(g, cache.columns, b, cache.numbering.starts_switched(g), n)
+        for g, b, n in zip(cache.row_groups(B), bounds, seen, strict=True)
     ]
     cache.install(Slots.allocate(len(cache.layers), key, value, capacity_for(cache, 0), cache.kv_quant))
     make_store(cache)
 
 
 def make_store(cache) -> None:
-    """A store of evicted tokens when some row recalls; a policy change keeps what was evicted recallable."""
+    """A store of evicted tokens when some row recalls, allocated once beside the slots, on their device; a
+    policy change keeps what was evicted recallable (a store of another capacity keeps its best entries)."""
     policies = [r.group.policy for r in cache.rows]
     if cache.slots is None or cache.is_fork or not any(isinstance(p, Recall) for p in policies):
         cache.store = None
         return
     recalled = [p.recalled if isinstance(p, Recall) else 0 for p in policies]
-    s = cache.slots
-    if cache.store is not None and cache.store.shape[1] == s.batch:
-        cache.store.set_recalled(recalled)
+    capacities = [p.store if isinstance(p, Recall) else 0 for p in policies]
+    s, old = cache.slots, cache.store
+    drop = next(p.drop for p in policies if isinstance(p, Recall))
+    if old is not None and old.batch == s.batch and old.capacities == capacities:
+        old.set_recalled(recalled, capacities)
+        old.drop = drop
         return
-    first = (0, slice(None), slice(None), slice(0, 1))  # a template: shapes and the model's dtype
-    key, value = s.read("keys", first), s.read("values", first)
-    cache.store = Store(len(cache.layers), key, value, recalled, quant=s.quantized)
+    if old is not None and old.batch == s.batch:  # a new capacity: the best entries of the old store move over
+        cache.store = old.resized(capacities, recalled)
+    else:
+        first = (0, slice(None), slice(None), slice(0, 1))  # a template: shapes, device and the model's dtype
+        key, value = s.read("keys", first), s.read("values", first)
+        cache.store = Store.allocate(len(cache.layers), key, value, capacities, recalled)
+    cache.store.drop = drop
+    cache.version += 1  # a captured or compiled step reads the old store
 
 
 def reserve(cache, tokens: int) -> None:

@@ -286,12 +286,6 @@ class H2OCache(CacheProtocol):
         fwd, self.forward = self.forward, None
         if fwd is not None:
             fw.end(self, fwd)
-            if self.store is not None and self.store.full:
-                self.warn_once(
-                    "store-full",
-                    f"the store of evicted tokens for recall stopped growing at {self.store.nbytes() / 1e6:,.0f} "
-                    "MB: the host's memory is nearly used up; tokens evicted from now on cannot be recalled",
-                )
 
     def abort(self) -> None:
         """Forget a forward that did not finish (nothing of its chunk was placed; a step's spare is cleared)."""

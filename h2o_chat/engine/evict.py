@@ -17,13 +17,16 @@ layer and head (`Slots.held`), so one (B, slots) validity mask serves all layers
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from h2o_chat.engine.policies import Rules
 from h2o_chat.engine.quant import quantize
 from h2o_chat.engine.slots import Slots, per_slot
-from h2o_chat.engine.store import Store
+
+if TYPE_CHECKING:
+    from h2o_chat.engine.store import Store
 
 
 def order(priority: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
@@ -40,14 +43,22 @@ def tie(pos: torch.Tensor, new_from: int | None = None) -> torch.Tensor:
     return torch.where(pos >= 0, pos, empty)
 
 
+def place(table, priority: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+    """Where a table's spare entry goes: per (layer, row, head) the entry with the lowest keep-priority (empty
+    ones first, so a filling table appends; ties to `ties`, the oldest position). (L, B, H, 1)"""
+    return order(priority, ties).argmin(dim=-1, keepdim=True)
+
+
 def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     """Finish a decode step: the spare slot's token replaces each (layer, row, head)'s lowest-priority slot.
     The spare holds the newest token, which every policy protects, so it is never its own victim. A `store`
     (the recall policy's) keeps the victim."""
     prio = rules.priority(slots.score, slots.pos, slots.seen)  # newest = the spare's position
-    victim = order(prio, tie(slots.pos)).argmin(dim=-1, keepdim=True)  # (L, B, H, 1)
+    victim = place(slots, prio, tie(slots.pos))  # (L, B, H, 1)
     if store is not None:
-        store.append(*slots.gather_kv(victim), slots.pos.gather(3, victim), slots.rot.gather(3, victim))
+        keys, values = slots.gather_kv(victim)
+        lost = [t.gather(3, victim)[..., None] for t in (slots.pos, slots.rot, slots.score)]
+        store.append_step(keys, values, *(t[..., 0] for t in lost))
     spare = slots.capacity  # the spare slot comes right after the capacity
     for buf in slots.buffers():
         buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
@@ -128,35 +139,44 @@ def _slots_then_chunk(held: torch.Tensor, chunk: torch.Tensor, C: int) -> torch.
 
 
 def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.Tensor, store: Store) -> None:
-    """The chunk's losers (L, B, H, T) among stored + new candidates, in position order, into the store."""
+    """The chunk's losers (L, B, H, T) among stored + new candidates into the store."""
     C = slots.capacity
-    lost_pos = pos.gather(-1, losers)
-    losers = losers.gather(-1, torch.where(lost_pos >= 0, lost_pos, torch.iinfo(pos.dtype).max).argsort(-1))
     kv = []
     for which, fresh in (("keys", new.keys), ("values", new.values)):
         both = torch.cat((slots.read(which, (slice(None), slice(None), slice(None), slice(0, C))), fresh), dim=3)
         kv.append(both.gather(3, per_slot(losers, both)))
-    store.append(*kv, pos.gather(-1, losers), _slots_then_chunk(slots.rot, new.rot, C).gather(-1, losers))
+    rot = _slots_then_chunk(slots.rot, new.rot, C).gather(-1, losers)
+    score = torch.cat((slots.score[..., :C], new.score), dim=-1).gather(-1, losers)
+    store.append_chunk(*kv, pos.gather(-1, losers), rot, score)
 
 
 def _pair_freed_with_survivors(
     slots: Slots, new: NewTokens, rules: Rules, priority, store: Store | None = None
 ) -> torch.Tensor:
-    """Per (layer, row, head): the T losers among C + T; the j-th surviving new token goes to the j-th freed
-    slot (counts are equal: exactly T lose). Losing new tokens go to the spare slot. -> (L, B, H, T)"""
-    C, (L, B, H, T) = slots.capacity, new.score.shape
+    """Per (layer, row, head): the T losers among C + T; the surviving new tokens go to the freed slots (losing
+    new tokens go to the spare slot). -> (L, B, H, T)"""
+    C, T = slots.capacity, new.score.shape[-1]
     pos = _slots_then_chunk(slots.pos, new.pos, C)
     if priority is None:
         newest = new.pos.max(-1).values.clamp(min=0).maximum(slots.seen - 1)  # (B,)
         priority = rules.priority(torch.cat((slots.score[..., :C], new.score), dim=-1), pos, newest, stored=C)
-    losers = order(priority, tie(pos, new_from=C)).topk(T, dim=-1, largest=False, sorted=False).indices
+    target, losers = pair_freed_with_survivors(priority, tie(pos, new_from=C), C, T)
     if store is not None:
         _keep_losers(slots, new, losers, pos, store)
-    lost = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, losers, True)
+    return target
+
+
+def pair_freed_with_survivors(priority: torch.Tensor, ties: torch.Tensor, C: int, T: int):
+    """Per (layer, row, head) of a table of C entries given T new candidates (priorities (L, B, H, C + T), the
+    stored first): the T lowest lose; the j-th surviving new candidate goes to the j-th freed entry (counts are
+    equal: exactly T lose), a losing one to the spare (C). -> (target (L, B, H, T), the losers (L, B, H, T))"""
+    losers = order(priority, ties).topk(T, dim=-1, largest=False, sorted=False).indices
+    lost = torch.zeros(priority.shape, dtype=torch.bool, device=priority.device).scatter_(-1, losers, True)
     freed, survives = lost[..., :C], ~lost[..., C:]
-    # freed slot indices in slot order, written at their ordinal (non-freed ones at a dump column T)
+    # freed entry indices in order, written at their ordinal (non-freed ones at a dump column T)
     ordinal = torch.where(freed, freed.cumsum(-1) - 1, T)
-    slot = torch.arange(C, device=pos.device).expand_as(freed)
-    freed_in_order = torch.full((L, B, H, T + 1), C, device=pos.device, dtype=torch.long).scatter_(-1, ordinal, slot)
+    slot = torch.arange(C, device=priority.device).expand_as(freed)
+    shape = (*priority.shape[:-1], T + 1)
+    freed_in_order = torch.full(shape, C, device=priority.device, dtype=torch.long).scatter_(-1, ordinal, slot)
     rank = (survives.cumsum(-1) - 1).clamp(min=0)
-    return torch.where(survives, freed_in_order.gather(-1, rank), C)
+    return torch.where(survives, freed_in_order.gather(-1, rank), C), losers

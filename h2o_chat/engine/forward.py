@@ -44,13 +44,13 @@ class Forward:
     target: torch.Tensor | None = None  # chunk that fits: (B, T) the slots its tokens are written into
     layers: int = 0
     _mask: torch.Tensor | None = field(default=None, repr=False)
-    # step: each layer's new key and value (B, H, 1, D) and the mass its slots received (B, H, S), the new
-    # token's own at the spare's index; `take` stacks them for every layer
-    new: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    # step: each layer's new key and value (B, H, 1, D), the mass its slots received (B, H, S), the new token's
+    # own at the spare's index, and the store entries it recalled (B, H, k); `take` stacks them for every layer
+    new: list[tuple] = field(default_factory=list, repr=False)
     kept: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
 
-    def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor) -> None:
-        self.new.append((key, value, mass))
+    def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor, picked: torch.Tensor | None) -> None:
+        self.new.append((key, value, mass) if picked is None else (key, value, mass, picked))
 
     def slots_valid(self, slots: Slots) -> torch.Tensor:
         """step: (B, 1, S) the slots holding a token, found once per step from the slots' positions (inside the
@@ -62,11 +62,12 @@ class Forward:
             self.valid = slots.valid()[:, None, :]
         return self.valid
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every layer's new keys and values (L, B, H, D) and masses (L, B, H, S), stacked."""
-        keys, values, masses = zip(*self.new, strict=True)
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """Every layer's new keys and values (L, B, H, D), masses (L, B, H, S) and, with a store, the entries
+        recalled (L, B, H, k), stacked."""
+        parts = list(zip(*self.new, strict=True))
         self.new.clear()
-        return torch.stack(keys)[..., 0, :], torch.stack(values)[..., 0, :], torch.stack(masses)
+        return (torch.stack(parts[0])[..., 0, :], torch.stack(parts[1])[..., 0, :], *map(torch.stack, parts[2:]))
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, 1, T, n + T) additive, built once per chunk for every layer and head: a real query sees the
@@ -122,9 +123,17 @@ def before(cache, new_tokens: int, real: list[int] | None) -> None:
         cache.rows = [RowState(g, cache.columns, cache.columns) for g in cache.row_groups(len(real))]
     cache.numbering.check(cache, new_tokens, real)
     allocation.grow(cache, new_tokens)
+    store = cache.store
+    if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
+        rows = cache.rows
+        store.counted(real, [cache.limit(r) for r in range(len(rows))], [row.seen for row in rows])
+        due = store.due()
+        if due:
+            store.fit(due, cache.slots)
     cache.columns += new_tokens
     for row, n in zip(cache.rows, real, strict=True):
         row.bound += n
+        row.seen += n
         row.columns += new_tokens
 
 
@@ -183,8 +192,10 @@ def end(cache, fwd: Forward) -> None:
     """Place the forward's new tokens, evict, advance the rows."""
     s = cache.slots
     if fwd.kind == "step":
-        keys, values, mass = fwd.kept if fwd.kept is not None else fwd.take()
+        keys, values, mass, *picked = fwd.kept if fwd.kept is not None else fwd.take()
         s.write((slice(None), slice(None), slice(None), s.capacity), keys, values)
+        if picked:
+            cache.store.mark(picked[0])
         if cache.rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
             torch.addcmul(mass, s.score, cache.rules.decay, out=s.score)
         else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from h2o_chat.engine import recall_rank
 from h2o_chat.engine.attention import attention_over_slots, attention_with_mass
 
 
@@ -98,18 +99,21 @@ class H2OLayer(CacheLayerMixin):
         slots, fwd = cache.slots, cache.forward
         if fwd.kind == "step":
             # the recall policy: the tokens this query wants back from the evicted ones
-            got = cache.store.recall(i, query) if cache.store is not None else None
+            got = recall_rank.step(cache.store, i, query) if cache.store is not None else None
             scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
             kv = slots.keys[i], slots.values[i]
             out, mass = attention_over_slots(query, *kv, scaling, fwd.slots_valid(slots), got, scales, new=(key, value))
-            fwd.keep(key, value, mass)  # written, and the mass added, for every layer at once when the step ends
+            # written, the mass added and the recalled entries counted, for every layer at once when the step ends
+            fwd.keep(key, value, mass, None if got is None else got.index)
             return out
         n = fwd.attend_from  # stored slots that can hold tokens; the chunk comes after them
         stored = (i, slice(None), slice(None), slice(0, n))
         keys = torch.cat((slots.read("keys", stored), key), dim=2) if n else key
         values = torch.cat((slots.read("values", stored), value), dim=2) if n else value
         mask = fwd.mask(query.dtype)
-        got = cache.store.recall(i, query, fwd.real) if cache.store is not None else None
+        got = None
+        if cache.store is not None and any(cache.store.evicted):  # (host counts: nothing stored yet, no ranking)
+            got = recall_rank.chunk(cache.store, i, query, fwd.real)
         r = 0 if got is None else got.keys.shape[2]
         if got is not None:  # the recall policy: evicted tokens the chunk's queries want, before the slots
             keys, values = torch.cat((got.keys, keys), dim=2), torch.cat((got.values, values), dim=2)

@@ -26,6 +26,13 @@ INF = float("inf")
 
 # snap reads each prompt with its last queries (keeps what the question needs), then evicts as h2o does
 DEFAULT_POLICY = "snap"
+# recall's store holds this many times the budget by default (`--recall-memory` sets it), and at least
+# `STORE_MIN_TIMES` times what a step recalls (the first ranking pass chooses 4 candidates per recalled token)
+STORE_TIMES = 8
+STORE_MIN_TIMES = 4
+# what a full store drops first (lower loses): "score", the attention mass the token had received when it was
+# evicted; "age", the oldest position; "recalls", the least recalled (then the lowest score)
+DROP_RULES = ("score", "age", "recalls")
 
 
 @dataclass(frozen=True)
@@ -200,6 +207,8 @@ class Recall(Snap):
     name: ClassVar[str] = "recall"
     brings_back: ClassVar[bool] = True
     recalled: int = -1  # -1: a quarter of the budget
+    store: int = -1  # evicted tokens kept per layer, row and KV head; -1: `STORE_TIMES` x the budget
+    drop: str = "score"  # what a full store drops first (`store.DROP_RULES`)
     # each decode step multiplies the held slots' accumulated scores by `decay` before adding its mass, so old
     # mass counts less than recent (the plain sum favours old tokens). 0.99 from the tuning text (alice.txt, 2,048
     # tokens, 10% budget: perplexity 1.016x the full cache's with the plain sum, 1.012x with 0.99 or 0.95)
@@ -213,10 +222,20 @@ class Recall(Snap):
             raise ConfigError(f"the recall score decay must be in (0, 1], got {self.decay}")
         if isinstance(self.budget, int) and self.recalled == -1:
             object.__setattr__(self, "recalled", max(1, self.budget // 4))
+        if isinstance(self.budget, int) and self.store == -1:
+            object.__setattr__(self, "store", STORE_TIMES * self.budget)
         if isinstance(self.budget, int) and not 0 < self.recalled <= self.budget - 2:
             raise ConfigError(
                 f"recall needs a budget of at least {self.recalled + 2} tokens (it recalls {self.recalled} per step "
                 f"and holds at least 2), got {self.budget}"
+            )
+        if self.drop not in DROP_RULES:
+            raise ConfigError(f"recall's store drops by one of {', '.join(DROP_RULES)}, got {self.drop!r}")
+        if not isinstance(self.store, int) or self.store < STORE_MIN_TIMES * self.recalled:
+            raise ConfigError(
+                f"recall's store must hold at least {STORE_MIN_TIMES * self.recalled:,} evicted tokens "
+                f"({STORE_MIN_TIMES} times the {self.recalled} it recalls per step, which it ranks among), "
+                f"got {self.store:,}"
             )
         super().__post_init__()
         if self.window >= self.capacity:
@@ -243,7 +262,7 @@ class Recall(Snap):
 
     def describe(self) -> str:
         decay = f"; held scores decay x{self.decay:g} per step" if self.decay != 1 else ""
-        recalled = f"{self.recalled} recalled per step and per prompt chunk from the evicted tokens"
+        recalled = f"{self.recalled} recalled per step and per prompt chunk from {self.store:,} evicted tokens kept"
         return f"{super().describe()}; {recalled}{decay}"
 
 
@@ -347,6 +366,8 @@ def make_policy(
     kernel: int | None = None,
     recalled: int | None = None,
     decay: float | None = None,
+    store: int | None = None,
+    drop: str | None = None,
 ) -> Policy:
     """Build a policy by name, validating the settings; unknown names raise ConfigError with a suggestion."""
     cls = POLICIES.get(name)
@@ -366,7 +387,8 @@ def make_policy(
             window = default_snap_window(budget)
         kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
     if issubclass(cls, Recall):
-        kwargs.update({k: v for k, v in (("recalled", recalled), ("decay", decay)) if v is not None})
+        given = (("recalled", recalled), ("decay", decay), ("store", store), ("drop", drop))
+        kwargs.update({k: v for k, v in given if v is not None})
     return cls(**kwargs)
 
 
@@ -382,4 +404,6 @@ def with_budget(policy: Policy, budget: int) -> Policy:
         del settings["window"]
     if isinstance(policy, Recall) and policy.recalled == Recall(policy.budget).recalled:
         del settings["recalled"]
+    if isinstance(policy, Recall) and policy.store == Recall(policy.budget).store:
+        del settings["store"]
     return make_policy(policy.name, budget, **settings)

@@ -51,6 +51,7 @@ class RowState:
     # at; the row renumbers when it would pass its window, exactly when it would alone
     bound: int = 0
     switched: bool = False  # renumbers from now on (passed its window, or rolling from the start)
+    seen: int = 0  # the row's own tokens read (never its padding): a host count of what the device's `seen` holds
 
     def copy(self) -> RowState:
         return dataclasses.replace(self)

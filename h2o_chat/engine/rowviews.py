@@ -21,26 +21,26 @@ from h2o_chat.errors import CacheUsageError
 SNAPSHOT = ("columns", "renumbered")  # the sequence's plain values a snapshot carries, besides rows, slots, store
 
 
-def _twin(cache, slots):
+def twin(cache, slots):
     """A cache like `cache` over `slots`, with its own copy of every row's bookkeeping and no forward running."""
-    twin = copy.copy(cache)
-    twin.layers = [H2OLayer(twin, i) for i in range(len(cache.layers))]
-    twin.slots, twin.forward, twin.probe, twin.observation = slots, None, None, None
-    twin.store = None  # a copy (snap's probe) keeps nothing it evicts
-    twin.groups = [copy.copy(g) for g in cache.groups]
-    twin.rows = [r.copy() for r in cache.rows]
-    twin.warned = set(cache.warned)
-    twin.is_view = False
-    return twin
+    other = copy.copy(cache)
+    other.layers = [H2OLayer(other, i) for i in range(len(cache.layers))]
+    other.slots, other.forward, other.probe, other.observation = slots, None, None, None
+    other.store = None  # a copy (snap's probe) keeps nothing it evicts
+    other.groups = [copy.copy(g) for g in cache.groups]
+    other.rows = [r.copy() for r in cache.rows]
+    other.warned = set(cache.warned)
+    other.is_view = False
+    return other
 
 
 def fork(cache):
-    twin = _twin(cache, None if cache.slots is None else cache.slots.copy())
-    twin.notices = []
+    copied = twin(cache, None if cache.slots is None else cache.slots.copy())
+    copied.notices = []
     # nor does it make a store when it allocates: a fork of an empty cache and one of a filled row (a refilled
     # batch row) must read alike, and a row's probe would otherwise recall what the other never kept
-    twin.is_fork = True
-    return twin
+    copied.is_fork = True
+    return copied
 
 
 def row(cache, r: int):
@@ -48,14 +48,14 @@ def row(cache, r: int):
     other rows keep theirs (continuous batching). Notes go to `cache`. `absorb` takes its host bookkeeping back,
     and what the prompt evicted into the store when the row recalls (the view keeps its own while it reads: its
     chunks recall only what this prompt evicted)."""
-    view = _twin(cache, cache.slots.row(r))
+    view = twin(cache, cache.slots.row(r))
     view.rules = cache.rules.rows(torch.tensor([r], device=cache.slots.seen.device))
     view.rows = [cache.rows[r].copy()]
     view.columns = view.rows[0].columns
     view.groups = [Group(view.rows[0].group.policy, None, view.rows[0].group.positions)]
     view.host_managed = True
     view.is_view = True
-    view.make_store()
+    view.store = None if cache.store is None else cache.store.view_of_row(r)
     return view
 
 
@@ -67,7 +67,7 @@ def absorb(cache, view, r: int) -> None:
     cache.rows[r] = state
     cache.columns = max(x.columns for x in cache.rows)
     if cache.store is not None and view.store is not None:
-        cache.store.put_row(r, view.store)
+        cache.store.absorb(r, view.store)
     cache.renumbered |= view.renumbered
     cache.warned |= view.warned
 
@@ -79,9 +79,9 @@ def select_rows(cache, index: torch.Tensor) -> None:
     index = index.to(cache.slots.seen.device)
     cache.rows = [cache.rows[i].copy() for i in index.tolist()]
     cache.columns = max((x.columns for x in cache.rows), default=0)
-    cache.install(cache.slots.select(index))
     if cache.store is not None:
-        cache.store.rows(index)
+        cache.store = cache.store.select(index)
+    cache.install(cache.slots.select(index))
 
 
 def clear_row(cache, r: int) -> None:
@@ -95,9 +95,6 @@ def clear_row(cache, r: int) -> None:
 def clear(cache) -> None:
     for r in range(cache.slots.batch if cache.slots is not None else 0):
         clear_row(cache, r)
-    if cache.store is not None:
-        cache.store.clear()
-        cache.warned.discard("store-full")  # an emptied store may fill again: say so again
     cache.columns = 0
 
 
@@ -106,9 +103,8 @@ def snapshot(cache) -> dict:
     conversation continues from before it)."""
     state = {name: getattr(cache, name) for name in SNAPSHOT}
     state["rows"] = [r.copy() for r in cache.rows]
-    # the store only grows (a count), and is renumbered in place (which a restore cannot take back)
-    state["stored"] = None if cache.store is None else (cache.store.count, cache.store.renumbers)
     state["slots"] = None if cache.slots is None else cache.slots.copy("cpu")
+    state["store"] = None if cache.store is None else cache.store.copy("cpu")  # bounded: a copy costs its size
     return state
 
 
@@ -117,15 +113,17 @@ def restore(cache, state: dict) -> None:
     for name in SNAPSHOT:
         setattr(cache, name, state[name])
     cache.rows = [r.copy() for r in state["rows"]]
-    if cache.store is not None:
-        count, renumbers = state.get("stored") or (0, cache.store.renumbers)
-        if renumbers != cache.store.renumbers:  # its keys follow positions the restored slots no longer have
+    stored = state.get("store")
+    if stored is None:
+        if cache.store is not None:
             cache.store.clear()
-            cache.warn_once(
-                "store-restored",
-                "the evicted tokens kept for recall were dropped: they were renumbered for the message taken back",
-            )
-        cache.store.truncate(count)
+    elif cache.store is not None and cache.store.keys.shape == stored.keys.shape:
+        cache.store.load(stored)  # in place: a captured step keeps reading it
+        cache.store.absorb_all(stored)
+    else:
+        device = cache.slots.keys.device if cache.slots is not None else None
+        cache.store = stored.copy(device)
+        cache.version += 1
     saved = state["slots"]
     if saved is None:
         cache.slots, cache.rules = None, None

@@ -81,9 +81,14 @@ def fields(quantized: bool) -> tuple[Field, ...]:
 def slot_bytes(key_dim: int, value_dim: int, elem: int, quant: str = "none") -> int:
     """Bytes of one slot (one layer, row and KV head) over every field: the one formula for the storage's size,
     used by the cache, the memory checks, the panel and `bench`. `elem`: bytes per element of the model's dtype."""
-    widths = {"key": key_dim, "value": value_dim, "one": 1, "": 1}
-    kv = 1 if quant == "8bit" else elem
-    return sum(widths[f.width] * (kv if f.dtype is None else f.dtype.itemsize) for f in fields(quant == "8bit"))
+    return entry_bytes(fields(quant == "8bit"), {"key": key_dim, "value": value_dim}, 1 if quant == "8bit" else elem)
+
+
+def entry_bytes(declared: tuple[Field, ...], widths: dict[str, int], stored: int) -> int:
+    """Bytes of one entry of a `Table` over its declared fields: `widths` gives the named trailing dims (a field
+    of width "one" has one element, "" none), `stored` the bytes of a field whose dtype is the stored keys'."""
+    widths = {"one": 1, "": 1, **widths}
+    return sum(widths[f.width] * (stored if f.dtype is None else f.dtype.itemsize) for f in declared)
 
 
 def storage_bytes(
@@ -95,60 +100,173 @@ def storage_bytes(
     return layers * rows * kv_heads * (capacity + 1) * per_slot + rows * len(ROW_FIELDS) * 8
 
 
-class Slots:
-    """Every layer's slot storage, allocated once: one attribute per field of `FIELDS` (L, B, H, S, ...) and per
-    row field (B,). S = capacity + 1: the last slot is the spare. `dtype` is the model's, what `read` gives."""
+def allocate_fields(
+    declared: tuple[Field, ...], shape: tuple[int, int, int, int], widths: dict[str, int], stored, device
+) -> dict[str, torch.Tensor]:
+    """One tensor per declared field, (L, B, H, S, width...) filled with its empty value."""
+    dims = {"one": (1,), "": (), **{k: (v,) for k, v in widths.items()}}
+    return {
+        f.name: torch.full((*shape, *dims[f.width]), f.empty, dtype=f.dtype or stored, device=device) for f in declared
+    }
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
-        self.quantized = "kscale" in tensors
-        self.fields = fields(self.quantized)
-        names = [f.name for f in self.fields] + list(ROW_FIELDS)
+
+class Table:
+    """Buffers of every layer, row and KV head declared once: per entry (L, B, H, S, ...) by `fields` (S =
+    capacity + 1: the last entry is the spare that a new token is written into before it takes its place), per
+    row (B,) by `ROW_FIELDS`, per head (L, B, H, ...) by `HEAD_FIELDS`. Allocation, row selection, row views,
+    copies, in-place loads, clears and the byte count all derive from the declarations, so a buffer added to
+    them is carried everywhere. `Slots` (the held tokens) and `store.Store` (recall's evicted tokens) are
+    tables."""
+
+    ROW_FIELDS: tuple[str, ...] = ()
+    HEAD_FIELDS: tuple[str, ...] = ()
+
+    def __init__(self, tensors: dict[str, torch.Tensor], declared: tuple[Field, ...]):
+        self.fields = declared
+        names = [f.name for f in declared] + list(self.ROW_FIELDS) + list(self.HEAD_FIELDS)
         if sorted(tensors) != sorted(names):
-            raise ValueError(f"storage needs {names}, got {list(tensors)}")
+            raise ValueError(f"{type(self).__name__} needs {names}, got {list(tensors)}")
         for name in names:
             setattr(self, name, tensors[name])
-        self.dtype = dtype
-        self.extra: list[torch.Tensor] = []  # side buffers moved with the slots (snap's observation logits)
+
+    def _made(self, tensors: dict[str, torch.Tensor]) -> Table:
+        """A table like this one (same kind and settings) over `tensors`."""
+        raise NotImplementedError
 
     @property
     def capacity(self) -> int:
-        """Slots that hold tokens between forwards; also the index of the spare slot, which comes after them."""
-        return self.keys.shape[3] - 1
+        """Entries that hold tokens between forwards; also the index of the spare entry, which comes after them."""
+        return getattr(self, self.fields[0].name).shape[3] - 1
 
     @property
     def batch(self) -> int:
-        return self.keys.shape[1]
+        return getattr(self, self.fields[0].name).shape[1]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The per-entry tensors (L, B, H, S, ...), in declaration order."""
+        return [getattr(self, f.name) for f in self.fields]
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.ROW_FIELDS]
+
+    def head_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.HEAD_FIELDS]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every declared tensor by name."""
+        names = [f.name for f in self.fields] + list(self.ROW_FIELDS) + list(self.HEAD_FIELDS)
+        return {name: getattr(self, name) for name in names}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The per-entry tensors that move together when a token changes entry."""
+        return self.slot_tensors()
+
+    def _map(self, per_entry, per_row, per_head=None) -> Table:
+        """A new table: every per-entry tensor through `per_entry(field, t)`, every row tensor through
+        `per_row(t)`, every head tensor through `per_head(t)` (default: `per_entry(None, t)`, for functions of
+        the leading (L, B, H) dims)."""
+        per_head = per_head or (lambda t: per_entry(None, t))
+        tensors = {f.name: per_entry(f, getattr(self, f.name)) for f in self.fields}
+        tensors.update({name: per_row(getattr(self, name)) for name in self.ROW_FIELDS})
+        tensors.update({name: per_head(getattr(self, name)) for name in self.HEAD_FIELDS})
+        return self._made(tensors)
+
+    def with_tensors(self, replaced: dict[str, torch.Tensor]) -> Table:
+        """The same table with some declared tensors replaced (a traced step reads its inputs through it)."""
+        return self._made({**self.tensors(), **replaced})
+
+    def select(self, index: torch.Tensor) -> Table:
+        """A new table of the rows `index` (a batch's finished rows leave)."""
+        index = index.to(getattr(self, self.fields[0].name).device)
+        return self._map(lambda f, t: t.index_select(1, index), lambda t: t.index_select(0, index))
+
+    def row(self, r: int) -> Table:
+        """Row r as a table of its own that shares this table's memory (writes land in row r)."""
+        return self._map(lambda f, t: t[:, r : r + 1], lambda t: t[r : r + 1])
+
+    def copy(self, device: torch.device | str | None = None) -> Table:
+        """An independent copy (on `device`, e.g. the host, or where it is)."""
+
+        def dup(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, copy=True) if device else t.clone()
+
+        return self._map(lambda f, t: dup(t), dup, dup)
+
+    def load(self, other: Table) -> None:
+        """Overwrite this table in place (same shapes) with `other`'s contents: addresses stay, so a captured
+        decode step stays valid."""
+        for mine, theirs in zip(self.tensors().values(), other.tensors().values(), strict=True):
+            mine.copy_(theirs)
+
+    def load_row(self, r: int, other: Table, o: int = 0) -> None:
+        """Row r takes row `o` of `other` (same shapes but the batch), in place."""
+        for mine, theirs in zip(
+            self.slot_tensors() + self.head_tensors(), other.slot_tensors() + other.head_tensors(), strict=True
+        ):
+            mine[:, r].copy_(theirs[:, o])
+        for mine, theirs in zip(self.row_tensors(), other.row_tensors(), strict=True):
+            mine[r].copy_(theirs[o])
+
+    def moved(self, keep: torch.Tensor, capacity: int) -> Table:
+        """A new table of `capacity` (+ spare) entries holding the entries `keep` (L, B, H, k) first, in order."""
+        k = keep.shape[-1]
+
+        def move(f: Field, t: torch.Tensor) -> torch.Tensor:
+            out = t.new_full((*t.shape[:3], capacity + 1, *t.shape[4:]), f.empty)
+            out[:, :, :, :k] = t.gather(3, per_slot(keep, t))
+            return out
+
+        return self._map(move, lambda t: t, lambda t: t)
+
+    def clear_spare(self) -> None:
+        for f in self.fields:
+            getattr(self, f.name)[:, :, :, self.capacity] = f.empty
+
+    def clear_row(self, r: int) -> None:
+        """Empty row r (a new prompt takes it)."""
+        for f in self.fields:
+            getattr(self, f.name)[:, r] = f.empty
+        for t in self.row_tensors():
+            t[r] = 0
+
+    def mark_static(self) -> None:
+        """Fixed addresses for a captured step, which reads these in place."""
+        mark_static(*self.tensors().values())
+
+    def nbytes(self) -> int:
+        """Bytes the table occupies (every declared tensor, as allocated)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class Slots(Table):
+    """Every layer's slot storage, allocated once: one attribute per field of `FIELDS` (L, B, H, S, ...) and per
+    row field (B,). S = capacity + 1: the last slot is the spare. `dtype` is the model's, what `read` gives."""
+
+    ROW_FIELDS = ROW_FIELDS
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+        quantized = "kscale" in tensors
+        super().__init__(tensors, fields(quantized))
+        self.quantized = quantized
+        self.dtype = dtype
+        self.extra: list[torch.Tensor] = []  # side buffers moved with the slots (snap's observation logits)
+
+    def _made(self, tensors: dict[str, torch.Tensor]) -> Slots:
+        return Slots(tensors, self.dtype)
 
     @classmethod
     def allocate(cls, layers: int, key: torch.Tensor, value: torch.Tensor, capacity: int, quant: str = "none"):
         B, H, _, D = key.shape
-        L, S, dev = layers, capacity + 1, key.device
+        dev = key.device
         stored = torch.int8 if quant == "8bit" else key.dtype
-        widths = {"key": (D,), "value": (value.shape[-1],), "one": (1,), "": ()}
-        tensors = {
-            f.name: torch.full((L, B, H, S, *widths[f.width]), f.empty, dtype=f.dtype or stored, device=dev)
-            for f in fields(quant == "8bit")
-        }
+        widths = {"key": D, "value": value.shape[-1]}
+        tensors = allocate_fields(fields(quant == "8bit"), (layers, B, H, capacity + 1), widths, stored, dev)
         tensors.update({name: torch.zeros(B, dtype=torch.long, device=dev) for name in ROW_FIELDS})
         return cls(tensors, key.dtype)
-
-    def slot_tensors(self) -> list[torch.Tensor]:
-        """The per-slot tensors (L, B, H, S, ...) of the storage itself, in `FIELDS` order (not the side buffers)."""
-        return [getattr(self, f.name) for f in self.fields]
-
-    def row_tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in ROW_FIELDS]
 
     def buffers(self) -> list[torch.Tensor]:
         """The per-slot tensors that move together when a token changes slot."""
         return [*self.slot_tensors(), *self.extra]
-
-    def _map(self, per_slot_fn, per_row_fn) -> Slots:
-        """New storage: every field's tensor passed through `per_slot_fn(field, t)`, every row field's through
-        `per_row_fn(t)`."""
-        tensors = {f.name: per_slot_fn(f, getattr(self, f.name)) for f in self.fields}
-        tensors.update({name: per_row_fn(getattr(self, name)) for name in ROW_FIELDS})
-        return Slots(tensors, self.dtype)
 
     # -- keys and values as the model's dtype ------------------------------------------------------------
     def read(self, which: str, index: tuple = ()) -> torch.Tensor:
@@ -205,62 +323,6 @@ class Slots:
     def held(self) -> torch.Tensor:
         """(B,) tokens held per row (per layer and head)."""
         return self.valid()[:, : self.capacity].sum(-1)
-
-    # -- derived from the fields ----------------------------------------------------------------------------
-    def clear_spare(self) -> None:
-        for f in self.fields:
-            getattr(self, f.name)[:, :, :, self.capacity] = f.empty
-
-    def clear_row(self, r: int) -> None:
-        """Empty row r (a new prompt takes it)."""
-        for f in self.fields:
-            getattr(self, f.name)[:, r] = f.empty
-        for t in self.row_tensors():
-            t[r] = 0
-
-    def moved(self, keep: torch.Tensor, capacity: int) -> Slots:
-        """New storage of `capacity` (+ spare) slots holding the slots `keep` (L, B, H, k) first, in order."""
-        k = keep.shape[-1]
-
-        def move(f: Field, t: torch.Tensor) -> torch.Tensor:
-            out = t.new_full((*t.shape[:3], capacity + 1, *t.shape[4:]), f.empty)
-            out[:, :, :, :k] = t.gather(3, per_slot(keep, t))
-            return out
-
-        return self._map(move, lambda t: t)
-
-    def select(self, index: torch.Tensor) -> Slots:
-        """New storage of the rows `index` (a batch's finished rows leave)."""
-        index = index.to(self.seen.device)
-        return self._map(lambda f, t: t.index_select(1, index), lambda t: t.index_select(0, index))
-
-    def row(self, r: int) -> Slots:
-        """Row r as storage of its own that shares this storage's memory (writes land in row r)."""
-        return self._map(lambda f, t: t[:, r : r + 1], lambda t: t[r : r + 1])
-
-    def copy(self, device: torch.device | str | None = None) -> Slots:
-        """An independent copy (on `device`, e.g. the host, or where it is)."""
-
-        def dup(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, copy=True) if device else t.clone()
-
-        return self._map(lambda f, t: dup(t), dup)
-
-    def load(self, other: Slots) -> None:
-        """Overwrite this storage in place (same shapes) with `other`'s contents: addresses stay, so a captured
-        decode step stays valid."""
-        for mine, theirs in zip(
-            self.slot_tensors() + self.row_tensors(), other.slot_tensors() + other.row_tensors(), strict=True
-        ):
-            mine.copy_(theirs)
-
-    def mark_static(self) -> None:
-        """Fixed addresses for a captured step, which writes into these in place."""
-        mark_static(*self.slot_tensors(), *self.row_tensors())
-
-    def nbytes(self) -> int:
-        """Bytes the storage occupies (every field and row field; not the side buffers of a prompt's reading)."""
-        return sum(t.numel() * t.element_size() for t in self.slot_tensors() + self.row_tensors())
 
     def slot_bytes(self) -> int:
         """Bytes of one slot (one layer, row and KV head) over every field: `slot_bytes` of this storage."""

@@ -23,33 +23,17 @@ class CacheStats:
     kv_used_bytes: int  # bytes of the slots holding tokens: tokens held x bytes per slot, over layers, rows, heads
     full_kv_bytes: int  # bytes a full cache would hold for the same tokens
     positions: str = "absolute"  # how positions are given now, e.g. "auto: absolute, trained context 8192"
-    store_bytes: int = 0  # the recall policy's store of evicted tokens (off the accelerator: host memory)
+    store_bytes: int = 0  # the recall policy's store of evicted tokens, as allocated (on the cache's device)
     kv_quant: str = "none"  # "8bit": held keys and values in int8 with a scale per token
+    store_tokens: float = 0.0  # evicted tokens the store holds per layer, row and head (mean)
+    store_capacity: int = 0  # what it can hold (then it drops one for each new one)
+    store_dropped: float = 0.0  # evicted tokens it dropped (mean per layer, row and head): gone for good
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kept": mean_count(self.kept), "evicted": mean_count(self.evicted)}
-
-    @classmethod
-    def combine(cls, parts: list[CacheStats]) -> CacheStats:
-        """Several snapshots side by side (the policy groups of one cache) as one."""
-        first = parts[0]
-        return cls(
-            policy=" | ".join(dict.fromkeys(p.policy for p in parts)),
-            budget=max((p.budget or 0 for p in parts), default=0) or None,
-            split=first.split,
-            layers=first.layers,
-            seen=max(p.seen for p in parts),
-            kept=sum(p.kept for p in parts) / len(parts),
-            kept_min=min(p.kept_min for p in parts),
-            kept_max=max(p.kept_max for p in parts),
-            evicted=sum(p.evicted for p in parts) / len(parts),
-            kv_bytes=sum(p.kv_bytes for p in parts),
-            kv_used_bytes=sum(p.kv_used_bytes for p in parts),
-            full_kv_bytes=sum(p.full_kv_bytes for p in parts),
-            positions=first.positions,
-            store_bytes=sum(p.store_bytes for p in parts),
-            kv_quant=first.kv_quant,
-        )
+        return {
+            **dataclasses.asdict(self),
+            **{name: mean_count(getattr(self, name)) for name in ("kept", "evicted", "store_tokens", "store_dropped")},
+        }
 
 
 def mean_count(x: float) -> int | float:
@@ -87,9 +71,21 @@ def of_rows(cache, rows: slice, group=None) -> CacheStats:
         kv_used_bytes=int(kept.sum()) * slot_bytes,
         full_kv_bytes=int(seen.sum()) * full_bytes * s.keys.shape[0] * s.keys.shape[2],
         positions=label,
-        store_bytes=0 if cache.store is None else int(cache.store.nbytes() * share),
         kv_quant="8bit" if s.quantized else "none",
+        **store_stats(cache.store, rows, share),
     )
+
+
+def store_stats(store, rows: slice, share: float) -> dict:
+    """The store's part of a snapshot of the rows `rows` (`share` of the batch)."""
+    if store is None:
+        return {}
+    return {
+        "store_bytes": int(store.nbytes() * share),
+        "store_tokens": float(store.tokens()[rows].mean()),
+        "store_capacity": store.capacity,
+        "store_dropped": float(store.dropped()[rows].mean()),
+    }
 
 
 def of_groups(cache) -> list[CacheStats]:

@@ -1,332 +1,358 @@
-"""The store of evicted tokens behind the `recall` policy: what it holds, and how rows, snapshots and renumbering
-change it. What a step or a prompt chunk brings back from it is ranked in `recall_rank`.
+"""The store of evicted tokens behind the `recall` policy: a table of fixed capacity, allocated once beside the
+slots on the cache's own device, whose entries each step and prompt chunk rank and bring back
+(`recall_rank`).
 
-Every token a row that recalls evicts -- in a decode step (`evict.step`) or a prompt chunk (`evict.chunk`) -- is
-appended here with its key (as stored: rotated at its true position, or at the number the cache gave it), value,
-true position and the position its key is rotated at, per layer, row and KV head, in eviction order (a chunk's
-losers sorted by position). The store lives off the accelerator (on the host; on CPU that is the same memory):
-what the accelerator holds stays the budget. It grows by doubling while the host can spare the memory
-(`HOST_RESERVE`), then keeps nothing new (`full`: the cache says so once). Columns empty in every layer, row and
-head (a single row's prompt chunks) are not stored, so such a store is ranked without masks.
+Every token a row that recalls evicts -- in a decode step or a prompt chunk -- becomes an entry: its key (as
+stored: rotated at its true position, or at the number the cache gave it) and value in int8 with a scale each,
+the key's coordinates in its head's principal directions (int8 with a scale: what a step's first ranking pass
+reads), its true position, the position its key is rotated at, the score it had when it was evicted and how
+often it has been recalled. The store is a `Table` like the slots: `capacity` entries and a spare per layer,
+row and KV head. A new entry is written into the spare and then takes the place of the entry its row and head
+value least (`DROP` decides by what), the way a decode step places its token among the slots (`evict.place`):
+a static shape, a few operators, no host synchronisation, so it runs inside a captured or compiled step. Once
+full the store drops one entry per new one and stays the size it was allocated with; a dropped entry's memory
+is overwritten, so it can never be recalled again (`drops` counts them).
+
+The principal directions (`basis`, per layer, row and head) are fitted outside any step, from the held and the
+stored keys (`fit`, on the host's schedule: first from the slots before the first eviction, then each time a
+row's evicted tokens have doubled, and then every half capacity), in place, so a captured step stays valid.
 """
 
 from __future__ import annotations
 
 import torch
 
-from h2o_chat.engine.quant import SCALE_DTYPE, bytes_per_element, dequantize, quantize
-from h2o_chat.engine.recall_rank import LOW_DTYPE, Ranking, Recalled, rank_dim_for
-from h2o_chat.errors import ConfigError
+from h2o_chat.engine import evict
+from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
+from h2o_chat.engine.slots import Field, Table, allocate_fields, entry_bytes, per_slot
 
-GROW = 1024  # entries added when the store is full (then doubled)
-HOST_RESERVE = 1 << 30  # host memory the store leaves free: it stops growing rather than take it
-# the per-entry buffers, each (L, B, H, N, ...) but `low` (L, B, H, rank_dim, N): every copy, move, row selection
-# and byte count goes over these
-ENTRY_BUFFERS = ("keys", "low", "values", "vscale", "pos", "rot", "empty", "marks")
+RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
+FIT_FROM = 64  # a row's store is first refitted once it holds this many entries, then at each doubling
 
-
-def entry_bytes(
-    layers: int,
-    rows: int,
-    kv_heads: int,
-    key_dim: int,
-    value_dim: int,
-    elem: int,
-    block: int = 1,
-    value_elem: float | None = None,
-    rank_dim: int | None = None,
-):
-    """Host bytes one store entry takes over every layer, row and KV head: its key, the key's `rank_dim`
-    principal coordinates (bf16), its value (`value_elem` bytes per value element when they are kept in 8 bits),
-    position (8), the position its key is rotated at (4), empty flag (1) and recall count (4). `block`: only 1
-    (callers that still pass the store's)."""
-    _check_block(block)
-    rank_dim = rank_dim_for(key_dim) if rank_dim is None else rank_dim
-    values = value_dim * (value_elem or elem)
-    return layers * rows * kv_heads * (key_dim * elem + rank_dim * 2 + values + 8 + 4 + 1 + 4)
+STORE_FIELDS = (
+    Field("keys", 0, torch.int8, "key"),  # as stored in the slots: rotated
+    Field("kscale", 0, SCALE_DTYPE, "one"),
+    Field("values", 0, torch.int8, "value"),
+    Field("vscale", 0, SCALE_DTYPE, "one"),
+    Field("low", 0, torch.int8, "rank"),  # the key's coordinates in its head's basis (the first pass)
+    Field("lscale", 0, SCALE_DTYPE, "one"),
+    Field("pos", -1, torch.int32),  # the token's true position, -1 = empty
+    Field("rot", -1, torch.int32),  # the position its key is rotated at
+    Field("score", 0, torch.float32),  # its accumulated attention mass when it was evicted
+    Field("marks", 0, torch.int32),  # times recalled (`take_counts` resets them)
+)
 
 
-def _check_block(block: int) -> None:
-    if block != 1:  # Quest's blocks of entries were measured too coarse and removed (see `policies.Recall`)
-        raise ConfigError(f"the recall store ranks single tokens (block 1), got block {block}")
+def rank_dim_for(key_dim: int) -> int:
+    """Principal coordinates kept per stored key: `RANK_DIM`, or the whole key when it is no larger."""
+    return min(RANK_DIM, key_dim)
 
 
-def host_available() -> int:
-    """Bytes the host can still give this process (psutil's available: free plus reclaimable)."""
-    import psutil
+def store_entry_bytes(layers: int, rows: int, kv_heads: int, key_dim: int, value_dim: int) -> int:
+    """Bytes one store entry (a token) takes over every layer, row and KV head, every field counted, plus its
+    share of the per-head basis is not included (`store_bytes` adds it): the one formula the fit checks, the
+    panel and `--recall-memory` use."""
+    widths = {"key": key_dim, "value": value_dim, "rank": rank_dim_for(key_dim)}
+    return layers * rows * kv_heads * entry_bytes(STORE_FIELDS, widths, 1)
 
-    return psutil.virtual_memory().available
+
+def store_bytes(layers: int, rows: int, kv_heads: int, key_dim: int, value_dim: int, capacity: int) -> int:
+    """Bytes of a store of `capacity` entries (and the spare) per layer, row and KV head, as `Store.allocate`
+    makes it: its entries, the basis (fp32, key_dim x rank) and the drop counters."""
+    per_head = key_dim * rank_dim_for(key_dim) * 4 + 8
+    return (capacity + 1) * store_entry_bytes(layers, rows, kv_heads, key_dim, value_dim) + (
+        layers * rows * kv_heads * per_head
+    )
 
 
-class Store:
-    """Per layer, row and KV head: evicted keys (L, B, H, N, D), their coordinates for the ranking's first pass,
-    values, true positions (-1: nothing) and the positions their keys are rotated at. `recalled` (B,) tokens each
-    row brings back per step (0: a row that does not recall, and keeps nothing). `block`: only 1."""
+def tokens_in(nbytes: int, layers: int, rows: int, kv_heads: int, key_dim: int, value_dim: int) -> int:
+    """The most entries per layer, row and head whose store fits in `nbytes` (0 when not even one does)."""
+    fixed = store_bytes(layers, rows, kv_heads, key_dim, value_dim, 0)
+    return max(0, (nbytes - fixed) // store_entry_bytes(layers, rows, kv_heads, key_dim, value_dim))
+
+
+class Store(Table):
+    """Per layer, row and KV head, `capacity` evicted tokens and a spare (`STORE_FIELDS`), the basis of their
+    keys' principal directions (L, B, H, D, rank) and how many entries each head dropped (L, B, H).
+
+    Host bookkeeping, per row: tokens each recalls per step (`recalled`, 0: a row that keeps nothing), its
+    tokens seen and held capacity (what it has evicted follows from them, without reading the device) and when
+    its basis was last fitted."""
+
+    HEAD_FIELDS = ("basis", "drops")
 
     def __init__(
         self,
-        layers: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
         recalled: list[int],
-        block: int = 1,
-        quant: bool = False,
+        host: tuple | None = None,
+        capacities: list[int] | None = None,
     ):
-        _check_block(block)
+        super().__init__(tensors, STORE_FIELDS)
+        self.dtype = dtype  # the model's: what keys and values are read back in
+        # per row: its held capacity, the tokens it has evicted (host counts) and how many it had when its basis
+        # was last fitted (0: never)
+        held_cap, evicted, fitted = host or ([0] * len(recalled),) * 3
+        self.held_cap, self.evicted, self.fitted = list(held_cap), list(evicted), list(fitted)
+        self.drop = "score"  # what a full store drops first (`policies.Recall.drop`)
+        self.set_recalled(recalled, capacities)
+
+    def host(self, rows: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+        """The rows' host bookkeeping (all of them by default)."""
+        rows = range(len(self.recalled)) if rows is None else rows
+        return tuple([state[r] for r in rows] for state in (self.held_cap, self.evicted, self.fitted))
+
+    def _made(self, tensors: dict[str, torch.Tensor]) -> Store:
+        made = Store(tensors, self.dtype, self.recalled, self.host(), self.capacities)
+        made.drop = self.drop
+        return made
+
+    @classmethod
+    def allocate(
+        cls, layers: int, key: torch.Tensor, value: torch.Tensor, capacities: list[int], recalled: list[int]
+    ) -> Store:
+        """A store of the largest of `capacities` (each row's) entries per layer, row and KV head, shaped after
+        `key`, `value` (B, H, T, D) and on their device; `recalled` per row."""
+        capacity = max(capacities)
         B, H, _, D = key.shape
-        self.block, self.device = block, torch.device("cpu")  # (the cache compares the block until it stops)
-        self.quant = quant  # values in int8 with a scale per entry (`--kv-quant 8bit`); keys stay wide for ranking
-        self.shape = (layers, B, H)
-        self.dtype, self.D, self.Dv = key.dtype, D, value.shape[-1]
-        self.rank_dim = rank_dim_for(D)  # the coordinates kept per key (0: exact ranking only)
-        self.count = 0  # entries appended (the same for every row and head: see `append`)
-        self.full = False  # it stopped growing: the host had no memory to spare; later evictions are not kept
-        self.holes = False  # some entry before `count` holds nothing (padding, a row that does not recall)
-        self.renumbers = 0  # times the entries were renumbered (`renumber`; a snapshot from before cannot return)
-        self.version = 0  # bumped when buffers are replaced or entries move or turn: pointers into them are stale
-        self.recalled = torch.tensor(recalled, dtype=torch.long)
-        self.row_tokens = torch.zeros(B, dtype=torch.long)  # tokens each row holds (its largest layer and head)
-        self._allocate(0)
-        self.ranking = Ranking(self)
+        r, dev = rank_dim_for(D), key.device
+        widths = {"key": D, "value": value.shape[-1], "rank": r}
+        tensors = allocate_fields(STORE_FIELDS, (layers, B, H, capacity + 1), widths, torch.int8, dev)
+        tensors["basis"] = torch.zeros(layers, B, H, D, r, device=dev)
+        tensors["drops"] = torch.zeros(layers, B, H, dtype=torch.long, device=dev)
+        return cls(tensors, key.dtype, recalled, capacities=capacities)
 
-    def set_recalled(self, recalled: list[int]) -> None:
-        """Tokens each row brings back per step (0: a row that does not recall); a policy change keeps the store."""
-        self.recalled = torch.tensor(recalled, dtype=torch.long)
-        self.ranking.schedule()
+    def set_recalled(self, recalled: list[int], capacities: list[int] | None = None) -> None:
+        """Tokens each row brings back per step (0: a row that does not recall and keeps nothing) and the entries
+        each may hold (`capacities`, default: all; rows of one batch with smaller stores leave the rest empty, so
+        that each keeps what it would alone); a policy change keeps what is stored."""
+        self.recalled = list(recalled)
+        # host ints (a traced step's twin store has symbolic sizes, which must not enter these)
+        self.capacities = list(capacities) if capacities is not None else [int(self.capacity)] * len(recalled)
+        self.k = max(self.recalled)  # a step's recalled tokens (rows that recall fewer mask the rest)
+        self.uniform = len(set(self.recalled)) == 1
+        self.uniform_capacity = len(set(self.capacities)) == 1
+        dev = self.keys.device
+        self.per_row = torch.tensor(self.recalled, dtype=torch.long, device=dev)  # (B,)
+        self.pick = torch.arange(self.k, device=dev)  # (k,): a step's recalled places (its shape is k)
+        self.limit = torch.tensor(self.capacities, dtype=torch.long, device=dev)  # (B,)
 
-    def _allocate(self, n: int) -> None:
-        L, B, H = self.shape
-        self.keys = torch.zeros(L, B, H, n, self.D, dtype=self.dtype)
-        # (.., rank_dim, n): a step's first pass multiplies rows of entries, twice as fast as columns on a CPU
-        self.low = torch.zeros(L, B, H, self.rank_dim, n, dtype=LOW_DTYPE)
-        self.values = torch.zeros(L, B, H, n, self.Dv, dtype=torch.int8 if self.quant else self.dtype)
-        self.vscale = torch.zeros(L, B, H, n, int(self.quant), dtype=SCALE_DTYPE)  # empty unless 8-bit
-        self.pos = torch.full((L, B, H, n), -1, dtype=torch.long)
-        self.rot = torch.full((L, B, H, n), -1, dtype=torch.int32)  # the position its key is rotated at (`renumber`)
-        self.empty = torch.ones(L, B, H, n, dtype=torch.bool)  # pos < 0, kept beside it: a step reads it
-        self.marks = torch.zeros(L, B, H, n, dtype=torch.int32)  # times recalled since `take_counts`
-        self._moved()
+    def view_of_row(self, r: int) -> Store:
+        """Row r as a store of its own sharing this one's memory, with the row's host bookkeeping."""
+        view = Store(self.row(r).tensors(), self.dtype, [self.recalled[r]], self.host([r]), [self.capacities[r]])
+        view.drop = self.drop
+        return view
 
-    def _moved(self) -> None:
-        """The buffers were replaced or their entries moved or turned: each (row, head)'s first entry in a layer's
-        buffers flattened (kept: a step would rebuild it per layer), and a new version."""
-        _, B, H = self.shape
-        self.offsets = torch.arange(B * H).view(B * H, 1) * self.capacity
-        self.version += 1
+    def absorb(self, r: int, view: Store) -> None:
+        """Row r's host bookkeeping back from its view (`view_of_row`) after a prompt was read into it."""
+        self.held_cap[r], self.evicted[r], self.fitted[r] = view.held_cap[0], view.evicted[0], view.fitted[0]
 
-    @property
-    def capacity(self) -> int:
-        return self.pos.shape[-1]
+    def absorb_all(self, other: Store) -> None:
+        """Every row's host bookkeeping from `other` (a snapshot of this store, loaded in place)."""
+        self.held_cap, self.evicted, self.fitted = (list(x) for x in other.host())
+        self.set_recalled(other.recalled, other.capacities)
 
-    def nbytes(self) -> int:
-        """Host bytes held (every entry buffer, as allocated)."""
-        return sum(t.numel() * t.element_size() for t in self._buffers().values())
+    def select(self, index: torch.Tensor) -> Store:
+        rows = index.tolist()
+        kept = super().select(index)
+        capacities = [self.capacities[r] for r in rows]
+        out = Store(kept.tensors(), self.dtype, [self.recalled[r] for r in rows], self.host(rows), capacities)
+        out.drop = self.drop
+        return out
 
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in ENTRY_BUFFERS}
-
-    def _entries(self) -> dict[str, torch.Tensor]:
-        """Every buffer as a view with the entries along dimension 3 (the coordinates' moved there from last), for
-        the copies that move entries whatever the buffer."""
-        return {name: t.movedim(-1, 3) if name == "low" else t for name, t in self._buffers().items()}
-
-    def tokens(self) -> int:
-        """Evicted tokens held per row and head (the first row's count; rows of one cache evict alike)."""
-        return int((self.pos[0, 0, 0, : self.count] >= 0).sum()) if self.count else 0
-
-    def _grow(self, need: int) -> bool:
-        """Room for `need` entries; False (and `full`) when the host cannot give it and keep `HOST_RESERVE`
-        free (the old and the new buffers are held together while the entries are copied)."""
-        size = max(need, 2 * self.capacity, GROW)
-        value_elem = bytes_per_element("8bit", self.dtype, self.Dv) if self.quant else None
-        entry = entry_bytes(*self.shape, self.D, self.Dv, self.keys.element_size(), 1, value_elem, self.rank_dim)
-        if size * entry + HOST_RESERVE > host_available():
-            self.full = True
-            return False
-        old, n = self._entries(), self.count
-        self._allocate(size)
-        for name, new in self._entries().items():
-            new[:, :, :, :n] = old[name][:, :, :, :n]
-        return True
-
-    # -- writing ------------------------------------------------------------------------------------
-    def append(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor | None = None
-    ) -> None:
-        """Evicted tokens (L, B, H, n, D), (L, B, H, n, Dv), true positions (L, B, H, n) (-1: an empty slot or
-        padding lost; nothing to keep) and the positions their keys were rotated at (None: the true ones, as until
-        the cache renumbers). Rows that do not recall keep nothing. Columns empty in every layer, row and head (a
-        prompt chunk's empty slots, sorted first) are dropped: a store without empty entries is ranked without
-        masks."""
-        if self.full or keys.shape[3] == 0:
-            return
-        pos = pos.to(self.device).masked_fill(~(self.recalled > 0)[None, :, None, None], -1)
-        rot = pos if rot is None else rot.to(self.device)
-        some = (pos >= 0).flatten(0, 2).any(0)  # (n,)
-        if not bool(some.all()):
-            keep = some.nonzero().flatten()
-            keys, values = keys[:, :, :, keep.to(keys.device)], values[:, :, :, keep.to(values.device)]
-            pos, rot = pos[..., keep], rot[..., keep]
-        n = keys.shape[3]
-        if n == 0:
-            return
-        if self.count + n > self.capacity and not self._grow(self.count + n):
-            return  # the host has no room: these and later evictions are not kept (the cache says so once)
-        c0, c1 = self.count, self.count + n
-        self.keys[:, :, :, c0:c1] = keys.to(self.device, self.dtype)
-        if self.quant:
-            self.values[:, :, :, c0:c1], self.vscale[:, :, :, c0:c1] = quantize(values.to(self.device))
-        else:
-            self.values[:, :, :, c0:c1] = values.to(self.device, self.dtype)
-        self.pos[:, :, :, c0:c1] = pos
-        self.rot[:, :, :, c0:c1] = rot
-        self.empty[:, :, :, c0:c1] = empty = pos < 0
-        self.holes = self.holes or bool(empty.any())
-        self.row_tokens += (~empty).sum(-1).amax(dim=(0, 2))
-        self.count = c1
-        self.ranking.appended(c0, c1)
-
-    def truncate(self, count: int) -> None:
-        """Forget what was appended after `count` entries (a snapshot restored)."""
-        if count >= self.count:
-            return
-        self.pos[:, :, :, count : self.count] = -1
-        self.empty[:, :, :, count : self.count] = True
-        self.count = count
-        self.row_tokens = (~self.empty[:, :, :, :count]).sum(-1).amax(dim=(0, 2))
-        self.ranking.set_two()
-
-    def clear(self) -> None:
-        """Forget every entry (the buffers are kept)."""
-        self.ranking.clear()
-        self.truncate(0)
-        self.marks.zero_()
-        self.full = self.holes = False
-        self._moved()
+    def resized(self, capacities: list[int], recalled: list[int]) -> Store:
+        """A store of the largest of `capacities` (each row's) entries holding this one's best (what it would drop
+        last), best first; a row keeps its own capacity's worth, the rest is dropped."""
+        n, capacity = self.capacity, max(capacities)
+        prio = self.priority(self.pos[..., :n], self.score[..., :n], self.marks[..., :n])
+        ranked = evict.order(prio, evict.tie(self.pos[..., :n].long())).topk(min(n, capacity), dim=-1)
+        out = self.moved(ranked.indices, capacity)
+        out.set_recalled(recalled, capacities)
+        for r, c in enumerate(out.capacities):
+            for f in out.fields:
+                getattr(out, f.name)[:, r, :, c:capacity] = f.empty
+        out.drops += (self.pos[..., :n] >= 0).sum(-1) - (out.pos[..., :capacity] >= 0).sum(-1)
+        return out
 
     def clear_row(self, r: int) -> None:
-        """Forget row r's entries (its prompt is done; `put_row` refills it)."""
-        self.holes = True
-        self.pos[:, r] = -1
-        self.empty[:, r] = True
-        self.marks[:, r] = 0
-        self.row_tokens[r] = 0
-        self.ranking.clear_row(r)
+        super().clear_row(r)
+        self.basis[:, r] = 0
+        self.drops[:, r] = 0
+        self.evicted[r] = self.fitted[r] = 0
 
-    @torch.inference_mode()
-    def put_row(self, r: int, other: Store) -> None:
-        """Row r (emptied by `clear_row`) takes the one row of `other` (what a prompt read into row r alone
-        evicted: continuous batching), its entries first; then `compact`, so the store stays the size of what the
-        rows hold, however many prompts pass through them."""
-        n = other.count
-        if self.full:
-            return  # a full store keeps nothing new (the cache said so)
-        if n > self.capacity and not self._grow(n):
-            return
-        theirs = other._entries()
-        for name, t in self._entries().items():
-            t[:, r, :, :n] = theirs[name][:, 0, :, :n]
-        self.row_tokens[r] = other.row_tokens[0]
-        self.count = max(self.count, n)
-        self.holes = bool(self.empty[:, :, :, : self.count].any())  # (the row's entries may stop short of others')
-        self.full = self.full or other.full
-        self.ranking.put_row(r, other.ranking)
-        self._moved()
-        self.compact()
+    def clear(self) -> None:
+        for r in range(self.batch):
+            self.clear_row(r)
 
-    @torch.inference_mode()
-    def compact(self) -> None:
-        """Every row's entries moved to the front, in order, once at least half of those up to the count hold
-        nothing for the busiest row (a finished row's, a refilled row's gap); the count becomes the busiest row's."""
-        n, (_, B, _) = self.count, self.shape
-        held = (~self.empty[:, :, :, :n]).any(0).any(1)  # (B, n): an entry some layer and head of the row uses
-        most = int(held.sum(1).max())
-        if not n or 2 * most > n:
+    # -- host bookkeeping ------------------------------------------------------------------------------
+    def counted(self, real: list[int], held_cap: list[int], seen: list[int]) -> None:
+        """Before a forward that reads `real` tokens into each row, which holds at most `held_cap` and has seen
+        `seen` (before them): what each row will have evicted once it has read them."""
+        for r, (n, cap, s) in enumerate(zip(real, held_cap, seen, strict=True)):
+            self.held_cap[r] = cap
+            if self.recalled[r]:
+                self.evicted[r] = max(0, s + n - cap)
+
+    def due(self) -> list[int]:
+        """Rows whose basis should be fitted before the next forward: rows that recall, have evicted tokens and
+        were never fitted (or were renumbered), or whose evicted tokens have doubled since their last fit (at
+        most every half capacity)."""
+        out = []
+        for r, (ev, at, cap) in enumerate(zip(self.evicted, self.fitted, self.capacities, strict=True)):
+            if self.recalled[r] and ev and (at == 0 or ev - at >= min(max(at, FIT_FROM), cap // 2)):
+                out.append(r)
+        return out
+
+    # -- writing (inside a step: no host synchronisation) -------------------------------------------------
+    def _entry(self, keys: torch.Tensor, values: torch.Tensor, pos, rot, score) -> list[torch.Tensor]:
+        """New entries' fields in `STORE_FIELDS` order from keys and values (L, B, H, n, D) in the model's dtype,
+        true positions, rotations and scores (L, B, H, n); rows that do not recall keep nothing (position -1).
+        Keys and values are quantized in one pass when they have the same shape (a decode step's end runs this
+        every step: on a CPU each operation costs microseconds)."""
+        if keys.shape == values.shape:
+            q, scale = quantize(torch.stack((keys, values)))
+            (qk, qv), (sk, sv) = q, scale
+        else:
+            (qk, sk), (qv, sv) = quantize(keys), quantize(values)
+        ql, sl = quantize(keys.float() @ self.basis)  # the coordinates in the head's basis (L, B, H, n, rank)
+        pos = pos.masked_fill((self.per_row == 0)[None, :, None, None] | (pos < 0), -1).to(torch.int32)
+        return [qk, sk, qv, sv, ql, sl, pos, rot.to(torch.int32), score.float(), torch.zeros_like(pos)]
+
+    def priority(self, pos: torch.Tensor, score: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+        """Keep-priority of entries (L, B, H, n) fp32, lower dropped first (`DROP`); empty ones -inf (filled
+        first); stored entries past a row's capacity +inf (never filled, never dropped: the first `capacity`
+        are stored ones, the rest new). Which rule drops first is the policy's (`Recall.drop`), measured on
+        `eval recall` with the store capped (docs/policies.md)."""
+        if self.drop == "age":
+            prio = pos.float()
+        elif self.drop == "recalls":
+            prio = marks.float() * 1e6 + score  # the least recalled first; among them the lowest score
+        else:
+            prio = score
+        prio = prio.masked_fill(pos < 0, -torch.inf)
+        if self.uniform_capacity:
+            return prio
+        entry = torch.arange(prio.shape[-1], device=prio.device)
+        beyond = (entry >= self.limit[:, None, None]) & (entry < self.capacity)  # (B, 1, n)
+        return prio.masked_fill(beyond, torch.inf)
+
+    def append_step(self, keys, values, pos, rot, score) -> None:
+        """A decode step's evicted tokens, one per layer, row and head ((L, B, H, 1, D) keys and values, the rest
+        (L, B, H, 1)): written into the spare, each takes the place of its head's lowest entry, or is dropped
+        itself when lower. The spare is not cleared after: nothing reads it but the next append, which writes it
+        first (readers stop at `capacity`)."""
+        spare = self.capacity
+        for buf, x in zip(self.slot_tensors(), self._entry(keys, values, pos, rot, score), strict=True):
+            buf[:, :, :, spare : spare + 1] = x
+        prio = self.priority(self.pos, self.score, self.marks)
+        victim = evict.place(self, prio, evict.tie(self.pos.long()))  # (L, B, H, 1): whose memory is reused
+        self.drops += (self.pos.gather(3, victim) >= 0).squeeze(-1)
+        for buf in self.slot_tensors():
+            buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
+
+    def append_chunk(self, keys, values, pos, rot, score) -> None:
+        """A prompt chunk's evicted tokens (L, B, H, T, ...): the T lowest of the stored and the new lose; the new
+        that survive take the places freed."""
+        T = keys.shape[3]
+        if T == 0:
             return
-        for b in range(B):
-            keep = held[b].nonzero().flatten()
-            m = len(keep)
-            for t in self._entries().values():
-                t[:, b, :, :m] = t[:, b, :, keep]
-            self.pos[:, b, :, m:n] = -1
-            self.rot[:, b, :, m:n] = -1
-            self.empty[:, b, :, m:n] = True
-            self.marks[:, b, :, m:n] = 0
-        self.count = most
-        self.holes = bool(self.empty[:, :, :, :most].any())
-        self._moved()
+        new = self._entry(keys, values, pos, rot, score)
+        n = self.capacity
+        fields = {f.name: x for f, x in zip(self.fields, new, strict=True)}
+        both = {
+            name: torch.cat((getattr(self, name)[..., :n], fields[name]), dim=-1) for name in ("pos", "score", "marks")
+        }
+        prio = self.priority(both["pos"], both["score"], both["marks"])
+        target, losers = evict.pair_freed_with_survivors(prio, evict.tie(both["pos"].long(), new_from=n), n, T)
+        self.drops += (both["pos"].gather(-1, losers) >= 0).sum(-1)
+        for buf, x in zip(self.slot_tensors(), new, strict=True):
+            buf.scatter_(3, per_slot(target, buf), x.to(buf.dtype))
+        self.clear_spare()
+
+    def mark(self, picked: torch.Tensor) -> None:
+        """Count the entries a step recalled, (L, B, H, k) indices (`take_counts`)."""
+        self.marks.scatter_add_(3, picked, torch.ones_like(picked, dtype=self.marks.dtype))
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def keys_at(self, i: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Layer i's keys at entries `index` (B, H, n) -> (B, H, n, D) in `dtype`."""
+        k = self.keys[i].gather(2, per_slot(index, self.keys[i]))
+        return dequantize(k, self.kscale[i].gather(2, index[..., None]), dtype)
+
+    def values_at(self, i: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Layer i's values at entries `index` (B, H, n) -> (B, H, n, Dv) in `dtype`."""
+        v = self.values[i].gather(2, per_slot(index, self.values[i]))
+        return dequantize(v, self.vscale[i].gather(2, index[..., None]), dtype)
+
+    def tokens(self) -> torch.Tensor:
+        """(B,) entries held per row (the mean over layers and heads)."""
+        return (self.pos[..., : self.capacity] >= 0).float().sum(-1).mean(dim=(0, 2))
+
+    def dropped(self) -> torch.Tensor:
+        """(B,) entries dropped per row (the mean over layers and heads): evicted tokens that can never return."""
+        return self.drops.float().mean(dim=(0, 2))
+
+    # -- outside any step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def fit(self, rows: list[int], slots) -> None:
+        """Fit the basis of `rows` -- per layer and KV head, the top eigenvectors of the uncentred second moment
+        of the row's held keys (in `slots`) and stored keys -- and write every stored key's coordinates in it. In
+        place (a captured step keeps reading the same memory); one layer at a time."""
+        r = self.low.shape[-1]
+        index = torch.tensor(rows, device=self.keys.device)
+        n = slots.capacity
+        for i in range(self.keys.shape[0]):
+            c = self.capacity
+            mine = (self.keys[i, :, :, :c].index_select(0, index), self.kscale[i, :, :, :c].index_select(0, index))
+            stored = dequantize(*mine, torch.float32)
+            stored = stored * (self.pos[i, :, :, :c].index_select(0, index) >= 0)[..., None]
+            held = slots.read("keys", (i, slice(None), slice(None), slice(0, n))).index_select(0, index).float()
+            held = held * (slots.pos[i, :, :, :n].index_select(0, index) >= 0)[..., None]
+            gram = stored.mT @ stored + held.mT @ held  # (b, H, D, D)
+            vectors = torch.linalg.eigh(gram).eigenvectors  # eigenvalues ascend
+            basis = vectors[..., -r:].contiguous()
+            self.basis[i, index] = basis
+            low, lscale = quantize(stored @ basis)
+            self.low[i, index, :, :c], self.lscale[i, index, :, :c] = low, lscale
+        for row in rows:
+            self.fitted[row] = max(1, self.evicted[row])
 
     @torch.inference_mode()
     def renumber(self, rows: list[int], held: torch.Tensor, rope) -> None:
-        """Rows `rows` just had their held tokens numbered by their order (`cache._renumber`: 0, 1, 2, ... by true
-        position, per layer and KV head; `held` (L, B, H, S) their true positions, -1 for an empty slot). Each
-        stored token of those rows is numbered where it stands among them -- the count of held tokens with a
-        smaller true position, so it shares the number of the held token after it -- and its key is rotated by the
-        change (`rope.rotate_by`). A recalled token is then as far from the query as the held tokens between
-        them, as a held one is. The coordinates of the rotated keys are fitted again (their first pass's basis)."""
-        n, (L, B, _) = self.count, self.shape
-        if n == 0:
-            return
-        selected = torch.zeros(B, dtype=torch.bool)
-        selected[torch.as_tensor(rows)] = True
-        chosen = selected[:, None, None]  # (rows that do not recall store nothing: their positions are -1)
+        """Rows `rows` just had their held tokens numbered by their order (`positions.Numbering.renumber`;
+        `held` (L, B, H, S) their true positions, -1 for an empty slot). Each stored token of those rows is
+        numbered where it stands among them -- the count of held tokens with a smaller true position -- and its
+        key rotated by the change. Their coordinates are fitted again at the next forward."""
+        selected = torch.zeros(self.batch, dtype=torch.bool, device=self.pos.device)
+        selected[torch.as_tensor(rows, device=self.pos.device)] = True
+        chosen = selected[:, None, None]
         big = torch.iinfo(torch.long).max
-        step = max(1, (1 << 22) // max(1, B * self.shape[2] * self.D))  # entries rotated at once (a few 16 MB)
-        for i in range(L):
-            order = torch.where(held[i] >= 0, held[i], big).sort(-1).values.to(self.device)  # (B, H, S)
-            for c0 in range(0, n, step):
-                pos, rot = self.pos[i, :, :, c0 : c0 + step], self.rot[i, :, :, c0 : c0 + step]
-                rank = torch.searchsorted(order, pos.contiguous()).to(rot.dtype)
-                change = torch.where(chosen & (pos >= 0), rank - rot, 0)
-                keys = self.keys[i, :, :, c0 : c0 + step]
-                keys.copy_(rope.rotate_by(keys, change))
-                rot.copy_(torch.where(chosen & (pos >= 0), rank, rot))
-        self.renumbers += 1
-        self._moved()  # (the thresholds the C ranking's first passes left are for the old keys)
-        self.ranking.renumbered(selected)
-
-    def rows(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (in that order)."""
-        index = index.to(self.device)
-        for name, t in self._buffers().items():
-            setattr(self, name, t.index_select(1, index))
-        self.recalled, self.row_tokens = self.recalled.index_select(0, index), self.row_tokens.index_select(0, index)
-        self.shape = (self.shape[0], len(index), self.shape[2])
-        self._moved()
-        self.ranking.rows(index)
-
-    # -- reading ------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def recall(self, i: int, query: torch.Tensor, real: torch.Tensor | None = None) -> Recalled | None:
-        """Layer i's queries (B, Hq, T, D) -> what they bring back (`Recalled`), on the query's device; None when
-        nothing is stored yet. A decode step (T = 1) recalls what its query attends to most; a prompt chunk
-        recalls once for all its real queries (`real` (B, T)): the stored tokens with the largest logit under
-        any of them (`recall_rank`)."""
-        if self.count == 0 or self.ranking.select == 0:
-            return None
-        if real is None and query.shape[2] == 1:
-            return self.ranking.step(i, query)
-        return self.ranking.chunk(i, query, real)
-
-    def values_at(self, i: int, flat: torch.Tensor) -> torch.Tensor:
-        """Layer i's stored values at flat indices (B H R,) -> (B, H, R, Dv) in the store's dtype."""
-        _, B, H = self.shape
-        values = self.values[i].view(-1, self.Dv).index_select(0, flat).view(B, H, -1, self.Dv)
-        if self.quant:
-            scale = self.vscale[i].view(-1, 1).index_select(0, flat).view(B, H, -1, 1)
-            values = dequantize(values, scale, self.dtype)
-        return values
+        n = self.capacity
+        for i in range(self.keys.shape[0]):
+            order = torch.where(held[i] >= 0, held[i], big).sort(-1).values  # (B, H, S)
+            pos, rot = self.pos[i, :, :, :n].long(), self.rot[i, :, :, :n]
+            rank = torch.searchsorted(order, pos.contiguous())
+            move = chosen & (pos >= 0)
+            change = torch.where(move, rank - rot.long(), 0)
+            keys = dequantize(self.keys[i, :, :, :n], self.kscale[i, :, :, :n], torch.float32)
+            self.keys[i, :, :, :n], self.kscale[i, :, :, :n] = quantize(rope.rotate_by(keys, change))
+            rot.copy_(torch.where(move, rank, rot.long()).to(rot.dtype))
+        for r in rows:
+            self.fitted[r] = 0  # the rotated keys' coordinates: fitted again before the next forward
 
     @torch.inference_mode()
     def take_counts(self) -> torch.Tensor:
         """How often each true position was recalled (by any layer, head and step) since the last call, per row:
         (B, positions) float over [0, max position recalled] (empty when nothing was); the counts are reset."""
-        counts = self.marks.masked_fill(self.pos < 0, 0)
+        n = self.capacity
+        counts = self.marks[..., :n].masked_fill(self.pos[..., :n] < 0, 0).cpu()
+        pos = self.pos[..., :n].cpu().long()
         self.marks.zero_()
         hit = counts > 0
         if not bool(hit.any()):
-            return torch.zeros(self.shape[1], 0)
-        out = torch.zeros(self.shape[1], int(self.pos[hit].max()) + 1)
-        rows = torch.arange(self.shape[1])[None, :, None, None].expand_as(counts)
-        out.index_put_((rows[hit], self.pos[hit]), counts[hit].float(), accumulate=True)
+            return torch.zeros(self.batch, 0)
+        out = torch.zeros(self.batch, int(pos[hit].max()) + 1)
+        rows = torch.arange(self.batch)[None, :, None, None].expand_as(counts)
+        out.index_put_((rows[hit], pos[hit]), counts[hit].float(), accumulate=True)
         return out
