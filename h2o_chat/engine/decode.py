@@ -47,22 +47,15 @@ _WARMUP = 2  # eager steps before a capture (lazy CUDA initialisation must not h
 Progress = Callable[[int, int], None] | None
 
 
-# tokens one generation may decode from which `auto` compiles a CPU step (`decode_for`): the compilation costs
-# ~11 s at a later start on a machine (~45 s the first time) and a compiled step saves ~13 ms of ~25 (the
-# embedded model, 2-core Xeon: docs/results/cpu.md), so it is repaid from ~800 tokens
-LONG_GENERATION = 1000
-
-
 def resolve_decode(mode: str, device: torch.device) -> str:
-    """auto -> graph on CUDA; on CPU eager, or what `H2O_CHAT_DECODE` says (compile: see `compiled.py` for why
-    it is not the default: a start pays its compilation, which a short reply does not repay; `decode_for`
-    compiles for a long generation); an explicit mode must be possible on this device."""
+    """auto -> graph on CUDA; on CPU compile (the step compiled ahead of time: `compiled.py`), unless no
+    compiler is at hand or `H2O_CHAT_DECODE` says eager; an explicit mode must be possible on this device."""
     if mode not in DECODE_MODES:
         raise ConfigError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
     if mode == "auto":
         if device.type == "cuda":
             return "graph"
-        mode = os.environ.get("H2O_CHAT_DECODE") or "eager"
+        mode = os.environ.get("H2O_CHAT_DECODE") or "compile"
         if mode not in ("eager", "compile"):
             raise ConfigError(f"H2O_CHAT_DECODE must be eager or compile, got {mode!r}")
         return "eager" if mode == "compile" and compiled.unavailable() else mode
@@ -73,15 +66,6 @@ def resolve_decode(mode: str, device: torch.device) -> str:
     if mode == "compile" and (why := compiled.unavailable()):
         raise ConfigError(f"--decode compile is not possible here: {why}; use eager")
     return mode
-
-
-def decode_for(mode: str, device: torch.device, new_tokens: int) -> str:
-    """--decode for a run that may decode `new_tokens` in one generation (piped text, a batch's lines): `auto`
-    on a CPU compiles the step for a long one (`LONG_GENERATION`) where a compiler is at hand and
-    `H2O_CHAT_DECODE` does not decide; otherwise `mode` as given (`resolve_decode` resolves it)."""
-    if mode != "auto" or device.type != "cpu" or os.environ.get("H2O_CHAT_DECODE"):
-        return mode
-    return "compile" if new_tokens >= LONG_GENERATION and compiled.unavailable() is None else mode
 
 
 class PrefillInterrupted(KeyboardInterrupt):
@@ -143,6 +127,10 @@ class Engine:
         self._cache_kw = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.mode = resolve_decode(decode, self.device)
+        # `auto` never waits for a compilation: until the package of a step's kind is ready the step runs eagerly
+        # and `builder` (the app's: a build in another process) prepares it; an explicit `compile` builds it now
+        self.waits = decode == "compile"
+        self.builder: Callable[[compiled.StepKind], None] | None = None
         self.vocab = model.config.get_text_config().vocab_size
         cache.host_managed = True
         self.sampler: RowSampler | None = None  # None: greedy (argmax), e.g. for evaluation
@@ -161,6 +149,7 @@ class Engine:
         # queue step t+1 before reading token t back (on CUDA the host then never waits for the device)
         self.lookahead = self.device.type == "cuda"
         self.on_setup: Callable[[str], None] | None = None  # told before a capture starts
+        self._asked: set = set()  # step kinds the builder was asked for
 
     # -- description ------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -168,6 +157,8 @@ class Engine:
         what = {"graph": ("CUDA graph", "captured"), "compile": ("compiled", "compiled")}.get(self.mode)
         if what is None:
             return "eager"
+        if self.mode == "compile" and self._program is None and self._asked:
+            return "eager (the compiled step is being built)"
         if self.captures:
             return f"{what[0]} ({self.captures} {what[1]}, {self.setup_seconds:.1f} s)"
         return what[0]
@@ -275,7 +266,7 @@ class Engine:
         cache = self.cache
         positions = cache.begin("step")
         if self._program is not None:
-            logits, tokens, *cache.forward.kept = self._program(self._tokens, positions)
+            logits, tokens, *cache.forward.kept = self._program(self._tokens, positions, cache, self.sampler)
         else:
             logits, tokens = self._produce(self._tokens, positions)
         cache.end()  # new tokens into their slots, eviction for every layer, rows advance
@@ -288,29 +279,25 @@ class Engine:
         tokens = self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
         return logits, tokens
 
-    def _compiled_body(self, tokens: torch.Tensor, positions: torch.Tensor):
-        logits, tokens = self._produce(tokens, positions)
-        return logits, tokens, *self.cache.forward.take()
-
     def _compile_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A compiled step: built (or loaded from inductor's cache) at its first call after the step changed."""
-        if self._program is not None:
+        """A compiled step: the package for this step's kind, loaded (or built) when the step changed; while it
+        is not ready and the engine does not wait, an eager step (the builder asked once per kind)."""
+        if self._program is None and not self.waits and not compiled.ready(self.model, self.cache, self.sampler):
+            kind = compiled.StepKind.of(self.cache, self.sampler)
+            if kind not in self._asked:
+                self._asked.add(kind)
+                if self.builder is not None:
+                    self.builder(kind)
             return self._body()
-        if self.on_setup is not None:
-            self.on_setup(
-                "compiling the decode step for this CPU (~45 s the first time on a machine for this kind of step, "
-                "~10 s at later starts)"
-            )
-        t = time.perf_counter()
-        self._program = compiled.compile_step(self._compiled_body)
-        try:
-            out = self._body()
-        except Exception as e:  # noqa: BLE001 -- inductor's failures have many types; eager steps still work
-            self._program = None
-            return self._fall_back(e, "compiling one")
-        self.captures += 1
-        self.setup_seconds += time.perf_counter() - t
-        return out
+        if self._program is None:
+            t = time.perf_counter()
+            try:
+                self._program = compiled.program(self.model, self.cache, self.sampler, self._cache_kw, self.on_setup)
+            except Exception as e:  # noqa: BLE001 -- export's and inductor's failures have many types
+                return self._fall_back(e, "compiling one")
+            self.captures += 1
+            self.setup_seconds += time.perf_counter() - t
+        return self._body()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,11 +317,6 @@ class Engine:
         key = (cache.version, self._tokens.shape[0], sampler and sampler.serial, sampler and sampler.shape_key)
         if key != self._key:
             self._key, self._warmups, self._graph, self._out, self._program = key, 0, None, None, None
-        if self.mode != "eager" and cache.store is not None:  # its size changes every step: not capturable
-            self.cache.notices.append(
-                "decode steps run eagerly: the recall policy ranks its store natively and it grows every step"
-            )
-            self.mode, self._graph = "eager", None
         if self.mode == "eager":
             return self._body()
         if self.mode == "compile":

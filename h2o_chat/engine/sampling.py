@@ -14,6 +14,7 @@ argmax(p / E) with E ~ Exp(1) draws from p.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
@@ -131,14 +132,16 @@ class RowSampler:
     ):
         B = len(temperatures)
         top_k, min_p = top_k or [0] * B, min_p or [0.0] * B
-        self.device, self.vocab, self.top_p = device, vocab, top_p
+        self.device, self.vocab = device, vocab
+        self.top_p = torch.full((B,), float(top_p), device=device)  # (B,): a tensor, so a compiled step reads it
         self.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)  # (B,)
         self.penalty = torch.tensor(penalties, dtype=torch.float32, device=device)  # (B,)
         self.hot = any(t > 0 for t in temperatures)  # host-known: does any row sample?
         self.penalized = any(p != 1.0 for p in penalties)
         # host-known too: whether candidates are cut to the most likely ones, and how many a step ranks (top-p
         # and min-p look at NUCLEUS_CAP, top-k at its k); a row without top-k keeps them all (k = the cut)
-        self.filtered = top_p < 1.0 or any(top_k) or any(min_p)
+        self.nucleus = top_p < 1.0  # host-known: whether top-p cuts
+        self.filtered = self.nucleus or any(top_k) or any(min_p)
         self.cut = min(vocab, max(NUCLEUS_CAP, *top_k))
         self.top_k = torch.tensor([k or self.cut for k in top_k], dtype=torch.long, device=device)  # (B,)
         self.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)  # (B,)
@@ -158,11 +161,21 @@ class RowSampler:
         mark_static(*self._state())
         self.serial = next(_serials)
 
+    STATE = ("temperature", "penalty", "top_p", "top_k", "min_p", "recent", "draws", "seeds", "ids", "rank")
+
     def _state(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.temperature, self.penalty, self.top_k, self.min_p, self.recent, self.draws, self.seeds, self.ids,
-            self.rank,
-        )  # fmt: skip
+        return tuple(getattr(self, name) for name in self.STATE)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a draw reads, by name (a compiled step's inputs)."""
+        return {name: getattr(self, name) for name in self.STATE}
+
+    def with_tensors(self, replaced: dict[str, torch.Tensor]) -> RowSampler:
+        """The same sampler reading `replaced` tensors instead (a traced step reads its inputs through it)."""
+        other = copy.copy(self)
+        for name, t in replaced.items():
+            setattr(other, name, t)
+        return other
 
     def _next_seed(self) -> int:
         """The seed of the next row to start a prompt: the given seed, or the next of a sequence from the random
@@ -173,7 +186,7 @@ class RowSampler:
     @property
     def shape_key(self) -> tuple:
         """What decides which operations a step runs: samplers with equal keys can share a captured step."""
-        return (self.batch, self.hot, self.penalized, self.top_p, self.filtered, self.cut)
+        return (self.batch, self.hot, self.penalized, self.nucleus, self.filtered, self.cut)
 
     def load(self, other: RowSampler) -> None:
         """Become `other` in place (same shape key): a captured step keeps reading these tensors."""
@@ -216,7 +229,7 @@ class RowSampler:
     def select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device)
         self.temperature, self.penalty = self.temperature[index], self.penalty[index]
-        self.top_k, self.min_p = self.top_k[index], self.min_p[index]
+        self.top_p, self.top_k, self.min_p = self.top_p[index], self.top_k[index], self.min_p[index]
         self.recent, self.draws, self.seeds = self.recent[index], self.draws[index], self.seeds[index]
         self._static()
 
@@ -262,11 +275,11 @@ class RowSampler:
             return (probs / self._exponential(self.ids[None, :])).argmax(dim=-1)
         # candidates among the `cut` most likely tokens (a full sort of the vocabulary costs more than the rest
         # of sampling; llama.cpp and ollama cut to 40 before top-p); each filter masks, no shape depends on it
-        top, ids = probs.topk(self.cut, dim=-1)  # (B, cut), descending
+        top, ids = probs.topk(self.rank.shape[0], dim=-1)  # (B, cut), descending (a compiled step: symbolic)
         outside = self.rank[None, :] >= self.top_k[:, None]  # top-k (a row without it keeps the cut)
         outside |= top < self.min_p[:, None] * top[:, :1]  # min-p: relative to the most likely token
-        if self.top_p < 1.0:
-            outside |= top.cumsum(-1) - top >= self.top_p  # the smallest set whose mass reaches top_p
+        if self.nucleus:
+            outside |= top.cumsum(-1) - top >= self.top_p[:, None]  # the smallest set whose mass reaches top_p
         race = (top / self._exponential(ids)).masked_fill(outside, -1.0)
         return ids.gather(-1, race.argmax(dim=-1, keepdim=True)).squeeze(-1)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.engine import native
 from h2o_chat.engine.attention import prepare_model
 from h2o_chat.errors import DeviceError, ModelNotFoundError
 from h2o_chat.files import user_cache_dir, writable_cache_dir
@@ -339,10 +338,11 @@ def load(
     kv_tokens: int | None = None,
     kv_rows: int = 1,
     kv_quant: str = "none",
+    store_tokens: int = 0,
 ) -> Loaded:
     """Load model and tokenizer, with attention routed through h2o-chat. First check that the weights plus a
-    cache of `kv_tokens` for each of `kv_rows` rows fit in free GPU memory, or on CPU in the machine's
-    available memory (else say what would)."""
+    cache of `kv_tokens` for each of `kv_rows` rows (and recall's store of `store_tokens` evicted tokens per row)
+    fit in free GPU memory, or on CPU in the machine's available memory (else say what would)."""
     _quiet_transformers()
     dev, torch_dtype, quant = resolve_settings(spec, device, dtype, quantize)
     location = weights_location(spec, download, status)
@@ -356,13 +356,13 @@ def load(
         from h2o_chat.models.memory import check_fits, footprint, free_gpu_bytes
 
         context = spec.context or getattr(config.get_text_config(), "max_position_embeddings", 4096)
-        fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
+        fp = dataclasses.replace(footprint(config), kv_quant=kv_quant, store_tokens=store_tokens)
         free = free_gpu_bytes(_one_gpu(dev))
         check_fits(spec.name, fp, torch_dtype, quant, kv_tokens or context, free, rows=kv_rows)
     elif kv_tokens:
         from h2o_chat.models.memory import check_fits_in_memory
 
-        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows, kv_quant, quant)
+        check_fits_in_memory(spec.name, config, torch_dtype, kv_tokens, kv_rows, kv_quant, quant, store_tokens)
 
     kwargs: dict = {"dtype": torch_dtype, "local_files_only": not download}
     if quant != "none" and dev.type == "cuda":
@@ -396,7 +396,6 @@ def load(
     check_one_device(getattr(model, "hf_device_map", None))
     model.eval()
     prepare_model(model)
-    native.prepare(status)  # recall's C ranking, if the install did not build it: not in the first reply
     warm_up(model, dev)
     if dev.type != "cuda":
         release_freed_memory()  # what loading, packing and the warm-up freed

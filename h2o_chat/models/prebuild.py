@@ -1,0 +1,108 @@
+"""Compiled CPU steps built in a process of their own: at install for the embedded model's common kinds, and
+while a chat, a piped run, a batch or the server decode eagerly until the step they need is ready.
+
+    python -m h2o_chat.models.prebuild                     the embedded model's kinds a first start uses
+    python -m h2o_chat.models.prebuild --job JOB.json      one model's kinds, as `builder_for` asks
+
+A build loads the model as the asking process did (the same spec, dtype and weights: the same package key) and
+writes the package under `compiled.cache_dir()`, whole or not at all; the asking process finds it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+# what a first start of the embedded model decodes with: a chat's and a piped reply's default sampling (hot,
+# penalized, top-p, filtered) under the default policy, and greedy rows (batch, eval, bench)
+DEFAULT_KINDS = (
+    {"quantized": False, "recalls": None, "uniform": True, "sampler": [True, True, True, True]},
+    {"quantized": False, "recalls": None, "uniform": True, "sampler": None},
+)
+
+
+def default_kinds() -> list[dict]:
+    """`DEFAULT_KINDS` with the default policy's store (a `recalls` of None means: as the default policy)."""
+    from h2o_chat.engine.policies import DEFAULT_POLICY
+
+    return [{**k, "recalls": DEFAULT_POLICY == "recall"} for k in DEFAULT_KINDS]
+
+
+def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable | None:
+    """A builder for `Engine.builder`: starts a build of the asked step kind in a process of its own (niced, its
+    output in a log beside the packages); None where the model is not on the CPU."""
+    if loaded.device.type != "cpu":
+        return None
+
+    def start(kind) -> None:
+        from h2o_chat.engine import compiled
+
+        job = {
+            "spec": dataclasses.asdict(loaded.spec),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "quantize": loaded.quantize,
+            "kinds": [dataclasses.asdict(kind)],
+        }
+        folder = compiled.cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(dir=folder, prefix=".job-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(job, f)
+        log = open(folder / "build.log", "a")  # noqa: SIM115 -- the child writes it after we return
+        subprocess.Popen(
+            [sys.executable, "-m", "h2o_chat.models.prebuild", "--job", path],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            preexec_fn=lambda: os.nice(10),
+        )  # fmt: skip
+        log.close()
+        if status is not None:
+            status(f"building the compiled decode step ({kind.describe()}) in the background; eager steps until then")
+
+    return start
+
+
+def run_job(job: dict) -> list[Path]:
+    """Load the job's model on the CPU and build each of its kinds."""
+    import torch
+
+    from h2o_chat.engine import compiled
+    from h2o_chat.models.loading import load
+    from h2o_chat.models.registry import ModelSpec
+
+    torch.set_num_threads(1)  # beside a process that decodes
+    loaded = load(ModelSpec(**job["spec"]), device="cpu", dtype=job.get("dtype"), quantize=job.get("quantize"))
+    paths = []
+    for fields in job["kinds"]:
+        sampler = fields.get("sampler")
+        kind = compiled.StepKind(**{**fields, "sampler": None if sampler is None else tuple(sampler)})
+        paths.append(compiled.build_kind(loaded.model, kind))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", help="a job file written by builder_for (deleted once read)")
+    args = parser.parse_args(argv)
+    if args.job:
+        job = json.loads(Path(args.job).read_text())
+        Path(args.job).unlink(missing_ok=True)
+    else:
+        from h2o_chat.models.registry import load_registry
+
+        spec = load_registry().resolve(None)
+        job = {"spec": dataclasses.asdict(spec), "dtype": None, "quantize": None, "kinds": default_kinds()}
+        print(f"building the compiled decode steps of {spec.name} for this CPU (a few minutes, once)", file=sys.stderr)
+    for path in run_job(job):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
