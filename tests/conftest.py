@@ -110,14 +110,17 @@ def fast_load(monkeypatch, embedded):
     """Reuse the session's embedded model instead of loading it in every invocation."""
     calls = []
 
-    def load_model(model, models_file, device, dtype, quantize, download, kv_tokens=None, kv_rows=1, kv_quant="none"):
+    def load_model(
+        model, models_file, device, dtype, quantize, download, kv_tokens=None, kv_rows=1, kv_quant="none",
+        store_tokens=0,
+    ):  # fmt: skip
         from h2o_chat.models.loading import load, resolve_settings
         from h2o_chat.models.registry import load_registry
 
         calls.append(model)
         spec = load_registry(models_file).resolve(model)
         if model is not None:  # anything else goes through the real loading and its errors
-            kv = {"kv_tokens": kv_tokens, "kv_rows": kv_rows, "kv_quant": kv_quant}
+            kv = {"kv_tokens": kv_tokens, "kv_rows": kv_rows, "kv_quant": kv_quant, "store_tokens": store_tokens}
             return load(spec, device, dtype, quantize, download=download, **kv)
         resolve_settings(spec, device, dtype, quantize)
         return embedded

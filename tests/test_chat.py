@@ -127,30 +127,43 @@ def test_cache_carries_over_between_turns(embedded, tmp_path):
     assert second_user.role == "user" and second_user.end - second_user.start < 25
 
 
-def test_a_long_chat_on_cpu_compiles_its_step_once_its_replies_have_run_long(embedded, monkeypatch):
-    """--decode auto: a chat's first replies decode eagerly (a compilation would cost more than they take); once
-    its replies have run `LONG_GENERATION` tokens, the next turn compiles the step (here: the step's body, run
-    as the program, so that the suite compiles nothing). recall's step stays eager."""
-    from h2o_chat.engine import compiled, decode
+def test_a_chat_on_cpu_runs_the_compiled_step_from_the_first_reply_it_is_ready_for(embedded, monkeypatch):
+    """--decode auto on a CPU: a chat runs the compiled step from its first decode step when the step's package is
+    on disk (the install builds the default kinds); a kind not built yet is asked of the builder (a process of its
+    own) once, and its replies decode eagerly until it is there, then compiled -- the same tokens either way.
+    (The program here is the exported module run as it is, so that the suite compiles nothing.)"""
+    from h2o_chat.engine import compiled
 
     monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
-    monkeypatch.setattr(decode, "LONG_GENERATION", 12)
-    monkeypatch.setattr(compiled, "compile_step", lambda body: body)
-    for policy in ("h2o", "recall"):
-        settings = ChatSettings(max_new_tokens=8, sampler=Sampler(0), stop=())
-        conv = Conversation(embedded, make_policy(policy, 512), settings)
-        modes = []
-        for text in ("Count from one to twenty.", "Go on.", "Again, please."):
-            before = conv.replied
-            replies = list(conv.send(text))
-            modes.append((before, conv.engine.mode))
-            assert replies and conv.replied == before + len(replies)
-        if policy == "recall":
-            assert all(mode == "eager" for _, mode in modes), modes
-            continue
-        assert all((mode == "compile") == (before >= 12) for before, mode in modes), modes
-        assert modes[0][1] == "eager" and modes[-1][1] == "compile", modes
-        assert conv.engine.captures == 1  # compiled once, at the first step of the turn that switched
+    built = {"now": False}
+    monkeypatch.setattr(compiled, "ready", lambda *a: built["now"])
+
+    class Eagerly:
+        def __init__(self, model, cache, sampler, keyword, status=None):
+            self.model, self.keyword = model, keyword
+
+        def __call__(self, tokens, positions, cache, sampler):
+            step = compiled.StepModule(self.model, cache, sampler, self.keyword)
+            return step(tokens, positions, *compiled.state_of(cache, sampler))
+
+    monkeypatch.setattr(compiled, "program", Eagerly)
+    texts = ("Count from one to twenty.", "Go on.", "Again, please.")
+    replies = {}
+    for mode in ("eager", "auto"):
+        settings = ChatSettings(max_new_tokens=8, sampler=Sampler(0.7, seed=5), stop=(), decode=mode)
+        conv = Conversation(embedded, make_policy("recall", 64), settings)
+        asked, modes = [], []
+        conv.engine.builder = asked.append
+        out = []
+        for i, text in enumerate(texts):
+            built["now"] = i > 0  # the build finishes during the first reply
+            out.append(list(conv.send(text)))
+            modes.append(conv.engine.describe())
+        replies[mode] = out
+        if mode == "auto":
+            assert asked == [compiled.StepKind(recalls=True, sampler=(True, True, True, True))], asked
+            assert modes[0] == "eager (the compiled step is being built)" and modes[2].startswith("compiled"), modes
+    assert replies["auto"] == replies["eager"]
 
 
 def test_second_turn_feeds_only_the_template_tail(embedded):
@@ -252,21 +265,17 @@ def test_a_recall_chat_says_at_most_one_note_a_turn(embedded, tmp_path):
     assert len(per_turn) == 6 and max(per_turn) <= 1, out
 
 
-def test_the_panel_shows_what_the_recall_store_holds_not_what_it_reserved(embedded, tmp_path):
-    """Issue 38.6: 'evicted tokens kept for recall 49.3 MB' after 29 evicted tokens was the store's reserved space;
-    the panel shows the entries stored times the bytes of one entry."""
-    from h2o_chat.engine.store import entry_bytes
-
+def test_the_panel_shows_what_the_recall_store_holds_and_what_it_dropped(embedded, tmp_path):
+    """The store is allocated once: the panel gives its bytes as allocated, the evicted tokens it holds of its
+    capacity and how many it dropped (none until it is full)."""
     chat = session(embedded, tmp_path, max_new_tokens=12, panel=True, terminal=True, width=220)
-    chat.conv.set_policy(make_policy("recall", 40))
+    chat.conv.set_policy(make_policy("recall", 40, store=64))
     out = plain(drive(chat, tmp_path, "My name is Ada and I live in Paris.\rTell me about oceans.\r/exit\r"))
-    store, reserved = chat.conv.cache.store, chat.conv.cache.stats().store_bytes
-    L, B, H = store.shape
-    one = entry_bytes(L, B, H, store.D, store.Dv, store.keys.element_size(), store.block, rank_dim=store.rank_dim)
-    held = chat.conv.stats().store_bytes
-    assert store.count and abs(held - store.count * one) <= 0.25 * store.count * one, (held, store.count * one)
-    assert held < reserved
-    assert f"{ui.human_bytes(held)} kept for recall" in " ".join(out.replace("│", " ").split())
+    stats = chat.conv.stats()
+    assert stats.store_bytes == chat.conv.cache.store.nbytes() and stats.store_capacity == 64
+    assert 0 < stats.store_tokens <= 64 and stats.store_dropped == max(0, stats.evicted - 64)
+    flat = " ".join(out.replace("│", " ").split())
+    assert f"kept for recall {ui.describe_store(stats)}" in flat
 
 
 def test_undo_takes_back_the_last_exchange_and_the_cache_goes_back(embedded, tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from h2o_chat.models.memory import ModelShape, cache_storage_bytes, decode_bytes
 
 
 def _measured_and_estimated(
-    policy: str, rows: int, length: int, chunk: int, count_recall: bool = True, kv_quant: str = "none"
+    policy: str, rows: int, length: int, chunk: int, count_recall: bool = True, kv_quant: str = "none", store=None
 ):
     model = tiny_model("llama", seed=30, layers=3)
     shape = ModelShape.of(model.config)
@@ -29,13 +29,14 @@ def _measured_and_estimated(
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(1, 256, (length - 37 * r,), generator=g).tolist() for r in range(rows)]
     ids, mask = left_pad(prompts, 0)
-    pol = make_policy(policy, budget) if policy != "full" else make_policy("full")
+    knobs = {"store": store} if store else {}
+    pol = make_policy(policy, budget, **knobs) if policy != "full" else make_policy("full")
     cache = H2OCache.for_model(model, pol, kv_quant=kv_quant)
     cache.reserve(length)
     measured = cpu_peak_bytes(lambda: Engine(model, cache, "eager").prefill(ids, mask, chunk_size=chunk))
     mass = policy in ("h2o", "snap", "recall")  # the policies that rank by attention compute its mass too
     snap = policy in ("snap", "recall")
-    recall = dict(recall=2 * pol.recalled, stored=length) if policy == "recall" and count_recall else {}
+    recall = dict(recall=2 * pol.recalled, stored=pol.store) if policy == "recall" and count_recall else {}
     capacity = cache.slots.capacity  # recall holds budget - recalled slots
     estimate = prefill_bytes(shape, 4, rows, capacity, chunk, snap=snap, window=12, mass=mass, **recall)
     return measured, estimate
@@ -95,6 +96,9 @@ def test_the_footprint_is_the_storage_the_cache_allocates(policy, dtype, kv_quan
     capacity = cache.slots.capacity
     allocated = sum(t.numel() * t.element_size() for t in (*cache.slots.slot_tensors(), *cache.slots.row_tensors()))
     assert fp.kv_bytes(capacity, dtype, rows) == allocated == cache.storage_bytes() == cache.stats().kv_bytes
+    if policy == "recall":  # its store, allocated beside the slots, counted by the same footprint
+        stored = dataclasses.replace(fp, store_tokens=pol.store).kv_bytes(capacity, dtype, rows)
+        assert stored - allocated == cache.store.nbytes() == cache.stats().store_bytes > 0
     shape = dataclasses.replace(ModelShape.of(model.config), kv_quant=kv_quant)
     elem = torch.empty(0, dtype=dtype).element_size()
     assert cache_storage_bytes(shape, elem, rows, capacity) == allocated
@@ -103,11 +107,11 @@ def test_the_footprint_is_the_storage_the_cache_allocates(policy, dtype, kv_quan
 
 
 def test_the_prefill_estimate_counts_what_recall_keeps_and_brings_back():
-    # on CPU the recall policy's store of evicted tokens is in the same memory, and grows with the prompt; a
-    # chunk's recalled tokens, per-head masks and ranking logits come on top: leaving them out underestimates
-    measured, estimate = _measured_and_estimated("recall", 1, 2000, 64)
+    # the recall policy's store is allocated beside the slots, in the same memory; a chunk's recalled tokens,
+    # per-head masks and ranking transients come on top: leaving them out underestimates
+    measured, estimate = _measured_and_estimated("recall", 1, 2000, 64, store=8192)
     assert measured <= estimate < 4 * measured, (measured, estimate)
-    measured, without = _measured_and_estimated("recall", 1, 2000, 64, count_recall=False)
+    measured, without = _measured_and_estimated("recall", 1, 2000, 64, count_recall=False, store=8192)
     assert without < measured / 2, (measured, without)
 
 
@@ -134,21 +138,23 @@ def test_a_prompt_that_does_not_fit_is_read_in_smaller_chunks_or_refused():
         fitting_chunk(shape, 4, 1, 64, 512, available=1000)
 
 
-def test_a_recall_prompt_is_sized_with_its_store_on_cpu(monkeypatch):
-    """prefill_chunk counts the recall policy's store and chunk recall where they share the device's memory:
-    memory enough for snap's reading of a long prompt is not enough for recall's."""
+def test_a_recall_prompt_is_sized_with_its_store(monkeypatch):
+    """prefill_chunk counts the recall policy's store (allocated beside the slots, on their device) and chunk
+    recall: memory enough for snap's reading of a prompt is not enough for recall's with a large store, and the
+    refusal says which settings to lower."""
     from h2o_chat.models import memory
 
     model = tiny_model("llama", seed=33, layers=3)
     shape = ModelShape.of(model.config)
-    snap, recall = (H2OCache.for_model(model, make_policy(p, 48)) for p in ("snap", "recall"))
+    snap = H2OCache.for_model(model, make_policy("snap", 48))
+    large = H2OCache.for_model(model, make_policy("recall", 48, store=1 << 16))
+    small = H2OCache.for_model(model, make_policy("recall", 48, store=64))
     room = int(2 * memory.OVERHEAD * prefill_bytes(shape, 4, 1, 48, 512, snap=True))
     monkeypatch.setattr(memory, "available_bytes", lambda device: room)
-    assert memory.prefill_chunk(model, snap, 1, 20_000, 512) == (512, None)
-    with pytest.raises(DeviceError, match="lower --budget"):
-        memory.prefill_chunk(model, recall, 1, 20_000, 512)  # its store alone would outgrow the room
-    chunk, note = memory.prefill_chunk(model, recall, 1, 300, 512)
-    assert chunk == 512 and note is None  # a short prompt's store fits
+    assert memory.prefill_chunk(model, snap, 1, 2_000, 512) == (512, None)
+    with pytest.raises(DeviceError, match="--recall-memory"):
+        memory.prefill_chunk(model, large, 1, 2_000, 512)  # its store alone would outgrow the room
+    assert memory.prefill_chunk(model, small, 1, 2_000, 512)[0] >= 256
 
 
 def test_the_measured_peak_is_not_lowered_by_earlier_garbage_freed_inside_it():

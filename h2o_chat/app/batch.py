@@ -20,7 +20,7 @@ import torch
 from h2o_chat.app.batch_output import appending, finished_ids
 from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, decode_for, left_pad
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
@@ -29,6 +29,7 @@ from h2o_chat.errors import ConfigError, H2OChatError, InputError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
+from h2o_chat.models.prebuild import builder_for
 
 MAX_INPUT_BYTES = 2**30  # a batch file: one read, every line tokenized before generation starts
 SKIPPED_EXIT = 4  # every valid row ran, but some lines were skipped (3 is out of memory)
@@ -208,8 +209,8 @@ def generate_batch(
     R = min(rows, len(items))
     cache = H2OCache.for_model(model, policy, positions, loaded.context, kv_quant=kv_quant)
     cache.reserve(max(len(it.ids) for it in items) + max(it.max_new_tokens for it in items))  # a full cache, once
-    steps = sum(it.max_new_tokens for it in items) // R  # at most: rows decode side by side
-    engine = Engine(model, cache, decode_for(decode, loaded.device, steps))
+    engine = Engine(model, cache, decode)
+    engine.builder = builder_for(loaded)
     # the sampler's shape (which operations a step runs) must serve every item, not only the first rows
     engine.set_sampler(Sampler(top_p=top_p, seed=seed), len(items), **_sampling(items, lists=True))
     engine.sampler.select_rows(torch.arange(R))

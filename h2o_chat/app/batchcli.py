@@ -20,6 +20,7 @@ from h2o_chat.app.options import (
     grouped,
     reported,
     status,
+    store_of,
 )
 
 
@@ -60,13 +61,15 @@ def batch_command(
             raise InputError(f"input file not found: {input_path}")
         check_output(output, input_path)
         budget = cache.tokens(models, rows=batch_size)  # a memory or a share: the tokens it comes to, per row
-        cache.build(knobs, budget)  # fail before loading weights
+        store = cache.store_tokens(models, budget, rows=batch_size)
+        default = cache.build(knobs, budget, store)  # fail before loading weights
         done = finished_ids(output, note=status)  # batch's own output, or refused untouched: before loading
-        loaded = models.load(kv_tokens=budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
+        kv = {"kv_rows": batch_size, "kv_quant": cache.kv_quant, "store_tokens": store_of(default)}
+        loaded = models.load(kv_tokens=budget, **kv)
 
         def policy_for(line_budget: int | None):
             """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
-            policy = cache.build(knobs, line_budget)
+            policy = cache.build(knobs, line_budget, store)
             if policy.budget is not None and policy.budget != budget:  # the default one was checked above
                 loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)
             return policy

@@ -74,7 +74,8 @@ def bench_command(
         str | None,
         typer.Option(
             help="Comma-separated: dynamic (transformers DynamicCache), static (StaticCache), static-compiled "
-            "(StaticCache + torch.compile), full, h2o, h2o-compiled (the CPU's compiled step), h2o-rolling "
+            "(StaticCache + torch.compile), full, h2o, h2o-compiled, snap-compiled, recall-compiled (the CPU's "
+            "compiled step), h2o-rolling "
             "(positions renumbered), h2o-nobound (budget above every length), snap, recall; h2o-8bit, snap-8bit, "
             "recall-8bit (keys and values held in int8); llama.cpp (the same GGUF in llama.cpp). Default: dynamic, "
             "full, h2o, h2o-nobound, plus static-compiled on CUDA, llama.cpp on CPU for a GGUF model (when "

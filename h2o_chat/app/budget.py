@@ -112,3 +112,48 @@ class BudgetText:
     @property
     def head(self) -> str:
         return f"{self.flag} {self.text.strip()}"
+
+
+@dataclass(frozen=True)
+class StoreText:
+    """--recall-memory as typed: exactly one of tokens, memory (bytes) or times (a multiple of the budget)."""
+
+    text: str
+    tokens: int | None = None
+    memory: int | None = None
+    times: float | None = None
+
+    FLAG = "--recall-memory"
+
+    @classmethod
+    def parse(cls, text: str) -> StoreText:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*[xX]\s*", text)
+        if m:
+            times = float(m.group(1))
+            if times <= 0:
+                raise ConfigError(f"{cls.FLAG} {text.strip()}: a multiple of the budget must be above 0")
+            return cls(text, times=times)
+        if re.fullmatch(r"\s*\d+\s*", text):
+            return cls(text, tokens=int(text))
+        try:
+            return cls(text, memory=parse_size(cls.FLAG, text))
+        except H2OChatError:
+            raise ConfigError(
+                f"{cls.FLAG} takes a memory (64MB), evicted tokens per layer and head (4096) or a multiple of the "
+                f"budget (8x), got {text!r}"
+            ) from None
+
+    def resolve(self, budget: int, sizes: Callable[[], tuple[int, int]], rows: int = 1) -> tuple[int, str | None]:
+        """Tokens per row, layer and head for a budget of `budget`, and a line saying how a memory became that
+        many (None otherwise). `sizes`: the bytes an evicted token takes in the store per row, and the store's
+        fixed bytes per row (its basis, its spare entry): a memory holds the store whole."""
+        if self.tokens is not None:
+            return self.tokens, None
+        if self.times is not None:
+            return max(1, round(self.times * budget)), None
+        each, fixed = sizes()
+        tokens = (self.memory - fixed * rows) // (each * rows)
+        if tokens < 1:
+            raise ConfigError(f"{self.FLAG} {self.text.strip()} holds no token: one takes {each * rows:,} bytes")
+        head = f"{self.FLAG} {self.text.strip()}"
+        return tokens, f"{head}: {tokens:,} evicted tokens kept for recall ({each:,} bytes a token)"

@@ -20,6 +20,7 @@ from h2o_chat.app.options import (
     guard_stdout,
     reported,
     stdout_failed,
+    store_of,
 )
 from h2o_chat.errors import StdoutError
 from h2o_chat.models.registry import load_registry
@@ -165,7 +166,8 @@ def main_command(
             from h2o_chat.errors import InputError
 
             raise InputError("--stop needs some text to stop at")
-        policy = cache.build(knobs, cache.tokens(models))  # a memory or a share: the tokens it comes to
+        budget = cache.tokens(models)  # a memory or a share: the tokens it comes to
+        policy = cache.build(knobs, budget, cache.store_tokens(models, budget))
         if argument is not None and not argument.strip():
             from h2o_chat.errors import InputError
 
@@ -205,7 +207,7 @@ def main_command(
             json=json_out,
             raw=raw,
         )
-        loaded = models.load(kv_tokens=policy.budget, kv_quant=cache.kv_quant)
+        loaded = models.load(kv_tokens=policy.budget, kv_quant=cache.kv_quant, store_tokens=store_of(policy))
         if interactive:
             from h2o_chat.app.chat import run_interactive
 

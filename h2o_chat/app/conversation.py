@@ -25,7 +25,7 @@ from h2o_chat.app.messages import (
     write_conversation,
 )
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress, decode_for
+from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.snap import columns_read
@@ -33,6 +33,7 @@ from h2o_chat.engine.stats import CacheStats
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
+from h2o_chat.models.prebuild import builder_for
 
 SENTINEL = "\x00h2o-chat-reply\x00"
 
@@ -114,7 +115,6 @@ class Conversation:
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
         self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
         self._on_setup: Callable[[str], None] | None = None
-        self.replied = 0  # tokens of every reply so far: a long chat compiles its CPU step (`_compile_when_long`)
         self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
@@ -129,6 +129,7 @@ class Conversation:
         )
         self.engine = Engine(self.loaded.model, cache, self.settings.decode)
         self.engine.on_setup = self._on_setup
+        self.engine.builder = builder_for(self.loaded, self._on_setup)
         return cache
 
     def _restart(self, policy: Policy | None = None) -> None:
@@ -159,6 +160,7 @@ class Conversation:
     @on_setup.setter
     def on_setup(self, callback: Callable[[str], None] | None) -> None:
         self._on_setup = self.engine.on_setup = callback
+        self.engine.builder = builder_for(self.loaded, callback)
 
     def set_policy(self, policy: Policy) -> None:
         """New budget or policy, keeping what the cache holds (a smaller budget evicts now). Out of memory
@@ -309,7 +311,6 @@ class Conversation:
         carried = (self._unfed, self._fed_stop)  # what the last turn left for this one (restored if taken back)
         self._unfed = self._fed_stop = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
-        self._compile_when_long()
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
@@ -345,20 +346,11 @@ class Conversation:
                 self._end_turn(user, reply, last, count, start + len(ids), reply_index)
                 self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
 
-    def _compile_when_long(self) -> None:
-        """`--decode auto` on a CPU: once the chat's replies have run `LONG_GENERATION` tokens, its decode step is
-        compiled (at this turn's first step, announced; `decode_for` says why not sooner). Not for recall, whose
-        step runs eagerly."""
-        engine = self.engine
-        if engine.mode != "eager" or self.policy.name == "recall":
-            return
-        if decode_for(self.settings.decode, engine.device, self.replied) == "compile":
-            engine.mode = "compile"
-
     def _cheap_snapshot(self) -> bool:
         """Whether a copy of the cache before each turn (for /undo) is cheap: a bounded cache of a small model's
         size. A large one is not copied every turn; /undo then re-reads the conversation."""
-        return self.policy.budget is not None and self.cache.stats().kv_bytes <= UNDO_SNAPSHOT_BYTES
+        stats = self.cache.stats()
+        return self.policy.budget is not None and stats.kv_bytes + stats.store_bytes <= UNDO_SNAPSHOT_BYTES
 
     def _end_turn(self, user: dict, reply: list[str], last, count: int, reply_start: int, reply_index: int) -> None:
         """Record the reply. Every sampled token but the last has been fed; the last one too when the engine ran
@@ -371,7 +363,6 @@ class Conversation:
         elif last is not None and last.token not in self.stop_ids:
             self._unfed = last.token
         self.fed += fed_reply
-        self.replied += count
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.spans.append(Span("assistant", reply_index, reply_start, self.fed))
         self._tell_recalled()
@@ -428,12 +419,8 @@ class Conversation:
         )
 
     def stats(self) -> CacheStats:
-        """The cache's stats, with the recall store's bytes as what it holds: the entries stored times the bytes
-        of one entry (the cache reports the space reserved, which grows ahead of the entries)."""
-        stats, store = self.cache.stats(), self.cache.store
-        if store is None or not store.capacity:
-            return stats
-        return dataclasses.replace(stats, store_bytes=stats.store_bytes * store.count // store.capacity)
+        """The cache's stats (recall's store included: its bytes as allocated, its tokens and drops)."""
+        return self.cache.stats()
 
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:

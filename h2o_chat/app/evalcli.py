@@ -311,6 +311,14 @@ def recall_command(
     group: Annotated[int, typer.Option(help="Conversations per batch (memory: rows = group x configurations).")] = 10,
     chunk_size: ChunkSize = 512,
     plot: Plot = None,
+    store: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="recall's store (repeatable): a share of what each conversation evicts (25%: it must drop), "
+            "all (room for everything evicted), or default (8x the budget). Default: default."
+        ),
+    ] = None,
+    drop: Annotated[str, typer.Option(help="What a full recall store drops first: score | age | recalls.")] = "score",
     compared: Compared = Compared(),
     models: ModelOptions = ModelOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),
@@ -337,6 +345,11 @@ def recall_command(
         specs, names = compared.plan(1000, knobs, plot)
         if not compared.policy:
             names = list(rc.DEFAULT_POLICIES)
+        stores = [_store_option(s) for s in store or ["default"]]
+        from h2o_chat.engine.policies import DROP_RULES
+
+        if drop not in DROP_RULES:
+            raise ConfigError(f"--drop must be one of {', '.join(DROP_RULES)}, got {drop!r}")
         from h2o_chat.measure import plots
 
         texts = _texts(text, dl.RECALL_TEXTS)
@@ -352,8 +365,26 @@ def recall_command(
                 loaded.model, loaded.tokenizer, convs, names, specs, greedy_tokens=answer_tokens,
                 chunk_size=chunk_size, positions=compared.positions, group=group,
                 progress=forecast(bar, "recall", None),
-                decode=models.decode, knobs=knobs.kwargs(), kv_quant=compared.kv_quant,
+                decode=models.decode, knobs={**knobs.kwargs(), **({"drop": drop} if "recall" in names else {})},
+                kv_quant=compared.kv_quant, stores=stores,
             )  # fmt: skip
         sources = ", ".join(texts)
         records = [{**r, "texts": sources, "model": loaded.spec.name} for r in records]
         _emit(records, plots.recall_table(records), compared, plot, plots.recall_plot)
+
+
+def _store_option(text: str) -> str | None:
+    """One --store value: None (the policy's default), "all" or a share "25%"."""
+    value = text.strip().lower()
+    if value == "default":
+        return None
+    if value == "all":
+        return "all"
+    if value.endswith("%"):
+        try:
+            share = float(value[:-1])
+        except ValueError:
+            share = -1
+        if 0 < share <= 100:
+            return f"{share:g}%"
+    raise ConfigError(f"--store takes a share of what a conversation evicts (25%), all or default, got {text!r}")

@@ -25,7 +25,7 @@ from typing import Annotated, ClassVar
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from h2o_chat.app.budget import BudgetText
+from h2o_chat.app.budget import BudgetText, StoreText
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import H2OChatError, StdoutError, out_of_memory
 from h2o_chat.models.registry import load_registry
@@ -152,6 +152,16 @@ KvMemory = Annotated[
         "--batch-size, for all rows together).",
     ),
 ]
+RecallMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--recall-memory",
+        metavar="SIZE|TOKENS|Nx",
+        help="recall: how many evicted tokens its store keeps, allocated once beside the KV cache: a memory (64MB), "
+        "tokens per layer and head (4096) or a multiple of the budget (8x, the default); once full it drops the "
+        "tokens least attended to when they were evicted.",
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Decode = Annotated[
     str,
@@ -255,12 +265,27 @@ class ModelOptions:
         config = AutoConfig.from_pretrained(location, local_files_only=not download)
         return getattr(config.get_text_config(), "max_position_embeddings", None)
 
-    def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none"):
+    def store_sizes(self) -> tuple[int, int]:
+        """Bytes one evicted token takes in recall's store per row, and the store's fixed bytes per row (from the
+        model's config: nothing loads)."""
+        from transformers import AutoConfig
+
+        from h2o_chat.engine.store import store_bytes, store_entry_bytes
+        from h2o_chat.models.loading import weights_location
+        from h2o_chat.models.memory import _kv_shape
+
+        spec = load_registry(self.models_file).resolve(self.model)
+        download = self.downloads(spec)
+        config = AutoConfig.from_pretrained(weights_location(spec, download, status), local_files_only=not download)
+        L, H, D = (_kv_shape(config)[k] for k in ("layers", "kv_heads", "head_dim"))
+        return store_entry_bytes(L, 1, H, D, D), store_bytes(L, 1, H, D, D, 0)
+
+    def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none", store_tokens: int = 0):
         self.use_threads()
         download = self.downloads(load_registry(self.models_file).resolve(self.model))
         return load_model(
             self.model, self.models_file, self.device, self.dtype, self.quantize, download, kv_tokens, kv_rows,
-            kv_quant,
+            kv_quant, store_tokens,
         )  # fmt: skip
 
 
@@ -299,11 +324,14 @@ class CacheOptions:
     positions: Positions = "auto"
     kv_quant: KvQuant = "none"
     kv_memory: KvMemory = None
+    recall_memory: RecallMemory = None
 
     def check(self) -> None:
         check_positive("--chunk-size", self.chunk_size)
         check_positions(self.positions)
         check_kv_quant(self.kv_quant)
+        if self.recall_memory is not None:
+            StoreText.parse(self.recall_memory)
         if self.kv_memory is not None and self.budget is not None:  # one would be ignored
             raise H2OChatError(
                 f"--budget {self.budget} and --kv-memory {self.kv_memory} both set the budget: give one "
@@ -327,9 +355,21 @@ class CacheOptions:
             status(how)
         return tokens
 
-    def build(self, knobs: PolicyKnobs, budget: int | None):
-        """The policy at `budget` tokens (the command's, or e.g. a batch line's own)."""
-        return build_policy(self.policy, budget, knobs.kwargs())
+    def store_tokens(self, models: ModelOptions, budget: int, rows: int = 1) -> int | None:
+        """--recall-memory in evicted tokens per row, layer and head for a budget of `budget` (None: the policy's
+        default); how a memory became that many is said on stderr. Nothing loads."""
+        if self.recall_memory is None or self.policy != "recall":
+            return None
+        tokens, how = StoreText.parse(self.recall_memory).resolve(budget, models.store_sizes, rows)
+        if how:
+            status(how)
+        return tokens
+
+    def build(self, knobs: PolicyKnobs, budget: int | None, store: int | None = None):
+        """The policy at `budget` tokens (the command's, or e.g. a batch line's own); `store`: recall's store
+        in tokens (`store_tokens`)."""
+        extra = {"store": store} if store is not None and self.policy == "recall" else {}
+        return build_policy(self.policy, budget, {**knobs.kwargs(), **extra})
 
 
 @dataclass(frozen=True)
@@ -475,7 +515,7 @@ def status(message: str) -> None:
 
 def load_model(
     model, models_file, device, dtype, quantize, download, kv_tokens: int | None = None, kv_rows: int = 1,
-    kv_quant: str = "none",
+    kv_quant: str = "none", store_tokens: int = 0,
 ):  # fmt: skip
     """Resolve the name and load; `kv_tokens` (the budget) for each of `kv_rows` rows, stored as `kv_quant`
     says, sizes the memory check."""
@@ -492,6 +532,7 @@ def load_model(
         kv_tokens=kv_tokens,
         kv_rows=kv_rows,
         kv_quant=kv_quant,
+        store_tokens=store_tokens,
     )
 
 
@@ -500,6 +541,11 @@ def policy_knobs(
 ) -> dict:
     """The policy settings a command was given, as keyword arguments for make_policy."""
     return {"heavy_ratio": heavy_ratio, "sinks": sinks, "window": snap_window, "kernel": snap_kernel}
+
+
+def store_of(policy) -> int:
+    """The evicted tokens a policy's store keeps per row, layer and head (0: it keeps none)."""
+    return getattr(policy, "store", 0) or 0
 
 
 def build_policy(policy: str, budget: int, knobs: dict):

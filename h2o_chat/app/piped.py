@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from h2o_chat.app.conversation import ChatSettings, Conversation
 from h2o_chat.app.ui import (
@@ -20,7 +20,6 @@ from h2o_chat.app.ui import (
     summary_line,
     wrap,
 )
-from h2o_chat.engine.decode import decode_for
 from h2o_chat.engine.policies import Policy
 from h2o_chat.errors import InputError
 from h2o_chat.models.loading import Loaded
@@ -122,8 +121,7 @@ def _isatty(stream) -> bool:
 
 def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     """Generate for the whole of stdin; text streams to stdout, a summary goes to stderr (or JSON to stdout)."""
-    settings = options.settings  # a long generation compiles its CPU step (`decode_for`)
-    settings = replace(settings, decode=decode_for(settings.decode, loaded.device, settings.max_new_tokens))
+    settings = options.settings
     conv = Conversation(loaded, options.policy, settings)
     out = Stdout(sys.stdout)
     err = make_console(stderr=True)

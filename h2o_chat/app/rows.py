@@ -22,6 +22,7 @@ from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine
 from h2o_chat.engine.generate import StreamingDetokenizer, finish_reason
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.models.memory import prefill_chunk
+from h2o_chat.models.prebuild import builder_for
 
 CLEAR_FREE_EVERY = 256  # steps: free rows are fed filler tokens; emptying them keeps their positions small
 
@@ -87,6 +88,7 @@ class Lane:
         self.device = next(model.parameters()).device
         self.cache = H2OCache.for_model(model, policy, settings.positions, loaded.context, kv_quant=settings.kv_quant)
         self.engine = Engine(model, self.cache, settings.decode)
+        self.engine.builder = builder_for(self.loaded)
         pad = loaded.tokenizer.pad_token_id or 0
         self.engine.prefill(torch.full((rows, 1), pad, dtype=torch.long))  # storage for every row, once
         sampler, per_row = self._sampler(rows)

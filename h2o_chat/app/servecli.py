@@ -19,6 +19,7 @@ from h2o_chat.app.options import (
     grouped,
     reported,
     status,
+    store_of,
 )
 from h2o_chat.errors import H2OChatError
 
@@ -84,7 +85,7 @@ def serve_command(
                 "snapshot holds all of their state; recall's store and a full cache's growth are not)"
             )
         budget = cache.tokens(models)  # a memory or a share: the tokens it comes to
-        policy = cache.build(knobs, budget)  # an impossible budget fails before the weights load
+        policy = cache.build(knobs, budget, cache.store_tokens(models, budget))  # fails before the weights load
         if budget > max_budget:
             raise H2OChatError(f"--budget {budget} is above --max-budget {max_budget}")
         limit = parse_size("--memory-limit", memory_limit) if memory_limit else None
@@ -92,7 +93,9 @@ def serve_command(
             raise H2OChatError("--api-key is empty")
         if host not in LOOPBACK and api_key is None:
             status(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
-        loaded = models.load(kv_tokens=policy.budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
+        loaded = models.load(
+            kv_tokens=policy.budget, kv_rows=batch_size, kv_quant=cache.kv_quant, store_tokens=store_of(policy)
+        )
         if limit is None:
             from h2o_chat.models.memory import available_memory
 

@@ -94,9 +94,15 @@ def describe_kv(stats, width: int | None = None) -> str:
     if width is not None:
         return next((form for form in forms if len(form) <= width), forms[-1])
     kv = forms[0]
-    if stats.store_bytes:  # recall: what it keeps of the evicted tokens grows with the conversation, off the GPU
-        kv += f"; evicted tokens kept for recall {human_bytes(stats.store_bytes)} (host memory)"
+    if stats.store_bytes:  # recall: the store of evicted tokens, allocated once beside the slots
+        kv += f"; evicted tokens kept for recall {human_bytes(stats.store_bytes)} ({describe_store(stats)})"
     return kv
+
+
+def describe_store(stats) -> str:
+    """What recall's store holds: '1,234 of 4,096 tokens, 10 dropped' (per layer, row and head)."""
+    dropped = f", {stats.store_dropped:,.0f} dropped" if stats.store_dropped else ""
+    return f"{stats.store_tokens:,.0f} of {stats.store_capacity:,} tokens{dropped}"
 
 
 def describe_policy(stats) -> str:
@@ -268,8 +274,8 @@ class PanelView:
     def _evicted(self, stats, compact: bool = False) -> str:
         """Evictions this turn and in all. `compact`: the two-line summary's wording."""
         total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
-        # recall: the bytes its store holds (entries stored, not the space reserved for them), off the GPU
-        store = f"; {human_bytes(stats.store_bytes)} kept for recall (host)" if stats.store_bytes else ""
+        # recall: what its store keeps of the evicted tokens, and what it dropped for good
+        store = f"; kept for recall {describe_store(stats)}" if stats.store_bytes else ""
         return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total{store}"
 
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:

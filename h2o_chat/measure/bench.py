@@ -10,7 +10,8 @@ graph capture). Configurations:
   user could pick with plain transformers
 - full: h2o-chat's cache without eviction (capacity reserved up front), through the decode engine
 - h2o: the paper's policy at the given budget, through the decode engine
-- h2o-compiled: the same with the CPU's compiled decode step (`--decode compile`), whatever `--decode` says
+- h2o-compiled, snap-compiled, recall-compiled: those policies with the CPU's compiled decode step (`--decode
+  compile`), whatever `--decode` says
 - h2o-rolling: the same with --positions rolling: held tokens renumbered by order whenever positions would
   pass twice the budget (what every step past the trained context runs)
 - h2o-nobound: h2o with a budget above the longest length (nothing evicted: the cost of scoring itself)
@@ -43,16 +44,19 @@ from h2o_chat.engine.policies import make_policy
 from h2o_chat.measure import llamacpp
 
 QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")
+COMPILED = ("h2o-compiled", "snap-compiled", "recall-compiled")
 CONFIGS = (
-    "dynamic", "static", "static-compiled", "full", "h2o", "h2o-compiled", "h2o-rolling", "h2o-nobound", "snap",
+    "dynamic", "static", "static-compiled", "full", "h2o", *COMPILED, "h2o-rolling", "h2o-nobound", "snap",
     "recall", *QUANTIZED, llamacpp.CONFIG,
 )  # fmt: skip
-OURS = ("full", "h2o", "h2o-compiled", "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
+OURS = ("full", "h2o", *COMPILED, "h2o-rolling", "h2o-nobound", "snap", "recall", *QUANTIZED)
 
 
 def storage_of(config: str) -> tuple[str, str]:
-    """A configuration's name without its storage suffix, and the storage (`--kv-quant`): "recall-8bit" ->
-    ("recall", "8bit"). The decode and the prefill bench name their 8-bit rows alike."""
+    """A configuration's name without its storage or decode suffix, and the storage (`--kv-quant`):
+    "recall-8bit" -> ("recall", "8bit"), "recall-compiled" -> ("recall", "none"). The decode and the prefill
+    bench name their 8-bit rows alike."""
+    config = config.removesuffix("-compiled")
     if config.endswith("-8bit"):
         return config.removesuffix("-8bit"), "8bit"
     return config, "none"
@@ -127,8 +131,8 @@ class _Run:
             positions = "rolling" if config == "h2o-rolling" else "absolute"
             self.cache = H2OCache.for_model(model, self.policy, positions, kv_quant=quant)
             self.cache.reserve(total)
-            # h2o-compiled: the CPU's compiled step beside the run's own mode (`--decode`), in the same rounds
-            self.engine = Engine(model, self.cache, "compile" if config == "h2o-compiled" else decode)
+            # *-compiled: the CPU's compiled step beside the run's own mode (`--decode`), in the same rounds
+            self.engine = Engine(model, self.cache, "compile" if config in COMPILED else decode)
             self.decode = self.engine.mode
             return
         self.impl, self.policy, self.budget = "sdpa", make_policy("full"), None
@@ -330,9 +334,12 @@ def ratios(records: list[BenchRecord], budget: int) -> list[tuple[str, float]]:
     for base in ("static-compiled", "full", "dynamic", "static"):
         if (base, hi) in at and ("h2o", hi) in at:
             out.append((f"h2o {budget} / {base}: ms/token at {hi} seen", at["h2o", hi] / at[base, hi]))
-    for ours in ("h2o", "h2o-compiled"):
+    for ours in ("h2o", *COMPILED):
         for n in lengths if (llamacpp.CONFIG, hi) in at and (ours, hi) in at else ():
             out.append((f"{ours} {budget} / llama.cpp: ms/token at {n} seen", at[ours, n] / at[llamacpp.CONFIG, n]))
+    for ours in ("snap-compiled", "recall-compiled"):  # recall's promise: within 1.15x of the compiled h2o step
+        for n in lengths if ("h2o-compiled", hi) in at and (ours, hi) in at else ():
+            out.append((f"{ours} / h2o-compiled {budget}: ms/token at {n} seen", at[ours, n] / at["h2o-compiled", n]))
     for base in ("dynamic", "full"):
         if (base, hi) in kv and ("h2o", hi) in kv:
             out.append((f"{base} / h2o {budget}: KV bytes at {hi} seen", kv[base, hi] / kv["h2o", hi]))

@@ -100,9 +100,10 @@ def recall_table(records: list[dict]) -> Table:
         r = next(r for r in records if r["spec"] == spec)
         header += [f"{spec} ({r['budget']}) hits", f"{spec} gain kept"]
     rows = []
-    for policy in dict.fromkeys(r["policy"] for r in records if r["budget"] is not None):
-        cells = {r["spec"]: _recall_cells(r) for r in records if r["policy"] == policy}
-        rows.append([policy, *(c for s in specs for c in cells.get(s, ["", ""]))])
+    label = lambda r: r["policy"] + (f" (store {r['store']})" if r.get("store") else "")  # noqa: E731
+    for name in dict.fromkeys(label(r) for r in records if r["budget"] is not None):
+        cells = {r["spec"]: _recall_cells(r) for r in records if label(r) == name and r["budget"] is not None}
+        rows.append([name, *(c for s in specs for c in cells.get(s, ["", ""]))])
     for r in records:
         if r["budget"] is None:
             name = "full (reference)" if r["policy"] == "full" else "full, fact left out"

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.generate import stop_token_ids
-from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.policies import STORE_MIN_TIMES, make_policy
 from h2o_chat.measure.dialogues import Dialogue
 from h2o_chat.measure.evaluate import BudgetSpec, Progress, make_eval_cache
 
@@ -128,13 +128,23 @@ class _Options:
 
 @dataclass(frozen=True)
 class RecallConfig:
-    """A policy at a budget given as a share of each conversation (a per-row budget in tokens)."""
+    """A policy at a budget given as a share of each conversation (a per-row budget in tokens); for recall, its
+    store: None (the policy's default), "all" (room for every token the conversation evicts) or a share of what
+    it evicts ("25%")."""
 
     policy: str
     spec: BudgetSpec
+    store: str | None = None
 
     def row_policy(self, tokens: int, **knobs):
-        return make_policy(self.policy, self.spec.tokens(tokens), **knobs)
+        budget = self.spec.tokens(tokens)
+        if self.policy != "recall" or self.store is None:
+            return make_policy(self.policy, budget, **knobs)
+        held = make_policy(self.policy, budget, **knobs)
+        evicted = max(0, tokens - held.capacity)
+        share = 1.0 if self.store == "all" else float(self.store.rstrip("%")) / 100
+        store = max(STORE_MIN_TIMES * held.recalled, round(share * evicted))
+        return make_policy(self.policy, budget, store=store, **knobs)
 
 
 def recall(
@@ -152,11 +162,19 @@ def recall(
     decode: str = "auto",
     knobs: dict | None = None,
     kv_quant: str = "none",
+    stores: Sequence[str | None] = (None,),
 ) -> list[dict]:
     """Run every conversation under the full cache (with and without the asked fact) and every (policy,
-    budget), `group` conversations per batch; one record per configuration (see `summarise`)."""
+    budget[, recall's store: `stores`]), `group` conversations per batch; one record per configuration (see
+    `summarise`)."""
     knobs = knobs or {}
-    configs = [RecallConfig(p, b) for p in dict.fromkeys(policies) if p != "full" for b in budgets]
+    configs = [
+        RecallConfig(p, b, s if p == "recall" else None)
+        for p in dict.fromkeys(policies)
+        if p != "full"
+        for b in budgets
+        for s in (stores if p == "recall" else (None,))
+    ]
     opts = _Options(
         chunk_size, positions, decode, greedy_tokens, frozenset(stop_token_ids(tokenizer, model)),
         tokenizer.pad_token_id or 0, kv_quant,
@@ -194,7 +212,8 @@ def recall(
 
 
 def _key(config: RecallConfig) -> str:
-    return f"{config.policy} {config.spec}"
+    store = f" store {config.store}" if config.store is not None else ""
+    return f"{config.policy} {config.spec}{store}"
 
 
 def _collect(into: list, part: Sequence[Dialogue], scores: _Scores, offset: int) -> None:
@@ -254,6 +273,7 @@ def summarise(tokenizer, convs, configs, results: dict[str, list], seconds: floa
             {
                 "policy": policy,
                 "spec": str(config.spec) if config else None,
+                "store": config.store if config else None,
                 "budget": round(sum(budgets) / len(budgets)) if budgets else None,
                 "budget_range": [min(budgets), max(budgets)] if budgets else None,
                 "budget_pct": round(100 * sum(budgets) / len(budgets) / mean_tokens, 2) if budgets else None,

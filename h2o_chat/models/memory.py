@@ -40,6 +40,7 @@ class Footprint:
     kv_quant: str = "none"  # "8bit": the cache holds keys and values in int8 with a scale per token
     table_params: int = 0  # the embedding and LM head tables (once if tied), within other_params
     head_params: int = 0  # the LM head's table alone
+    store_tokens: int = 0  # the recall policy's store: evicted tokens kept per row (allocated beside the slots)
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
         """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
@@ -62,11 +63,18 @@ class Footprint:
             return 0
         elem = dtype.itemsize
         hd = self.head_dim
-        return storage_bytes(self.layers, batch, self.kv_heads, tokens, hd, hd, elem, self.kv_quant)
+        return storage_bytes(self.layers, batch, self.kv_heads, tokens, hd, hd, elem, self.kv_quant) + self.store(batch)
+
+    def store(self, batch: int = 1) -> int:
+        """The recall store's bytes for `batch` rows (`store.store_bytes`; 0 without one)."""
+        if not self.store_tokens:
+            return 0
+        hd = self.head_dim
+        return recall_store.store_bytes(self.layers, batch, self.kv_heads, hd, hd, self.store_tokens)
 
     def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1) -> int:
         """The largest budget whose storage (`kv_bytes`, with the overhead) fits in `free` bytes (0: none)."""
-        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot and the row's counters
+        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot, the row's counters, a store
         return max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype)))
 
     def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False) -> int:
@@ -143,7 +151,7 @@ def check_fits(
             options.append(f"--budget {budget} fits" + (f" with {rows} rows (--batch-size)" if rows > 1 else ""))
     where = "on this GPU" if gpu else "in this machine's memory"
     hint = "; ".join(options) if options else f"no setting fits {where}: try a smaller model"
-    cache = _cache_words(kv_tokens, rows, fp.kv_quant)
+    cache = _cache_words(kv_tokens, rows, fp.kv_quant, fp.store_tokens)
     has = f"the GPU has {gb(free_bytes)} free" if gpu else f"this machine has {gb(free_bytes)} of memory available"
     raise DeviceError(
         f"{name} with {str(dtype).removeprefix('torch.')} weights (quantize {quantize}) and {cache} "
@@ -151,21 +159,30 @@ def check_fits(
     )
 
 
-def _cache_words(kv_tokens: int, rows: int, kv_quant: str) -> str:
+def _cache_words(kv_tokens: int, rows: int, kv_quant: str, store_tokens: int = 0) -> str:
     bits = " in 8 bits" if kv_quant == "8bit" else ""
-    return f"a {kv_tokens}-token KV cache{bits}" + (f" for each of {rows} rows" if rows > 1 else "")
+    store = f" and a store of {store_tokens:,} evicted tokens (--recall-memory)" if store_tokens else ""
+    return f"a {kv_tokens}-token KV cache{bits}{store}" + (f" for each of {rows} rows" if rows > 1 else "")
 
 
 def check_fits_in_memory(
-    name: str, config, dtype: torch.dtype, kv_tokens: int, rows: int = 1, kv_quant: str = "none", quantize="none"
+    name: str,
+    config,
+    dtype: torch.dtype,
+    kv_tokens: int,
+    rows: int = 1,
+    kv_quant: str = "none",
+    quantize="none",
+    store_tokens: int = 0,
 ) -> None:
-    """On CPU: the KV cache is allocated whole at the first token, so a budget beyond this machine's memory
-    fails there with "can't allocate"; say before loading which budget would fit."""
+    """On CPU: the KV cache (and recall's store) is allocated whole at the first token, so a budget beyond this
+    machine's memory fails there with "can't allocate"; say before loading which budget would fit."""
     available = available_memory()
-    kv = kv_token_bytes(config, dtype, kv_quant) * kv_tokens * rows
+    sizes = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, store_tokens=store_tokens)
+    kv = sizes.kv_bytes(kv_tokens, dtype, rows)
     if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
         return
-    fp = dataclasses.replace(footprint(config), kv_quant=kv_quant)
+    fp = dataclasses.replace(footprint(config), kv_quant=kv_quant, store_tokens=store_tokens)
     check_fits(name, fp, dtype, quantize, kv_tokens, available, rows=rows, gpu=False)
 
 
@@ -259,14 +276,10 @@ def _stored_elem(shape: ModelShape) -> float | None:
     return None if shape.kv_quant == "none" else bytes_per_element(shape.kv_quant, torch.float32, shape.head_dim)
 
 
-def store_bytes(shape: ModelShape, elem: int, rows: int, stored: int) -> int:
-    """The most the recall policy's store takes while it grows to `stored` tokens per row and KV head: keys,
-    values, positions, marks and empty flags of the old and the new buffers together while it doubles (at most
-    3 x stored entries, at least 1.5 x its first allocation)."""
-    per_entry = recall_store.entry_bytes(
-        shape.layers, rows, shape.kv_heads, shape.head_dim, shape.head_dim, elem, value_elem=_stored_elem(shape)
-    )  # 8-bit storage: the store keeps values in 8 bits too, keys wide
-    return int(max(3 * stored, 3 * recall_store.GROW // 2) * per_entry)
+def store_bytes(shape: ModelShape, rows: int, stored: int) -> int:
+    """The recall policy's store of `stored` entries per row, as it is allocated (`store.store_bytes`)."""
+    hd = shape.head_dim
+    return recall_store.store_bytes(shape.layers, rows, shape.kv_heads, hd, hd, stored)
 
 
 def prefill_bytes(
@@ -289,9 +302,9 @@ def prefill_bytes(
     the others read with the fused kernel alone.
 
     `recall`: tokens a chunk brings back from the recall policy's store (per row and KV head), attended before
-    the slots with a mask per KV head (repeated per query head for the fused kernel). `stored`: evicted tokens
-    the store holds once the prompt is read, when the store lives in this memory (CPU; on CUDA it is on the host:
-    None): the store itself while it grows, and one block of the ranking's logits."""
+    the slots with a mask per KV head (repeated per query head for the fused kernel). `stored`: the store's
+    entries per row (it is allocated beside the slots, on their device): the store itself, and its ranking's
+    transients (one block of first-pass logits, the candidates' keys in fp32)."""
     B, T, N = rows, chunk, capacity + chunk + recall
     L, H, Hq, D = shape.layers, shape.kv_heads, shape.heads, shape.head_dim
     stash = L * B * H * T * (2 * D * elem + 4)
@@ -304,10 +317,11 @@ def prefill_bytes(
     if recall:
         total += B * H * recall * 2 * D * elem  # the recalled keys and values, before they join the slots'
         total += B * (H + Hq) * T * N * elem + B * H * T * recall * (elem + 1)  # per-head masks, their front
-    if stored is not None:
-        n = max(stored, 1)
-        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + 3 * B * H * n * 4  # one block, the best
-        total += store_bytes(shape, elem, B, stored) + ranking
+    if stored:
+        n, cand = stored + 1, min(stored, recall_rank.CANDIDATES * recall)
+        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + B * H * n * (4 + 8 + 16)  # a block, the best
+        ranking += B * H * cand * (D * 4 + 8) + min(B * Hq * T * cand, recall_rank.RANK_BLOCK) * 4  # candidates
+        total += store_bytes(shape, B, stored) + ranking
     if snap:
         G = Hq // H
         total += cache_storage_bytes(shape, elem, B, capacity)  # the probe's copy (pass 1)
@@ -362,9 +376,10 @@ def fitting_chunk(
         size //= 2
     smallest = min(chunk, smallest)
     need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, smallest, snap, window, mass, recall, stored)
+    lower = "--budget (or /budget), --recall-memory" if stored else "--budget (or /budget)"
     raise DeviceError(
         f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {smallest} tokens, "
-        f"but {gb(available + held)} is available; lower --budget (or /budget) or the number of rows"
+        f"but {gb(available + held)} is available; lower {lower} or the number of rows"
     )
 
 
@@ -383,10 +398,9 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
     recalled = max((getattr(p, "recalled", 0) for p in policies), default=0)  # the recall policy's rows
     store = cache.store
     held = cache.storage_bytes()
-    stored = None  # on CUDA the store lives on the host: not this device's memory
-    if recalled and device.type == "cpu":
-        stored = (store.count if store is not None else 0) + tokens  # at most every token read is evicted
-        held += store.nbytes() if store is not None else 0
+    stored = max((getattr(p, "store", 0) for p in policies), default=0)  # entries per row (allocated at once)
+    if store is not None:
+        held += store.nbytes()
     size = fitting_chunk(
         shape,
         elem,
