@@ -147,7 +147,7 @@ def test_a_recall_prompt_is_sized_with_its_store(monkeypatch):
     model = tiny_model("llama", seed=33, layers=3)
     shape = ModelShape.of(model.config)
     snap = H2OCache.for_model(model, make_policy("snap", 48))
-    large = H2OCache.for_model(model, make_policy("recall", 48, store=1 << 16))
+    large = H2OCache.for_model(model, make_policy("recall", 48, store=1 << 18))
     small = H2OCache.for_model(model, make_policy("recall", 48, store=64))
     room = int(2 * memory.OVERHEAD * prefill_bytes(shape, 4, 1, 48, 512, snap=True))
     monkeypatch.setattr(memory, "available_bytes", lambda device: room)

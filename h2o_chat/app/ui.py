@@ -275,7 +275,9 @@ class PanelView:
         """Evictions this turn and in all. `compact`: the two-line summary's wording."""
         total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
         # recall: what its store keeps of the evicted tokens, and what it dropped for good
-        store = f"; kept for recall {describe_store(stats)}" if stats.store_bytes else ""
+        store = (
+            f"; {human_bytes(stats.store_bytes)} kept for recall: {describe_store(stats)}" if stats.store_bytes else ""
+        )
         return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total{store}"
 
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:

@@ -319,7 +319,8 @@ def prefill_bytes(
         total += B * (H + Hq) * T * N * elem + B * H * T * recall * (elem + 1)  # per-head masks, their front
     if stored:
         n, cand = stored + 1, min(stored, recall_rank.CANDIDATES * recall)
-        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + B * H * n * (4 + 8 + 16)  # a block, the best
+        rank = recall_store.rank_dim_for(D)  # a block of logits; the coordinates read as fp32; the best so far
+        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + B * H * n * (rank * 4 + 4 + 8 + 16)
         ranking += B * H * cand * (D * 4 + 8) + min(B * Hq * T * cand, recall_rank.RANK_BLOCK) * 4  # candidates
         total += store_bytes(shape, B, stored) + ranking
     if snap:
