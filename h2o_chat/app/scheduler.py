@@ -1,15 +1,20 @@
 """The server's engine thread: requests in, text events out, every conversation a row of one engine.
 
-One thread owns the model, the lanes (app/rows.py) and the idle conversations (app/sessions.py); the HTTP side
-only submits jobs and reads their events, so nothing here needs a lock but the queue. Each turn of the loop:
+One thread owns the model and the lanes (app/rows.py); the HTTP side plans a request (the conversation it
+continues, its tokens: app/sessions.py, whose store takes a lock) and submits it, then reads its events. Each turn
+of the loop:
 
 1. take the jobs submitted since the last turn (a cancelled one is dropped; a client gone mid-reply frees its row
    here, at the next step);
-2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows): find the
-   conversation they continue, bring it into a row and read only its new tokens; a prompt that cannot fit is a
-   503 for that job alone;
+2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows): bring their
+   conversation into a row and read only its new tokens; a prompt that cannot fit is a 503 for that job alone. A
+   job that needs a fifth lane closes the least busy one to new rows, so it waits for that lane's replies, never
+   for ever;
 3. decode one step of every lane with busy rows, and hand each row's text to its job; a finished reply's row is
    copied out as an idle conversation before the next step.
+
+Draining (SIGTERM) refuses every job not yet decoding and stops a prompt being read at its next chunk; a dead
+engine thread answers everything, queued or new, with a 500 at once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import gc
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_chat.app.messages import PLAIN_STOP, use_chat_template
-from h2o_chat.app.rows import Lane, LaneKey, TextStream
+from h2o_chat.app.rows import Lane, LaneKey, ReadingStopped, TextStream
 from h2o_chat.app.serve_api import ApiError, GenRequest
-from h2o_chat.app.sessions import SessionStore, Turn, end_turn, plan_turn, snapshot_bytes
+from h2o_chat.app.sessions import SessionStore, Turn, end_turn, snapshot_bytes
 from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.errors import H2OChatError, out_of_memory
 
@@ -35,14 +41,21 @@ MAX_LANES = 4  # engines with distinct cache keys or sampler shapes at once; mor
 MAX_WAITING = 256  # jobs queued beyond the rows; more are told the server is busy
 
 
+SHUTTING_DOWN = "the server is shutting down: it finishes the replies under way and takes no new ones"
+
+
+class _WaitForLane(Exception):
+    """Every lane is busy with other keys: the job waits for the one closed to new rows to empty."""
+
+
 @dataclass
 class Job:
     req: GenRequest
     # ("started", None) | ("text", str) | ("done", result) | ("error", ApiError), from the engine thread
     emit: Callable[[tuple], None]
+    turn: Turn  # planned by the HTTP side: the conversation (taken out of the idle store) and the tokens to read
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the HTTP side when the client goes away
-    turn: Turn | None = None
     stream: TextStream | None = None
     first_at: float | None = None
     read_seconds: float = 0.0
@@ -62,6 +75,7 @@ class Scheduler:
         self.draining = False
         self.served = 0
         self.failed: str | None = None  # the engine thread's fatal error, if it died
+        self._gate = threading.Lock()  # a job is queued, or told the engine died, never lost between the two
         self._stop = threading.Event()
         self._threads = torch.get_num_threads()  # --threads, set in the main thread: the engine thread's too
         self._thread = threading.Thread(target=self._run, name="h2o-chat-engine", daemon=True)
@@ -70,19 +84,37 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self.draining:
-            raise ApiError(503, "the server is shutting down: it finishes the replies under way and takes no new ones")
-        if self.failed:
-            raise ApiError(500, f"the engine stopped: {self.failed}", "server_error")
-        if self.inbox.qsize() + len(self.waiting) >= MAX_WAITING:
-            raise ApiError(503, f"the server is busy: {MAX_WAITING} requests are waiting for a row; retry later")
-        self.inbox.put(job)
+        """Queue a job for the engine thread, or raise the ApiError that says why it cannot run (then the
+        caller gives its conversation back: `release`)."""
+        with self._gate:
+            if self.failed:
+                raise self._dead()
+            if self.draining:
+                raise ApiError(503, SHUTTING_DOWN)
+            if self.inbox.qsize() + len(self.waiting) >= MAX_WAITING:
+                raise ApiError(503, f"the server is busy: {MAX_WAITING} requests are waiting for a row; retry later")
+            self.inbox.put(job)
 
     def call(self, fn: Callable[[], object]) -> Future:
-        """Run `fn` in the engine thread between steps (stats read the rows while nothing moves them)."""
+        """Run `fn` in the engine thread between steps (stats read the rows while nothing moves them); a
+        future that fails at once when the thread is gone."""
         future: Future = Future()
-        self.inbox.put((fn, future))
+        with self._gate:
+            if self.failed:
+                future.set_exception(self._dead())
+            elif self._thread.ident is not None and not self._thread.is_alive():
+                future.set_exception(ApiError(503, SHUTTING_DOWN))
+            else:
+                self.inbox.put((fn, future))
         return future
+
+    def release(self, job: Job) -> None:
+        """A job that will not start: the idle conversation it continues goes back to the store."""
+        if job.turn.session.state is not None:
+            self.store.put(job.turn.session)
+
+    def _dead(self) -> ApiError:
+        return ApiError(500, f"the engine stopped: {self.failed}", "server_error")
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish the replies under way and the waiting ones, then end the thread."""
@@ -114,14 +146,29 @@ class Scheduler:
                         if lane.active:
                             self._step(lane)
                     self._tidy()
-            except Exception as e:  # a bug: every job is told, one line each, and new ones are refused
-                self.failed = f"{type(e).__name__}: {e}"
-                for job in self._all_jobs():
-                    job.emit(("error", ApiError(500, f"the engine stopped: {self.failed}", "server_error")))
-                raise
+            except Exception as e:  # a bug: the traceback for its report, and one line to every job
+                traceback.print_exc()
+                self._die(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
 
-    def _all_jobs(self) -> list[Job]:
-        return [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]
+    def _die(self, why: str) -> None:
+        """Every job -- decoding, waiting or still queued -- and every pending call gets the error now; under the
+        gate, so whatever is submitted later is refused at once."""
+        with self._gate:
+            self.failed = why
+            error = self._dead()
+            jobs = [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]
+            while True:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, tuple):
+                    item[1].set_exception(error)
+                elif item is not None:
+                    jobs.append(item)
+            self.waiting = []
+        for job in jobs:
+            job.emit(("error", error))
 
     def _take(self, block: bool) -> None:
         while True:
@@ -142,31 +189,42 @@ class Scheduler:
             self.waiting.append(item)
 
     def _admit(self) -> None:
+        reserved = 0  # a row kept for an older job that waits for a lane to close
         for job in list(self.waiting):
-            if job.cancelled:
+            if job.cancelled or self.draining:
                 self.waiting.remove(job)
+                self.release(job)
+                if not job.cancelled:
+                    job.emit(("error", ApiError(503, SHUTTING_DOWN)))
                 continue
             try:
-                place = self._place(LaneKey.of(job.req), job.req.policy)
+                place = self._place(LaneKey.of(job.req), job.req.policy, self.max_rows - reserved)
                 if place is None:
                     continue  # no row yet: it waits for one (jobs behind it with another key may go first)
                 self.waiting.remove(job)
                 self._start(job, *place)
+            except _WaitForLane:
+                reserved = 1
             except ApiError as e:
                 if job in self.waiting:
                     self.waiting.remove(job)
+                    self.release(job)
                 job.emit(("error", e))
 
-    def _place(self, key: LaneKey, policy) -> tuple[Lane, int] | None:
-        """A free row for `key`: in its lane, grown when full, or in a new lane."""
-        if self.busy >= self.max_rows:
+    def _place(self, key: LaneKey, policy, rows: int) -> tuple[Lane, int] | None:
+        """A free row for `key` among `rows` busy at most: in its lane, grown when full, or in a new lane. With
+        every lane busy, the least busy closes to new rows (one at a time) and `_WaitForLane` says so: rows
+        keep coming to four lanes, so waiting for one to empty by chance could last for ever."""
+        if self.busy >= rows:
             return None
-        lane = next((lane for lane in self.lanes if lane.key == key), None)
+        lane = next((lane for lane in self.lanes if lane.key == key and not lane.closing), None)
         if lane is None:
             if len(self.lanes) >= MAX_LANES:
                 empty = next((la for la in self.lanes if not la.active), None)
                 if empty is None:
-                    return None
+                    if not any(la.closing for la in self.lanes):
+                        min(self.lanes, key=lambda la: la.active).closing = True
+                    raise _WaitForLane
                 self.lanes.remove(empty)
             self._fits(policy, 1)
             lane = Lane(self.loaded, key, policy, self.settings)
@@ -189,17 +247,17 @@ class Scheduler:
             raise ApiError(503, f"no memory for this conversation's cache: {e}") from None
 
     def _start(self, job: Job, lane: Lane, r: int) -> None:
-        req = job.req
-        job.turn = turn = plan_turn(self.store, req, self.loaded.tokenizer)
+        req, turn = job.req, job.turn
         stops = (*((PLAIN_STOP,) if self.plain and req.kind == "chat" else ()), *req.stop)
         job.stream = TextStream(self.loaded.tokenizer, req.max_tokens, self.stop_ids, stops)
         lane.jobs[r] = job
         try:
-            first, job.read_seconds = lane.start(r, turn.session.state, turn.ids, req)
+            first, job.read_seconds = lane.start(r, turn.session.state, turn.ids, req, self._reading_stops)
         except Exception as e:
             lane.jobs[r] = None
-            if turn.session.state is not None:  # a conversation that was idle stays as it was
-                self.store.put(turn.session)
+            self.release(job)  # a conversation that was idle stays as it was
+            if isinstance(e, ReadingStopped):
+                raise ApiError(503, SHUTTING_DOWN) from None
             if isinstance(e, H2OChatError):
                 raise ApiError(503, f"this prompt cannot be read here: {e}") from None
             if out_of_memory(e):
@@ -208,6 +266,10 @@ class Scheduler:
         turn.session.state, turn.session.nbytes = None, 0  # the conversation is in the row now
         job.emit(("started", None))
         self._consume(lane, r, first)
+
+    def _reading_stops(self) -> bool:
+        """Checked after each chunk of a prompt: a drain stops the reading at once, not at the prompt's end."""
+        return self.draining
 
     def _step(self, lane: Lane) -> None:
         for r, job in enumerate(lane.jobs):  # a client gone: its row is free before this step
@@ -256,7 +318,7 @@ class Scheduler:
         ttft = job.first_at - job.submitted
         decode = now - job.first_at
         n = len(job.stream.tokens)
-        kept_in = turn.session.id in {s["id"] for s in self.store.describe()}
+        kept_in = self.store.holds(turn.session)
         return {
             "finish": "length" if reason == "length" else "stop",
             "read_tokens": len(turn.ids),
@@ -288,7 +350,7 @@ class Scheduler:
         """Lanes without busy rows go (their storage is freed; the default lane shrinks to one row); a lane
         whose busy rows fit in a quarter of it shrinks to half."""
         for lane in list(self.lanes):
-            if not lane.active and (len(self.lanes) > 1 or self.waiting):
+            if not lane.active and (len(self.lanes) > 1 or self.waiting or lane.closing):
                 self.lanes.remove(lane)
             elif lane.rows > 1 and lane.active <= lane.rows // 4:
                 lane.resize(max(1, lane.rows // 2))
