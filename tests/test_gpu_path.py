@@ -20,7 +20,6 @@ from h2o_chat.models.registry import ModelSpec
 from h2o_chat.models.shapes import SHAPES, random_model
 
 GB = 2**30
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
 
 
 def shape_config(name: str):
@@ -115,7 +114,7 @@ def test_bench_command_with_a_random_shape(monkeypatch, tmp_path):
 
 
 # -- CUDA only ------------------------------------------------------------------------------------------------
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_fp16_parity_and_eviction_on_device():
     from transformers import DynamicCache
 
@@ -132,7 +131,7 @@ def test_cuda_fp16_parity_and_eviction_on_device():
     assert layer.keys.device.type == "cuda" and layer.keys.dtype == torch.float16 and layer.score.dtype == torch.float32
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_eager_decode_steps_never_sync_with_the_host():
     model = tiny_model("llama", seed=32).to("cuda", torch.float16)
     cache = H2OCache.for_model(model, make_policy("h2o", 32))
@@ -150,7 +149,7 @@ def test_cuda_eager_decode_steps_never_sync_with_the_host():
     assert logits.shape == (2, 256) and cache.stats().kept == 32
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
     """A 4-bit model: the captured step decides as the eager one (same tokens, same held positions), a budget
     that holds everything gives the full cache's tokens, and the panel's memory figures are the device's."""
@@ -181,7 +180,7 @@ def test_cuda_4bit_loading_and_panel_memory(tiny_folder):
     assert mem["gpu_allocated"] == allocated > cache.storage_bytes() > 0 and mem["gpu_reserved"] >= allocated
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_load_refuses_what_cannot_fit(monkeypatch, tiny_folder):
     from h2o_chat.models import memory
     from h2o_chat.models.loading import load

@@ -122,7 +122,7 @@ def test_the_memory_held_is_the_budget_and_the_store_stays_off_the_accelerator(s
     assert plain.stats().store_bytes == 0 and "recall" not in ui.describe_kv(plain.stats())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cuda_memory_held_stays_flat_while_the_store_grows():
     model = tiny_model("llama", seed=4).cuda()
     cache = H2OCache.for_model(model, make_policy("recall", 64))
