@@ -44,7 +44,8 @@ def test_footprint_of_real_shapes():
 
 def test_does_not_fit_says_what_would():
     llama = footprint(shape_config("llama-2-7b"))
-    with pytest.raises(DeviceError, match=r"needs ~16\.\d GB.*8\.0 GB free.*--quantize 4bit needs ~\d\.\d GB"):
+    # 17.0 GB: weights 12.6 GB, a cache of 2.1 GB, a decode step's transients (0.2 GB: its eviction keys), x1.15
+    with pytest.raises(DeviceError, match=r"needs ~17\.0 GB.*8\.0 GB free.*--quantize 4bit needs ~\d\.\d GB"):
         check_fits("llama-2-7b", llama, torch.float16, "none", 4096, 8 * GB)
     with pytest.raises(DeviceError, match=r"--budget \d+ fits"):  # the weights fit, a smaller cache would
         check_fits("llama-2-7b", llama, torch.float16, "4bit", 200_000, 6 * GB)

@@ -242,7 +242,8 @@ class Scheduler:
     def _fits(self, policy, rows: int) -> None:
         """The fit check of every command for `rows` more rows of `policy`'s budget: a 503 when they cannot."""
         try:
-            self.loaded.check_budget(policy.budget, rows=rows, flag='"budget"', kv_quant=self.settings.kv_quant)
+            kv_quant, snap = self.settings.kv_quant, policy.compresses_prompts
+            self.loaded.check_budget(policy.budget, rows=rows, flag='"budget"', kv_quant=kv_quant, snap=snap)
         except H2OChatError as e:
             raise ApiError(503, f"no memory for this conversation's cache: {e}") from None
 
