@@ -19,6 +19,8 @@ engine thread answers everything, queued or new, with a 500 at once.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import queue
 import threading
@@ -51,9 +53,11 @@ class _WaitForLane(Exception):
 @dataclass
 class Job:
     req: GenRequest
-    # ("started", None) | ("text", str) | ("done", result) | ("error", ApiError), from the engine thread
-    emit: Callable[[tuple], None]
     turn: Turn  # planned by the HTTP side: the conversation (taken out of the idle store) and the tokens to read
+    # ("started", None) | ("text", str) | ("done", result) | ("error", ApiError), put by the engine thread into
+    # `events` through `loop` (the HTTP side's), all of one turn of the loop at once (`Scheduler._flush`)
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the HTTP side when the client goes away
     stream: TextStream | None = None
@@ -75,6 +79,7 @@ class Scheduler:
         self.draining = False
         self.served = 0
         self.failed: str | None = None  # the engine thread's fatal error, if it died
+        self._outbox: list[tuple[Job, tuple]] = []  # events of this turn of the loop, not yet handed over
         self._gate = threading.Lock()  # a job is queued, or told the engine died, never lost between the two
         self._stop = threading.Event()
         self._threads = torch.get_num_threads()  # --threads, set in the main thread: the engine thread's too
@@ -146,6 +151,7 @@ class Scheduler:
                         if lane.active:
                             self._step(lane)
                     self._tidy()
+                    self._flush()
             except Exception as e:  # a bug: the traceback for its report, and one line to every job
                 traceback.print_exc()
                 self._die(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
@@ -168,7 +174,24 @@ class Scheduler:
                     jobs.append(item)
             self.waiting = []
         for job in jobs:
-            job.emit(("error", error))
+            self._send(job, ("error", error))
+        self._flush()
+
+    def _send(self, job: Job, event: tuple) -> None:
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Hand this turn's events to the HTTP side: one wake-up of its event loop per turn, however many rows
+        stepped (a wake-up per row and token took a core's slice from the engine's threads on a small machine)."""
+        if not self._outbox:
+            return
+        by_loop: dict = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_deliver, batch)
 
     def _take(self, block: bool) -> None:
         while True:
@@ -195,7 +218,7 @@ class Scheduler:
                 self.waiting.remove(job)
                 self.release(job)
                 if not job.cancelled:
-                    job.emit(("error", ApiError(503, SHUTTING_DOWN)))
+                    self._send(job, ("error", ApiError(503, SHUTTING_DOWN)))
                 continue
             try:
                 place = self._place(LaneKey.of(job.req), job.req.policy, self.max_rows - reserved)
@@ -203,13 +226,14 @@ class Scheduler:
                     continue  # no row yet: it waits for one (jobs behind it with another key may go first)
                 self.waiting.remove(job)
                 self._start(job, *place)
+                self._flush()  # its first token, before the next job's prompt is read
             except _WaitForLane:
                 reserved = 1
             except ApiError as e:
                 if job in self.waiting:
                     self.waiting.remove(job)
                     self.release(job)
-                job.emit(("error", e))
+                self._send(job, ("error", e))
 
     def _place(self, key: LaneKey, policy, rows: int) -> tuple[Lane, int] | None:
         """A free row for `key` among `rows` busy at most: in its lane, grown when full, or in a new lane. With
@@ -265,7 +289,7 @@ class Scheduler:
                 raise ApiError(503, f"out of memory while reading this prompt ({str(e).splitlines()[0]})") from None
             raise
         turn.session.state, turn.session.nbytes = None, 0  # the conversation is in the row now
-        job.emit(("started", None))
+        self._send(job, ("started", None))
         self._consume(lane, r, first)
 
     def _reading_stops(self) -> bool:
@@ -296,7 +320,7 @@ class Scheduler:
             job.first_at = time.perf_counter()
         if text:
             job.text.append(text)
-            job.emit(("text", text))
+            self._send(job, ("text", text))
         if reason is not None:
             self._finish(lane, r, job, reason)
 
@@ -312,7 +336,7 @@ class Scheduler:
         result = self._result(job, reason, stats)
         if self.log:
             self.log(_log_line(result))
-        job.emit(("done", result))
+        self._send(job, ("done", result))
 
     def _result(self, job: Job, reason: str, stats: dict) -> dict:
         turn, now = job.turn, time.perf_counter()
@@ -344,7 +368,7 @@ class Scheduler:
     def _fail_lane(self, lane: Lane, error: ApiError) -> None:
         for job in lane.jobs:
             if job is not None:
-                job.emit(("error", error))
+                self._send(job, ("error", error))
         self.lanes.remove(lane)
 
     def _tidy(self) -> None:
@@ -375,6 +399,12 @@ class Scheduler:
             },
             "memory": process_memory(self.loaded.device),
         }
+
+
+def _deliver(batch: list[tuple[Job, tuple]]) -> None:
+    """In the HTTP side's event loop: each event into its job's queue."""
+    for job, event in batch:
+        job.events.put_nowait(event)
 
 
 def _log_line(result: dict) -> str:

@@ -257,12 +257,7 @@ async def _generate(server: Server, request: Request, kind: str) -> Response:
     tokenizer = server.loaded.tokenizer
     turn = await loop.run_in_executor(server.planner, plan_turn, server.store, req, tokenizer, limits.max_prompt_tokens)
     events: asyncio.Queue = asyncio.Queue()
-
-    def emit(event: tuple) -> None:  # from the engine thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    job = Job(req, emit, turn)
+    job = Job(req, turn, events, loop)
     try:
         server.scheduler.submit(job)
     except ApiError:
@@ -320,9 +315,17 @@ async def _stream(events: asyncio.Queue, job: Job, req: GenRequest, rid: str, mo
     """Server-sent events: the role, each piece of text, the finish with our stats, the usage when asked."""
     try:
         yield _sse(chunk(req, rid, model, None))
+        later = None
         while True:
-            kind, value = await events.get()
+            kind, value = later or await events.get()
+            later = None
             if kind == "text":
+                while not events.empty():  # text that came together goes out as one chunk: one write, not several
+                    kind_next, more = events.get_nowait()
+                    if kind_next != "text":
+                        later = (kind_next, more)
+                        break
+                    value += more
                 yield _sse(chunk(req, rid, model, value))
             elif kind == "error":
                 yield _sse(value.body())
