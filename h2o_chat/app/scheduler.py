@@ -80,6 +80,7 @@ class Scheduler:
         self.served = 0
         self.failed: str | None = None  # the engine thread's fatal error, if it died
         self._outbox: list[tuple[Job, tuple]] = []  # events of this turn of the loop, not yet handed over
+        self.closed = False  # the thread has ended after a drain
         self._gate = threading.Lock()  # a job is queued, or told the engine died, never lost between the two
         self._stop = threading.Event()
         self._threads = torch.get_num_threads()  # --threads, set in the main thread: the engine thread's too
@@ -107,7 +108,7 @@ class Scheduler:
         with self._gate:
             if self.failed:
                 future.set_exception(self._dead())
-            elif self._thread.ident is not None and not self._thread.is_alive():
+            elif self.closed:
                 future.set_exception(ApiError(503, SHUTTING_DOWN))
             else:
                 self.inbox.put((fn, future))
@@ -122,7 +123,7 @@ class Scheduler:
         return ApiError(500, f"the engine stopped: {self.failed}", "server_error")
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish the replies under way and the waiting ones, then end the thread."""
+        """Finish the replies already decoding (the others get a 503), then end the thread."""
         self.draining = True
         self._stop.set()
         self.inbox.put(None)
@@ -144,6 +145,7 @@ class Scheduler:
                 while True:
                     idle = not self.busy
                     if idle and self._stop.is_set() and not self.waiting and self.inbox.empty():
+                        self._end(ApiError(503, SHUTTING_DOWN))
                         return
                     self._take(block=idle and not self.waiting)
                     self._admit()
@@ -159,9 +161,13 @@ class Scheduler:
     def _die(self, why: str) -> None:
         """Every job -- decoding, waiting or still queued -- and every pending call gets the error now; under the
         gate, so whatever is submitted later is refused at once."""
+        self.failed = why
+        self._end(self._dead())
+
+    def _end(self, error: ApiError) -> None:
+        """The thread ends: whatever is left, and whatever comes later (under the gate), gets `error`."""
         with self._gate:
-            self.failed = why
-            error = self._dead()
+            self.closed = True
             jobs = [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]
             while True:
                 try:
