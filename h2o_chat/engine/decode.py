@@ -321,7 +321,8 @@ class Engine:
             return self._body()
         if self.mode == "compile":
             return self._compile_step()
-        return self._graph_step()
+        with torch.cuda.device(self.device):  # captured on the model's GPU's stream, not the current GPU's
+            return self._graph_step()
 
     def _graph_step(self):
         if self._graph is not None:

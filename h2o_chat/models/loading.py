@@ -58,13 +58,15 @@ class Loaded:
         """Trained context in tokens (models.toml, else the config)."""
         return self.spec.context or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def check_budget(self, kv_tokens: int, rows: int = 1, flag: str = "--budget", kv_quant: str = "none") -> None:
+    def check_budget(
+        self, kv_tokens: int, rows: int = 1, flag: str = "--budget", kv_quant: str = "none", snap: bool = False
+    ) -> None:
         """Raise a DeviceError (saying which `flag` value would fit) when a KV cache of `kv_tokens` for each of
-        `rows` rows does not fit in the memory free now: a budget changed after loading gets the check that
-        --budget got before it."""
+        `rows` rows, running (`memory.peak_bytes`; `snap`: with its probe's copy), does not fit in the memory free
+        now: a budget changed after loading gets the check that --budget got before it."""
         from h2o_chat.models.memory import check_budget
 
-        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag, kv_quant)
+        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag, kv_quant, snap)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -1,5 +1,7 @@
 """Will it fit? Weights and KV cache sizes from a config, checked against free GPU memory (or, on CPU, the
-machine's available memory) before loading.
+machine's available memory) before loading. Every check counts what running takes at its peak: the cache's
+storage with a decode step's transients or a prompt chunk's (the smallest chunk a prompt falls back to), so a
+budget said to fit never runs past the memory it was checked against.
 
 Parameters are counted on the meta device (exact for any architecture, no memory used). bitsandbytes keeps
 the embeddings, the output head and the norms in the compute dtype and quantizes the Linear layers: NF4 packs
@@ -10,6 +12,7 @@ stores one byte per weight plus per-row scales.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +30,8 @@ _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
 # bfloat16 scale and zero per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
 _CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 1.0 + 4 / 32}
 _CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy (no nibbles)
-OVERHEAD = 1.15  # activations, CUDA context and allocator slack on top of weights + KV
+OVERHEAD = 1.15  # CUDA context and allocator slack on top of weights + what running takes
+SMALLEST_CHUNK = 16  # the smallest prompt chunk `fitting_chunk` falls back to
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Footprint:
     table_params: int = 0  # the embedding and LM head tables (once if tied), within other_params
     head_params: int = 0  # the LM head's table alone
     store_tokens: int = 0  # the recall policy's store: evicted tokens kept per row (allocated beside the slots)
+    shape: ModelShape | None = None  # the sizes a step's and a chunk's transients follow (None: storage alone)
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
         """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
@@ -72,14 +77,30 @@ class Footprint:
         hd = self.head_dim
         return recall_store.store_bytes(self.layers, batch, self.kv_heads, hd, hd, self.store_tokens)
 
-    def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1) -> int:
-        """The largest budget whose storage (`kv_bytes`, with the overhead) fits in `free` bytes (0: none)."""
-        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot, the row's counters, a store
-        return max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype)))
+    def run_bytes(self, tokens: int, dtype: torch.dtype, batch: int = 1, snap: bool = False) -> int:
+        """Beyond the weights, at the peak of running a cache of `tokens` per row: `peak_bytes` when the model's
+        shape is known, else the storage alone."""
+        if tokens <= 0:
+            return 0
+        if self.shape is None:
+            return self.kv_bytes(tokens, dtype, batch)  # the store included
+        shape = dataclasses.replace(self.shape, kv_quant=self.kv_quant)
+        return peak_bytes(shape, dtype.itemsize, batch, tokens, snap=snap) + self.store(batch)
 
-    def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False) -> int:
+    def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1, snap: bool = False) -> int:
+        """The largest budget whose run (`run_bytes`, with the overhead) fits in `free` bytes (0: none)."""
+        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot, the row's counters, a store
+        lo, hi = 0, max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype))) + 1  # storage alone
+        while hi - lo > 1:  # run_bytes grows with the budget: the largest that fits lies in [lo, hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if OVERHEAD * self.run_bytes(mid, dtype, batch, snap) <= free else (lo, mid)
+        return lo
+
+    def total_bytes(
+        self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False, snap: bool = False
+    ) -> int:
         weights = self.weight_bytes(dtype, quantize, cpu)
-        return int(OVERHEAD * (weights + self.kv_bytes(kv_tokens, dtype, batch)))
+        return math.ceil(OVERHEAD * (weights + self.run_bytes(kv_tokens, dtype, batch, snap)))  # up: as the chunk's
 
 
 def footprint(config) -> Footprint:
@@ -101,6 +122,7 @@ def footprint(config) -> Footprint:
         **_kv_shape(config),
         table_params=sum(tables.values()),
         head_params=head_weight.numel() if head_weight is not None else 0,
+        shape=ModelShape.of(config),
     )
 
 
@@ -178,9 +200,9 @@ def check_fits_in_memory(
     """On CPU: the KV cache (and recall's store) is allocated whole at the first token, so a budget beyond this
     machine's memory fails there with "can't allocate"; say before loading which budget would fit."""
     available = available_memory()
-    sizes = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, store_tokens=store_tokens)
-    kv = sizes.kv_bytes(kv_tokens, dtype, rows)
-    if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
+    shape = ModelShape.of(config)
+    run = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, store_tokens=store_tokens, shape=shape)
+    if OVERHEAD * run.run_bytes(kv_tokens, dtype, rows) < available / 4:  # far from the limit: parameters uncounted
         return
     fp = dataclasses.replace(footprint(config), kv_quant=kv_quant, store_tokens=store_tokens)
     check_fits(name, fp, dtype, quantize, kv_tokens, available, rows=rows, gpu=False)
@@ -194,17 +216,19 @@ def check_budget(
     rows: int = 1,
     flag: str = "--budget",
     kv_quant: str = "none",
+    snap: bool = False,
 ) -> None:
-    """With the weights already loaded (a budget changed in the chat, a batch line's own budget): the same
-    check as before loading, for the KV cache alone against what is free now -- raise a DeviceError saying
-    which `flag` value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
-    fp = Footprint(linear_params=0, other_params=0, **_kv_shape(config), kv_quant=kv_quant)
+    """With the weights already loaded (a budget changed in the chat, a batch line's own budget, a server's new
+    rows): the same check as before loading, for the cache's run alone (storage and a step's or a chunk's
+    transients; `snap`: its probe's copy too) against what is free now -- raise a DeviceError saying which `flag`
+    value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
+    fp = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, shape=ModelShape.of(config))
     gpu = device.type == "cuda"
     free = free_gpu_bytes(device) if gpu else available_memory()
-    need = fp.total_bytes(dtype, "none", kv_tokens, rows)
+    need = fp.total_bytes(dtype, "none", kv_tokens, rows, snap=snap)
     if need <= free:
         return
-    fits = fp.budget_fitting(free, dtype, rows)
+    fits = fp.budget_fitting(free, dtype, rows, snap)
     has = f"the GPU has {gb(free)} free" if gpu else f"this machine has {gb(free)} of memory available"
     cache = _cache_words(kv_tokens, rows, kv_quant)
     raise DeviceError(f"{flag} {kv_tokens}: {cache} needs ~{gb(need)}, but {has}; {flag} {fits} fits")
@@ -330,6 +354,15 @@ def prefill_bytes(
     return int(total)
 
 
+def peak_bytes(
+    shape: ModelShape, elem: int, rows: int, capacity: int, chunk: int = SMALLEST_CHUNK, snap: bool = False
+) -> int:
+    """Beyond the weights, the most a cache of `capacity` per row takes while it runs: its storage with a decode
+    step's transients, or with a prompt chunk's (of `chunk` columns, the attention mass counted), whichever is
+    more. A longer chunk is read only where it fits (`prefill_chunk`)."""
+    return max(decode_bytes(shape, elem, rows, capacity), prefill_bytes(shape, elem, rows, capacity, chunk, snap=snap))
+
+
 def decode_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
     """Peak bytes beyond the weights for a decode step: the storage, the step's attention over every slot in
     fp32, the eviction's per-slot priorities and sort keys for every layer, one layer's activations, the logits
@@ -362,20 +395,23 @@ def fitting_chunk(
     snap: bool = False,
     window: int = 16,
     mass: bool = True,
-    smallest: int = 16,
+    smallest: int = SMALLEST_CHUNK,
     recall: int = 0,
     stored: int | None = None,
 ) -> int:
     """The largest chunk, `chunk` or a smaller power of two, whose prefill fits in `available` bytes (plus the
     `held` bytes the cache's storage already occupies, which the estimate counts); DeviceError when even
     `smallest` does not fit."""
-    size = chunk
-    while size >= smallest or size == chunk:
+    smallest = min(chunk, smallest)
+    sizes = [chunk]
+    while sizes[-1] // 2 >= smallest:
+        sizes.append(sizes[-1] // 2)
+    if sizes[-1] != smallest:  # halving 300 ends at 18: the fit checks promise that 16 can be read
+        sizes.append(smallest)
+    for size in sizes:
         need = prefill_bytes(shape, elem, rows, capacity, size, snap, window, mass, recall, stored)
         if OVERHEAD * need <= available + held:
             return size
-        size //= 2
-    smallest = min(chunk, smallest)
     need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, smallest, snap, window, mass, recall, stored)
     lower = "--budget (or /budget), --recall-memory" if stored else "--budget (or /budget)"
     raise DeviceError(
