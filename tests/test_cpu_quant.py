@@ -18,9 +18,9 @@ from h2o_chat.models.cpu_quant import (
     REFINED_AFTER_4BIT,
     Int4Linear,
     Int8Linear,
-    gguf_q4,
     quantize_model,
 )
+from h2o_chat.models.gguf_q4 import gguf_q4
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="this torch lacks the int4 CPU kernel"
@@ -32,7 +32,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.bfloat16).double() @ w.double().t()).float()
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])  # the packed kernel (a decode step) and the dense chunk path
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # a decode step's rows, a prompt chunk's
 def test_int4_linear_computes_its_dequantized_weight(tokens):
     torch.manual_seed(0)
     w, b = torch.randn(208, 96), torch.randn(208)
@@ -64,9 +64,11 @@ def test_int8_linear_and_embedding_compute_their_table():
     assert torch.equal(emb(ids)[0], rows)
 
 
-def test_a_row_computes_the_same_alone_and_in_a_batch():
-    """The path (packed kernel or dense) depends on tokens per row, never on the batch: batch rows decode as
-    their prompts alone."""
+def test_a_row_computes_the_same_alone_and_in_a_batch_and_a_token_the_same_in_a_chunk_as_in_a_step():
+    """A row's product does not depend on how many rows or tokens run beside it: batch rows decode as their prompts
+    alone, and a token read in a prompt chunk gets the keys, values and logits a decode step would give it (a
+    conversation continued from its cache equals the same messages read fresh). A dense bfloat16 product for
+    chunks rounded each row with the chunk's length, and differently from the decode steps' kernel."""
     torch.manual_seed(2)
     lin = Int4Linear.from_float(torch.randn(1536, 576))  # a real shape: a dense kernel's blocking depends on it
     for tokens in (1, 8, 16, 33, 512):
@@ -74,6 +76,18 @@ def test_a_row_computes_the_same_alone_and_in_a_batch():
         together = lin(x)
         alone = torch.cat([lin(x[i : i + 1]) for i in range(3)])
         assert torch.equal(together, alone), tokens
+        steps = torch.cat([lin(x[:, t : t + 1]) for t in range(tokens)], dim=1)  # one token per row at a time
+        assert torch.equal(together, steps), tokens
+
+
+def test_int4_values_are_read_back_exactly_from_the_kernels_layout():
+    """The weights are held once, in the kernel's layout; their 4-bit values come back through the kernel."""
+    torch.manual_seed(6)
+    q = torch.randint(0, 16, (208, 96), dtype=torch.uint8)
+    lin = Int4Linear.from_values(q, torch.rand(208, 3), -torch.rand(208, 3))
+    assert torch.equal(lin.values(), q)
+    assert [n for n, _ in lin.named_buffers()] == ["packed", "scales_zeros"]
+    assert lin.packed.dtype == torch.uint8 and lin.packed.numel() == 208 * 96 // 2
 
 
 def _q4_blocks(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
@@ -119,7 +133,7 @@ def test_the_embedded_ggufs_4bit_blocks_dequantize_to_todays_conversion(embedded
     weights the conversion gives, within the bfloat16 rounding of their scales and zeros."""
     from transformers import AutoConfig
 
-    from h2o_chat.models.cpu_quant import gguf_int4_blocks
+    from h2o_chat.models.gguf_q4 import gguf_int4_blocks
     from h2o_chat.models.loading import converted_folder
 
     gguf, floats = embedded_files
@@ -131,9 +145,20 @@ def test_the_embedded_ggufs_4bit_blocks_dequantize_to_todays_conversion(embedded
         exact = (q.float() - 8) * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1)
         converted = floats.get_tensor(name + ".weight")
         assert torch.allclose(exact, converted, atol=1e-5), name  # the file's values, in the model's row order
-        deq = Int4Linear(q, scale, zero).dequantize().float()
+        deq = Int4Linear.from_values(q, scale, zero).dequantize().float()
         bound = (scale.abs() * 8 + zero.abs()).repeat_interleave(GROUP, 1) * 2**-6  # four bfloat16 roundings
         assert bool(((deq - converted).abs() <= bound + 1e-6).all()), name
+
+
+def dequantized(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The float32 weight that linear `name` of a packed model computes with (a joined linear's part: its rows of
+    the joined weight)."""
+    module = model.get_submodule(name)
+    if isinstance(module, cpu_quant.Columns):
+        parent = model.get_submodule(name.rpartition(".")[0])
+        joined = getattr(parent, parent.joined_linear[0])
+        return joined.dequantize(slice(module.start, module.start + module.out_features))
+    return module.dequantize().float()
 
 
 @pytest.mark.parametrize("fmt", ["4bit", "8bit"])
@@ -150,10 +175,9 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(fmt):
         quantize_model(model, fmt)
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert model.model.embed_tokens.table is model.lm_head  # one table
-        packed = dict(model.named_modules())
         for name, module in reference.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                module.weight.copy_(packed[name].dequantize().float())
+                module.weight.copy_(dequantized(model, name))
         reference.model.embed_tokens.weight.copy_(model.lm_head.dequantize().float())
         reference.lm_head.weight = reference.model.embed_tokens.weight
         got, want = model(ids).logits, reference(ids).logits
@@ -178,26 +202,6 @@ def test_the_kernels_portable_paths_compute_the_same():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().lower() in (level.lower(), "default", "avx2"), out.stdout
-
-
-def test_the_ggufs_blocks_are_read_once_then_from_their_saved_copy(tmp_path, monkeypatch):
-    """Parsing a GGUF's metadata takes seconds at every start: the 4-bit blocks are saved beside the converted
-    weights, exactly (nibbles, scales, zeros), and read from there."""
-    torch.manual_seed(3)
-    blocks = {
-        "model.layers.0.mlp.up_proj": (
-            torch.randint(0, 16, (64, 96), dtype=torch.uint8),
-            torch.rand(64, 3),
-            -torch.rand(64, 3),
-        )
-    }
-    cpu_quant.save_blocks(blocks, tmp_path / "b.safetensors")
-    back = cpu_quant.load_blocks(tmp_path / "b.safetensors")
-    assert list(back) == list(blocks)
-    for a, b in zip(back["model.layers.0.mlp.up_proj"], blocks["model.layers.0.mlp.up_proj"], strict=True):
-        assert torch.equal(a, b)
-    (tmp_path / "torn.safetensors").write_bytes(b"\x10\x00")
-    assert cpu_quant.load_blocks(tmp_path / "torn.safetensors") == {}  # unreadable: read the GGUF again
 
 
 def test_the_lm_heads_best_logits_are_exact_where_bfloat16_would_tie_them():
@@ -225,7 +229,7 @@ def test_a_4bit_lm_head_keeps_the_int8_tables_best_logits_exactly():
     w, x = torch.randn(4096, 64), torch.randn(3, 64) * 4
     head = Int8Linear.from_float(w)
     head.use_4bit_products()
-    assert head.refine_top == REFINED_AFTER_4BIT and head.fast is not None and head.fast.nibbles is None
+    assert head.refine_top == REFINED_AFTER_4BIT and head.fast is not None
     got = head(x).double()
     exact = x.double() @ head.dequantize().double().t()
     best = exact.topk(32, dim=-1).indices
@@ -244,9 +248,9 @@ def test_a_4bit_lm_head_keeps_the_int8_tables_best_logits_exactly():
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "opt"])
 def test_linears_that_read_one_input_multiply_as_one_and_give_what_they_gave_apart(family, monkeypatch):
-    """q, k, v (and gate, up) joined into one int4 product where the family calls them in order: the model's
-    outputs are those of the separate linears, for a prompt (the dense path) and for single tokens (the packed
-    kernel), with qwen2's biases; a family not known to call them in order keeps them apart."""
+    """q, k, v (and gate, up) joined into one int4 product in their module (issue 48.18): the model's outputs are
+    those of the separate linears bit for bit, for a prompt and for single tokens, with qwen2's biases; a family
+    not known to read them so keeps them apart."""
     import copy
 
     from conftest import tiny_model
@@ -254,18 +258,34 @@ def test_linears_that_read_one_input_multiply_as_one_and_give_what_they_gave_apa
     model = tiny_model(family, seed=8)
     apart = copy.deepcopy(model)
     quantize_model(model, "4bit")
-    monkeypatch.setattr(cpu_quant, "share_inputs", lambda m: None)
+    monkeypatch.setattr(cpu_quant, "JOINED", {})
     quantize_model(apart, "4bit")
-    parts = [m for m in model.modules() if isinstance(m, cpu_quant.SharedPart)]
+    parts = [m for m in model.modules() if isinstance(m, cpu_quant.Columns)]
     if family == "opt":
         assert not parts
         return
     assert len(parts) == 2 * 5  # two layers: q, k, v and gate, up
-    assert not any(isinstance(m, cpu_quant.SharedPart) for m in apart.modules())
+    assert not any(isinstance(m, cpu_quant.Columns) for m in apart.modules())
     ids = torch.tensor([[(11 * i) % 250 + 1 for i in range(24)]])
     with torch.inference_mode():
-        for n in (24, 1):  # a prompt (16 tokens per row or more: dense), then one token (packed kernel)
+        for n in (24, 1):  # a prompt, then one token
             a, b = model(input_ids=ids[:, :n]).logits, apart(input_ids=ids[:, :n]).logits
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert all(not p.group.pending for p in parts)  # nothing held between forwards
+            assert torch.equal(a, b)
+
+
+def test_a_joined_linears_parts_may_be_called_in_any_order_and_never_on_another_input():
+    """The joined product is the module's, not a value held between its parts' calls: code that calls the parts
+    in another order computes the same, and code that gives a part anything but its module's input fails."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=10)
+    quantize_model(model, "4bit")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        want = mlp(x)
+        mlp.forward = lambda h: mlp.down_proj((lambda up: mlp.act_fn(mlp.gate_proj(h)) * up)(mlp.up_proj(h)))
+        assert torch.equal(mlp(x), want)
+        mlp.forward = lambda h: mlp.down_proj(mlp.act_fn(mlp.gate_proj(h * 2)) * mlp.up_proj(h[..., :64]))
+        with pytest.raises(RuntimeError, match="reads its linears differently"):
+            mlp(x)

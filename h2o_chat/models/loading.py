@@ -392,7 +392,7 @@ def load(
     if dev.type != "cuda":
         model.to(dev)
         if quant != "none":
-            _pack_for_cpu(model, spec, quant, status, Path(location))
+            _pack_for_cpu(model, spec, quant, status)
     check_one_device(getattr(model, "hf_device_map", None))
     model.eval()
     prepare_model(model)
@@ -425,21 +425,14 @@ def gguf_file(spec: ModelSpec) -> Path | None:
     return None
 
 
-def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status, folder: Path) -> None:
-    """CPU weight-only quantization in place: a GGUF's 4-bit linears as the file holds them (read from the file
-    once, then from a copy beside the converted weights: parsing the GGUF's metadata takes seconds), the rest
-    (and any other model) quantized from its floats."""
-    from h2o_chat.models.cpu_quant import gguf_int4_blocks, load_blocks, quantize_model, save_blocks
+def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status) -> None:
+    """CPU weight-only quantization in place: a GGUF's 4-bit linears as the file holds them, the rest (and any
+    other model) quantized from its floats."""
+    from h2o_chat.models.cpu_quant import quantize_model
+    from h2o_chat.models.gguf_q4 import gguf_int4_blocks
 
     path = gguf_file(spec)
-    blocks = {}
-    if path is not None and quant == "4bit":
-        saved = folder / "int4-blocks.safetensors"
-        blocks = load_blocks(saved) if saved.exists() else {}
-        if not blocks:
-            blocks = gguf_int4_blocks(path, model.config)
-            with contextlib.suppress(OSError):  # a read-only cache: read the file again next time
-                save_blocks(blocks, saved)
+    blocks = gguf_int4_blocks(path, model.config) if path is not None and quant == "4bit" else {}
     if status and not blocks:
         status(f"quantizing the weights to {quant} for CPU")
     quantize_model(model, quant, blocks)

@@ -23,10 +23,10 @@ from h2o_chat.errors import DeviceError
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
-# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles + a plain copy for prompt chunks + a
-# bfloat16 scale and zero per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
-_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 1.0 + 4 / 32}
-_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy (no nibbles)
+# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles (held once) + a bfloat16 scale and zero
+# per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
+_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 0.5 + 4 / 32}
+_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy
 OVERHEAD = 1.15  # activations, CUDA context and allocator slack on top of weights + KV
 
 
