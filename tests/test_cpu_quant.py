@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from h2o_chat.models import cpu_quant
 from h2o_chat.models.cpu_quant import (
+    COMPUTE,
     GROUP,
     REFINED,
     REFINED_AFTER_4BIT,
@@ -202,6 +204,75 @@ def test_the_kernels_portable_paths_compute_the_same():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().lower() in (level.lower(), "default", "avx2"), out.stdout
+
+
+@pytest.mark.parametrize("fmt", ["4bit", "8bit"])
+def test_a_packed_model_is_saved_once_then_mapped_without_its_floats(tmp_path, fmt):
+    """Issue 47.2: a later start builds the packed modules from their shapes and assigns the saved packed tensors
+    (no float32 weights read); the model computes exactly what the packed model did, the packed weights are views
+    of the file, the small float ones copies. A file made by another format, torch or CPU is not used."""
+    from conftest import tiny_model
+    from h2o_chat.models import packed
+
+    model = tiny_model("llama", seed=9)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the embedded model's
+    model.config.tie_word_embeddings = True
+    model.save_pretrained(tmp_path)
+    with torch.inference_mode():
+        quantize_model(model, fmt)
+        path = packed.packed_path(tmp_path, fmt)
+        packed.save_packed(model, path, fmt)
+        loaded = packed.load_packed(tmp_path, fmt, torch.float32)
+        assert loaded is not None
+        ids = torch.randint(0, 256, (2, 20))
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert loaded.model.embed_tokens.table is loaded.lm_head  # one table
+    size = path.stat().st_size
+    mapped = [t for t in [*loaded.parameters(), *loaded.buffers()] if not t.is_floating_point() or t.dtype == COMPUTE]
+    assert mapped and all(_in_file_mapping(t, path) for t in mapped)
+    assert all(t.data_ptr() % 64 == 0 for t in mapped)  # the int8 kernel's aligned loads
+    small = [t for t in [*loaded.parameters(), *loaded.buffers()] if t.dtype == torch.float32]
+    assert small and not any(_in_file_mapping(t, path) for t in small)
+    assert sum(t.numel() * t.element_size() for t in mapped) < size
+    for wrong in ("torch", "cpu", "h2o_chat_packed"):
+        stamp = {**packed.stamp(fmt), wrong: "other"}
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr(packed, "stamp", lambda f, stamp=stamp: stamp)
+        assert packed.load_packed(tmp_path, fmt, torch.float32) is None, wrong
+        monkey.undo()
+    path.write_bytes(b"\x10\x00")
+    assert packed.load_packed(tmp_path, fmt, torch.float32) is None  # torn: packed again from the floats
+
+
+def _in_file_mapping(t: torch.Tensor, path) -> bool:
+    """Whether tensor t's memory lies in a mapping of file `path` (/proc/self/maps)."""
+    address = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(v, 16) for v in span.split("-"))
+        if lo <= address < hi:
+            return len(rest) >= 5 and rest[-1] == str(path)
+    return False
+
+
+def test_the_loaded_model_holds_no_float32_copy_of_a_packed_linear_nor_a_second_copy_of_its_values(embedded):
+    """Issue 47.2: the embedded model as loaded holds each int4 linear once (the kernel's layout and its scales; no
+    plain nibbles beside it), no float32 weight but 1-D ones (norms), and nothing in the float32 file's mapping
+    (its norms kept 121 MB of the file's pages resident)."""
+    if embedded.quantize != "4bit":
+        pytest.skip("the embedded model is not loaded with 4-bit weights here")
+    from h2o_chat.models.loading import converted_folder, embedded_gguf
+    from h2o_chat.models.registry import load_registry
+
+    model = embedded.model
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert linears and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()
+    assert all(t.dim() == 1 for t in tensors if t.dtype == torch.float32)
+    four_bit = sum(m.out_features * m.in_features // 2 for m in linears)
+    assert sum(t.numel() for t in tensors if t.dtype == torch.uint8) == four_bit  # the kernel's layout, once
+    floats = converted_folder(embedded_gguf(load_registry().resolve(None).source)) / "model.safetensors"
+    assert not any(_in_file_mapping(t, floats) for t in tensors)  # no view of the float32 file's pages
 
 
 def test_the_lm_heads_best_logits_are_exact_where_bfloat16_would_tie_them():
