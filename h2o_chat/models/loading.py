@@ -394,7 +394,7 @@ def load(
         if dev.type != "cuda":
             model.to(dev)
             if quant != "none":
-                _pack_for_cpu(model, spec, quant, status, Path(location))
+                _pack_for_cpu(model, spec, quant, status, Path(location), tokenizer)
                 model = _saved_packing(spec, location, quant, torch_dtype) or model  # as later starts hold it
     check_one_device(getattr(model, "hf_device_map", None))
     model.eval()
@@ -438,10 +438,17 @@ def _saved_packing(spec: ModelSpec, location: str, quant: str, dtype: torch.dtyp
     return load_packed(Path(location), quant, dtype)
 
 
-def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status, folder: Path) -> None:
+# tokens of a shipped text the LM head's 4-bit copy is calibrated on (`cpu_quant.Int8Linear.use_4bit_products`)
+CALIBRATION_TOKENS = 512
+
+
+def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status, folder: Path, tokenizer) -> None:
     """CPU weight-only quantization in place: a GGUF's 4-bit linears as the file holds them, the rest (and any
-    other model) quantized from its floats. A GGUF model's packed weights are then saved beside the converted
-    ones, for later starts (`_saved_packing`)."""
+    other model) quantized from its floats; the LM head's 4-bit copy calibrated on the first tokens of the
+    shipped alice.txt. A GGUF model's packed weights are then saved beside the converted ones, for later starts
+    (`_saved_packing`)."""
+    from importlib import resources
+
     from h2o_chat.models.cpu_quant import quantize_model
     from h2o_chat.models.gguf_q4 import gguf_int4_blocks
     from h2o_chat.models.packed import packed_path, save_packed
@@ -450,7 +457,9 @@ def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: S
     blocks = gguf_int4_blocks(path, model.config) if path is not None and quant == "4bit" else {}
     if status and not blocks:
         status(f"quantizing the weights to {quant} for CPU")
-    quantize_model(model, quant, blocks)
+    text = resources.files("h2o_chat").joinpath("data", "alice.txt").read_text(encoding="utf-8")[:20_000]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+    quantize_model(model, quant, blocks, calibration=torch.tensor([ids]))
     for t in [*model.parameters(), *model.buffers()]:
         if t.dtype == torch.float32:  # norms: not views that keep the float32 file's pages resident
             t.data = t.data.clone()

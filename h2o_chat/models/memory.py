@@ -20,6 +20,7 @@ from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in
 from h2o_chat.engine.quant import bytes_per_element
 from h2o_chat.engine.slots import slot_bytes, storage_bytes
 from h2o_chat.errors import DeviceError
+from h2o_chat.models.cpu_quant import exact_channel_count
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
@@ -40,6 +41,7 @@ class Footprint:
     kv_quant: str = "none"  # "8bit": the cache holds keys and values in int8 with a scale per token
     table_params: int = 0  # the embedding and LM head tables (once if tied), within other_params
     head_params: int = 0  # the LM head's table alone
+    head_columns: int = 0  # the LM head's int8 columns kept beside its CPU 4-bit copy (`cpu_quant`)
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
         """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
@@ -48,6 +50,8 @@ class Footprint:
         tables = 1.0 if cpu and quantize != "none" else per
         rest = self.other_params - self.table_params
         head_copy = self.head_params * _CPU_HEAD_COPY_BYTES[quantize] if cpu else 0
+        if cpu and quantize == "4bit":
+            head_copy += self.head_columns
         return int(self.linear_params * linear + self.table_params * tables + rest * per + head_copy)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
@@ -93,6 +97,7 @@ def footprint(config) -> Footprint:
         **_kv_shape(config),
         table_params=sum(tables.values()),
         head_params=head_weight.numel() if head_weight is not None else 0,
+        head_columns=head_weight.shape[0] * exact_channel_count(head_weight.shape[1]) if head_weight is not None else 0,
     )
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-FORMAT = "1"  # what `quantize_model` holds: a change makes older files be rebuilt
+FORMAT = "2"  # what `quantize_model` holds: a change makes older files be rebuilt
 
 
 def packed_path(folder: Path, fmt: str) -> Path:
