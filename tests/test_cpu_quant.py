@@ -381,3 +381,32 @@ def test_a_joined_linears_parts_may_be_called_in_any_order_and_never_on_another_
         mlp.forward = lambda h: mlp.down_proj(mlp.act_fn(mlp.gate_proj(h * 2)) * mlp.up_proj(h[..., :64]))
         with pytest.raises(RuntimeError, match="reads its linears differently"):
             mlp(x)
+
+
+def test_a_packed_step_exports_with_a_symbolic_batch_and_one_product_per_joined_group():
+    """The decode step is exported (torch.export, dynamic batch) for AOTInductor: the packed linears, the joined
+    products' hook and columns and the LM head trace with a symbolic batch size (no loop over rows, no Python state
+    between calls), make one int4 call for q, k, v and one for gate, up in each layer, and the exported program
+    gives every batch size what eager gives it."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=3, layers=2)
+    quantize_model(model, "4bit")
+
+    class Step(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    step = Step(model).eval()
+    with torch.inference_mode():
+        batch = torch.export.Dim("batch", min=1, max=64)
+        program = torch.export.export(step, (torch.randint(4, 250, (2, 1)),), dynamic_shapes={"ids": {0: batch}})
+        calls = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+        assert sum("int4pack" in c for c in calls) == 2 * 4 + 1  # qkv, o, gate_up, down a layer; the head's copy
+        for b in (1, 3, 5):
+            ids = torch.randint(4, 250, (b, 1))
+            assert torch.equal(program.module()(ids), step(ids)), b
