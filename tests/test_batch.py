@@ -113,6 +113,22 @@ def test_rows_in_a_batch_equal_the_same_prompts_alone(embedded, tmp_path, policy
         assert alone["batch_rows"] == 1
 
 
+@pytest.mark.parametrize("policy", ["snap", "h2o"])
+def test_a_greedy_two_row_batch_gives_each_row_its_text_alone_under_the_default_weights(embedded, tmp_path, policy):
+    """Issue 47.4: with 4-bit weights, a prompt batched with a longer one (left-padded: its prompt chunk has more
+    columns than alone) gave another greedy text than alone; every int4 product now gives a row what it gives
+    it alone, in decode steps and in prompt chunks."""
+    prompts = ["Say hello in five words.", "Write a short poem about the sea."]
+    lines = [{"id": i, "prompt": p, "max_new_tokens": 32} for i, p in enumerate(prompts)]
+    items, _ = read_items(
+        write_lines(tmp_path / "in.jsonl", lines), embedded.tokenizer, Defaults(), Summary(), lambda b: None
+    )
+    together = {r["id"]: r["text"] for r in generate_batch(embedded, items, make_policy(policy, 512), rows=2)}
+    for item in items:
+        alone = next(generate_batch(embedded, [item], make_policy(policy, 512)))
+        assert alone["text"] == together[item.id], item.id
+
+
 def test_torn_last_line_is_set_aside_and_redone(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "text": "x", "finish_reason": "stop"}\n{"id": "b", "te')

@@ -489,6 +489,32 @@ def test_regen_answers_the_last_message_again(embedded, tmp_path):
     assert messages[1]["content"].strip()[:10] in first  # the new reply was shown
 
 
+def test_regen_at_temperature_0_repeats_the_reply_from_the_state_before_it(embedded, tmp_path):
+    """Issue 47.4: /regen goes back to the cache the reply began from (as /undo does) and answers again: greedy,
+    the same reply, and the cache as the first reply left it, bit for bit. (It re-read the conversation, whose
+    replies a prompt chunk computed otherwise than the decode steps had: another reply.)"""
+    chat = session(embedded, tmp_path, budget=512, max_new_tokens=24)
+    drive(chat, tmp_path, "Hello there.\rName three fruits and say why you like them.\r/exit\r")
+    first, keys, pos = list(chat.conv.messages), chat.conv.cache.slots.keys.clone(), chat.conv.cache.slots.pos.clone()
+    out = drive(chat, tmp_path, "/regen\r/exit\r")
+    assert "temperature is 0 (greedy): the same reply comes again" in out
+    assert chat.conv.messages == first
+    assert torch.equal(chat.conv.cache.slots.pos, pos) and torch.equal(chat.conv.cache.slots.keys, keys)
+
+
+def test_a_chats_second_turn_equals_the_same_turns_read_fresh(embedded, tmp_path):
+    """Issue 47.4: a conversation continued from its cache (the first reply decoded step by step) gives the reply
+    that reading the same messages fresh gives (the first reply then read as a prompt chunk), greedy, with
+    nothing evicted: a decode step and a prompt chunk compute a token alike."""
+    chat = session(embedded, tmp_path, budget=512, max_new_tokens=24)
+    saved = tmp_path / "first.json"
+    drive(chat, tmp_path, f"Tell me a short story about a fox.\r/save {saved}\rWhat happened next?\r/exit\r")
+    fresh = session(embedded, tmp_path, budget=512, max_new_tokens=24)
+    drive(fresh, tmp_path, f"/load {saved}\rWhat happened next?\r/exit\r")
+    assert chat.conv.cache.stats().evicted == 0
+    assert [m["content"] for m in fresh.conv.messages] == [m["content"] for m in chat.conv.messages]
+
+
 def test_a_new_engine_is_wired_to_the_view_at_once(embedded, tmp_path):
     """Issue 18: /reset and /load make a new engine; it is told where to say a capture starts without waiting
     for the next turn to re-wire it."""

@@ -22,7 +22,7 @@ HELP = """\
 /budget N|SIZE|%   set the budget: tokens, a memory (64MB) or a share of the context (10%); a smaller one evicts now
 /policy NAME       snap | recall | h2o | sink | recent | full
 /set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
-/regen             answer the last message again (the conversation is re-read)
+/regen             answer the last message again, from the cache as it was before the reply
 /undo              take back your last message and its reply
 /show              the model, chat template, settings, policy and budget
 /clear             clear the screen (the conversation stays)
@@ -158,19 +158,21 @@ class SlashCommands:
         self.view.say(f"{name} set to {_shown(number)} from the next reply on")
 
     def cmd_regen(self, arg: str) -> None:
-        """Answer the last message again: the reply is dropped, the conversation re-read, a new one sampled."""
+        """Answer the last message again: the message and its reply are taken back as /undo takes them (the cache
+        goes back to the state the reply began from, where a copy was kept; else the conversation is re-read), the
+        message is sent again and a new reply sampled."""
         if not any(m["role"] == "assistant" for m in self.conv.messages):
             raise InputError("there is no reply to generate again yet")
         sampler = self.conv.settings.sampler
         if sampler.temperature == 0:
             self.view.note("temperature is 0 (greedy): the same reply comes again; /set temperature 0.7 varies it")
-        text = self.conv.drop_last_turn()
+        text, _ = self.conv.undo_last_turn()
         self.conv.set_sampling(sampler=sampler.reseeded())  # another draw than the reply it replaces
         self.reply(text)
 
     def cmd_undo(self, arg: str) -> None:
         """Take back the last exchange: the cache goes back to before it (a copy kept from then), or, where no copy
-        was kept, restarts and re-reads the conversation on the next turn, as /regen does (said)."""
+        was kept, restarts and re-reads the conversation on the next turn (said)."""
         if not any(m["role"] == "user" for m in self.conv.messages):
             raise InputError("there is nothing to undo yet")
         text, restored = self.conv.undo_last_turn()

@@ -23,13 +23,14 @@ from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in
 from h2o_chat.engine.quant import bytes_per_element
 from h2o_chat.engine.slots import slot_bytes, storage_bytes
 from h2o_chat.errors import DeviceError
+from h2o_chat.models.cpu_quant import exact_channel_count
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
-# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles + a plain copy for prompt chunks + a
-# bfloat16 scale and zero per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
-_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 1.0 + 4 / 32}
-_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy (no nibbles)
+# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles (held once) + a bfloat16 scale and zero
+# per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
+_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 0.5 + 4 / 32}
+_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy
 OVERHEAD = 1.15  # CUDA context and allocator slack on top of weights + what running takes
 SMALLEST_CHUNK = 16  # the smallest prompt chunk `fitting_chunk` falls back to
 
@@ -46,6 +47,7 @@ class Footprint:
     head_params: int = 0  # the LM head's table alone
     store_tokens: int = 0  # the recall policy's store: evicted tokens kept per row (allocated beside the slots)
     shape: ModelShape | None = None  # the sizes a step's and a chunk's transients follow (None: storage alone)
+    head_columns: int = 0  # the LM head's int8 columns kept beside its CPU 4-bit copy (`cpu_quant`)
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
         """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
@@ -54,6 +56,8 @@ class Footprint:
         tables = 1.0 if cpu and quantize != "none" else per
         rest = self.other_params - self.table_params
         head_copy = self.head_params * _CPU_HEAD_COPY_BYTES[quantize] if cpu else 0
+        if cpu and quantize == "4bit":
+            head_copy += self.head_columns
         return int(self.linear_params * linear + self.table_params * tables + rest * per + head_copy)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
@@ -123,6 +127,7 @@ def footprint(config) -> Footprint:
         table_params=sum(tables.values()),
         head_params=head_weight.numel() if head_weight is not None else 0,
         shape=ModelShape.of(config),
+        head_columns=head_weight.shape[0] * exact_channel_count(head_weight.shape[1]) if head_weight is not None else 0,
     )
 
 
