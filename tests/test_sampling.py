@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h2o_chat.engine.sampling import PENALTY_WINDOW, Sampler
-from h2o_chat.errors import ConfigError
+from h2o_chat.errors import ConfigError, SettingError
 
 P = torch.tensor([0.5, 0.3, 0.2])
 
@@ -95,24 +95,31 @@ def test_a_top_k_above_the_nucleus_cap_ranks_that_many():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-1), r"--temperature must be between 0 \(greedy\) and 10, got -1$"),
-        (dict(temperature=float("nan")), r"--temperature must be between 0 \(greedy\) and 10, got nan$"),
-        (dict(temperature=float("inf")), r"--temperature must be between 0 \(greedy\) and 10, got inf$"),
-        (dict(temperature=1e9), r"--temperature must be between 0 \(greedy\) and 10, got 1e\+09$"),
-        (dict(top_p=0.0), "--top-p must be above 0 and at most 1, got 0$"),
-        (dict(top_p=1.5), "--top-p must be above 0 and at most 1, got 1.5$"),
-        (dict(top_p=float("nan")), "--top-p must be above 0 and at most 1, got nan$"),
-        (dict(repetition_penalty=0), r"--repetition-penalty must be above 0 and at most 10 \(1 = off\), got 0$"),
-        (dict(repetition_penalty=float("inf")), r"--repetition-penalty .* got inf$"),
-        (dict(top_k=-1), r"--top-k must be a whole number >= 0 \(0 = off\), got -1$"),
-        (dict(top_k=2.5), r"--top-k must be a whole number >= 0 \(0 = off\), got 2.5$"),
-        (dict(min_p=1.0), r"--min-p must be at least 0 \(off\) and below 1, got 1$"),
-        (dict(min_p=float("nan")), r"--min-p must be at least 0 \(off\) and below 1, got nan$"),
+        (dict(temperature=-1), r"temperature must be between 0 \(greedy\) and 10, got -1$"),
+        (dict(temperature=float("nan")), r"temperature must be between 0 \(greedy\) and 10, got nan$"),
+        (dict(temperature=float("inf")), r"temperature must be between 0 \(greedy\) and 10, got inf$"),
+        (dict(temperature=1e9), r"temperature must be between 0 \(greedy\) and 10, got 1e\+09$"),
+        (dict(top_p=0.0), "top_p must be above 0 and at most 1, got 0$"),
+        (dict(top_p=1.5), "top_p must be above 0 and at most 1, got 1.5$"),
+        (dict(top_p=float("nan")), "top_p must be above 0 and at most 1, got nan$"),
+        (dict(repetition_penalty=0), r"repetition_penalty must be above 0 and at most 10 \(1 = off\), got 0$"),
+        (dict(repetition_penalty=float("inf")), r"repetition_penalty .* got inf$"),
+        (dict(top_k=-1), r"top_k must be a whole number >= 0 \(0 = off\), got -1$"),
+        (dict(top_k=2.5), r"top_k must be a whole number >= 0 \(0 = off\), got 2.5$"),
+        (dict(min_p=1.0), r"min_p must be at least 0 \(off\) and below 1, got 1$"),
+        (dict(min_p=float("nan")), r"min_p must be at least 0 \(off\) and below 1, got nan$"),
     ],
 )
 def test_bad_settings_say_which_value_is_wrong(kwargs, message):
-    with pytest.raises(ConfigError, match=message):
+    """Issue 48.19: the library names a setting by its keyword, never by a front end's option (it said --top-p to a
+    server's client); the error carries the keyword, the rule and the value for each front end to word."""
+    with pytest.raises(SettingError, match="^" + message) as raised:
         Sampler(**kwargs)
+    (name, value), e = next(iter(kwargs.items())), raised.value
+    assert isinstance(e, ConfigError) and "--" not in str(e)  # existing handlers of ConfigError still catch it
+    assert e.name == name and (e.value == value or value != value)  # NaN is not equal to itself
+    flag = "--" + name.replace("_", "-")
+    assert e.worded(flag) == str(e).replace(name, flag, 1) and e.worded(flag).startswith(f"{flag} {e.rule}, got ")
 
 
 def test_a_refilled_rows_first_token_and_its_next_step_draw_different_noise():

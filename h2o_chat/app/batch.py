@@ -25,7 +25,7 @@ from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.stats import mean_count
-from h2o_chat.errors import ConfigError, H2OChatError, InputError, StdoutError
+from h2o_chat.errors import H2OChatError, InputError, SettingError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
@@ -83,23 +83,21 @@ def _positive_int(value, name: str) -> int:
 
 
 def _setting(obj: dict, name: str, default, check) -> float:
-    """A line's own sampling setting (or the default), checked as the Sampler checks the command line's."""
+    """A line's own sampling setting (or the default), checked as the Sampler checks the command line's and said
+    with the line's key."""
     value = obj.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f'"{name}" must be a number, got {json.dumps(value)}')
     try:
-        check(value, f'"{name}"')
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
+        check(value)
+    except SettingError as e:
+        raise ValueError(e.worded(f'"{name}"')) from None
     return value
 
 
-def _check_top_p(value: float, name: str) -> None:
-    """top_p as the Sampler checks it (its one home), said with the line's key."""
-    try:
-        Sampler(top_p=value)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("--top-p", name, 1)) from None
+def _check_top_p(value: float) -> None:
+    """top_p as the Sampler checks it (its one home)."""
+    Sampler(top_p=value)
 
 
 def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:

@@ -150,10 +150,8 @@ class SlashCommands:
                 raise InputError(f"max_new_tokens must be a positive integer, got {number}")
             self.conv.set_sampling(max_new_tokens=number)
         else:
-            try:
-                sampler = dataclasses.replace(sampler, **{name: number})  # the Sampler checks
-            except H2OChatError as e:  # in the chat's words: `temperature`, not the command line's `--temperature`
-                raise InputError(str(e).replace("--" + name.replace("_", "-"), name, 1)) from None
+            # the Sampler checks; its errors name the setting as /set does (top_p)
+            sampler = dataclasses.replace(sampler, **{name: number})
             self.conv.set_sampling(sampler=sampler)
         self.view.say(f"{name} set to {_shown(number)} from the next reply on")
 

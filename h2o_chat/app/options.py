@@ -27,7 +27,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from h2o_chat.app.budget import BudgetText
 from h2o_chat.engine.policies import DEFAULT_POLICY
-from h2o_chat.errors import H2OChatError, StdoutError, out_of_memory
+from h2o_chat.errors import H2OChatError, SettingError, StdoutError, out_of_memory
 from h2o_chat.models.registry import load_registry
 
 
@@ -406,6 +406,9 @@ def reported() -> Iterator[None]:
     """Turn the errors users can cause into one line on stderr and a non-zero exit."""
     try:
         yield
+    except SettingError as e:  # the library names the setting by its keyword; here it is an option
+        typer.echo(f"h2o-chat: error: {e.worded(flag(e.name))}", err=True)
+        raise typer.Exit(e.exit_code) from None
     except H2OChatError as e:
         typer.echo(f"h2o-chat: error: {e}", err=True)
         raise typer.Exit(e.exit_code) from None
@@ -518,6 +521,11 @@ def check_positions(value: str) -> str:
     from h2o_chat.engine.cache import check_positions as check  # torch: only once a command runs, never for --help
 
     return check(value)
+
+
+def flag(name: str) -> str:
+    """The option that sets a library keyword: top_p -> --top-p."""
+    return "--" + name.replace("_", "-")
 
 
 def check_positive(name: str, value: int | None) -> None:
