@@ -467,6 +467,33 @@ def test_set_changes_sampling_for_the_next_replies(embedded, tmp_path):
     assert "temperature 0.3, top_p 1.0, top_k 5, min_p 0.05" in out
 
 
+@pytest.mark.parametrize("seed", [None, 7])
+def test_each_reply_draws_fresh_noise_unless_a_seed_asks_for_repetition(embedded, monkeypatch, seed):
+    """Issue 48.5: an unseeded chat kept one automatic seed for every turn and each prompt restarted the draw
+    count, so every reply's k-th draw had the same noise as the first reply's. Now each reply draws anew; with
+    --seed (or /set seed) the noise repeats, turn after turn, as a seed promises."""
+    from h2o_chat.engine.sampling import RowSampler
+
+    noise, real = [], RowSampler._exponential
+
+    def exponential(self, ids):
+        out = real(self, ids)
+        noise.append(out.clone())
+        return out
+
+    monkeypatch.setattr(RowSampler, "_exponential", exponential)
+    sampler = Sampler(temperature=1.0, top_p=1.0, seed=seed)  # top-p 1: each draw's noise covers the vocabulary
+    conv = Conversation(embedded, make_policy("h2o", 64), ChatSettings(max_new_tokens=3, sampler=sampler))
+    firsts = []
+    for text in ("Name a colour.", "Name another."):
+        noise.clear()
+        list(conv.send(text))
+        firsts.append(noise[:2])  # each turn's first and second draws
+    for k in range(2):
+        same = torch.equal(firsts[0][k], firsts[1][k])
+        assert same == (seed is not None), (k, seed)
+
+
 def test_regen_answers_the_last_message_again(embedded, tmp_path):
     """Issue 22.20: /regen drops the last reply and generates it again (the conversation is re-read)."""
     chat = session(embedded, tmp_path, max_new_tokens=6)

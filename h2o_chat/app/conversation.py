@@ -320,7 +320,7 @@ class Conversation:
                 self.tokenizer,
                 self.cache,
                 ids,
-                sampler=self.settings.sampler,
+                sampler=self._reply_sampler(),
                 chunk_size=chunk,
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
                 stop_ids=self.stop_ids,
@@ -344,6 +344,13 @@ class Conversation:
             if not taken_back:
                 self._end_turn(user, reply, last, count, start + len(ids), reply_index)
                 self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
+
+    def _reply_sampler(self) -> Sampler:
+        """This reply's sampler: a fresh draw each reply unless a seed was given, which repeats (the same text at the
+        same place gives the same reply). A Sampler's automatic seed is drawn once, and each prompt starts the
+        draw count again, so reusing one made every reply's k-th draw the same noise."""
+        sampler = self.settings.sampler
+        return sampler if sampler.seed is not None else sampler.reseeded()
 
     def _compile_when_long(self) -> None:
         """`--decode auto` on a CPU: once the chat's replies have run `LONG_GENERATION` tokens, its decode step is
