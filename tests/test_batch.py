@@ -65,6 +65,27 @@ def test_malformed_lines_are_reported_and_the_rest_run(fast_load, tmp_path):
         assert r["cache"]["kept"] <= r["cache"]["budget"] and r["seconds"] > 0
 
 
+def test_ids_come_back_as_given_and_a_rerun_skips_them(fast_load, tmp_path):
+    """Issue 48.12: an integer id came back as a string ("id": 1 -> "1"); a user's data comes back as given, and a
+    rerun knows the rows it finished whatever the ids' type (1 and "1" are different ids, as in JSON)."""
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": 1, "prompt": "Say hi.", "max_new_tokens": 2},
+            {"id": "1", "prompt": "Say bye.", "max_new_tokens": 2},
+            {"id": 1, "prompt": "again"},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 4, result.stderr
+    assert "line 3: duplicate id 1" in result.stderr
+    assert sorted((r["id"] for r in records(out)), key=str) == [1, "1"]
+    assert [type(r["id"]) for r in records(out) if r["id"] == 1] == [int]
+    again = runner.invoke(cli.app, ["batch", str(inp), "-o", str(out)])
+    assert "0 done, 2 already in out.jsonl" in again.stderr and len(records(out)) == 2
+
+
 def test_input_file_errors(fast_load, tmp_path):
     result = runner.invoke(cli.app, ["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2 and "input file not found" in result.stderr

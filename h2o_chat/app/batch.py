@@ -36,7 +36,7 @@ SKIPPED_EXIT = 4  # every valid row ran, but some lines were skipped (3 is out o
 
 @dataclass
 class Item:
-    id: str
+    id: str | int  # as the line gives it: it comes back the same in the result
     line: int
     ids: list[int]
     max_new_tokens: int
@@ -143,7 +143,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
             messages = [{"role": "system", "content": defaults.system}, *messages]
         ids = chat_ids(tokenizer, messages)
     return Item(
-        str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p),
+        obj["id"], number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p),
         float(top_p), seed,
     )  # fmt: skip
 
@@ -164,7 +164,7 @@ def read_items(
                 continue
             item = parse_line(text, number, tokenizer, defaults)
             if item.id in seen:
-                raise ValueError(f'duplicate id "{item.id}"')
+                raise ValueError(f"duplicate id {json.dumps(item.id)}")
             if item.budget in impossible:
                 raise impossible[item.budget]
             if item.budget not in policies:
@@ -300,7 +300,7 @@ def run_batch(
     decode: str = "auto",
     on_skip: Callable[[str], None] | None = None,
     kv_quant: str = "none",
-    done: set[str] | None = None,
+    done: set[str | int] | None = None,
 ) -> Summary:
     """Generate every well-formed line not yet in the output (`-`: stdout; `done`: its ids, when the caller has
     read them already). Malformed and duplicate lines are passed to `on_skip` before anything is generated (a
