@@ -327,6 +327,25 @@ def test_a_prompt_file_is_the_chats_first_message(tmp_path):
     assert drawn.index("> What is the capital of France?") < drawn.index("Paris")
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_chat_by_name_opens_the_chat_with_its_words_as_the_first_message(tmp_path):
+    """Issue 48.8: `h2o-chat chat` replied once to the prompt "chat"; it opens the chat (as ollama's and llm's
+    habits expect), the words after it sent as the first message."""
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
+    env.pop("NO_COLOR", None)
+    words = ["What", "is", "the", "capital", "of", "France?"]
+    term = Pty(["chat", "--temperature", "0", "-n", "12", *words], env, 40, 120)
+    try:
+        assert term.read_until(b"Paris", 300), term.screen[-2000:]
+        assert term.read_until(b"\x1b[?2004h", 60), term.screen[-2000:]  # then the prompt, for the next message
+        term.write(b"/exit\r")
+        term.read_until(b"\x00never", 3)
+    finally:
+        term.close()
+    drawn = plain(term.screen.decode(errors="replace"))
+    assert "> What is the capital of France?" in drawn and "/help for commands" in drawn  # the chat's banner
+
+
 def test_panel_renders_on_a_terminal(embedded, tmp_path):
     chat = session(embedded, tmp_path, panel=True, terminal=True)
     out = drive(chat, tmp_path, "Hello!\r/exit\r")

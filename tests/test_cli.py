@@ -517,6 +517,32 @@ def test_a_failed_write_to_stdout_is_one_line_for_every_command(tmp_path):
         assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
 
 
+def test_a_closed_stdout_is_one_line_for_every_command(tmp_path):
+    """Issue 48.7: `h2o-chat "Hi" >&-` ended in two tracebacks ('NoneType' object has no attribute 'write', then
+    'flush'). A command that writes its results to stdout says so on one line, exit 1, before loading a model;
+    batch with -o FILE writes nothing there and runs (no file it opens takes stdout's descriptor)."""
+    from test_chat import _installed_command
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Say hi.", "max_new_tokens": 2}\n')
+    closed = ["sh", "-c", 'exec "$@" >&-', "sh", *_installed_command()]
+    for args in (
+        ["--max-new-tokens", "2", "Hi"],
+        ["--json", "--max-new-tokens", "2", "Hi"],
+        ["models"],
+        ["list"],
+        ["batch", str(inp), "-o", "-"],
+    ):
+        done = subprocess.run([*closed, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        assert (done.returncode, done.stderr) == (1, "h2o-chat: cannot write to stdout: it is closed\n"), args
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        [*closed, "batch", str(inp), "-o", str(out), "--temperature", "0"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(out.read_text())["id"] == "a"
+
+
 def test_soak_help_names_the_text_option_a_file():
     """Issue 22.19: soak --text took a path but showed <str>."""
     text = invoke(["soak", "--help"]).stdout

@@ -125,3 +125,73 @@ def test_a_chat_template_file_replaces_the_tokenizers_and_a_bad_one_is_one_line(
     assert_one_line_error(invoke(["--chat-template", str(tmp_path / "fails.jinja")], stdin="Hi"), "cannot render")
     assert_one_line_error(invoke(["--chat-template", str(tmp_path / "blind.jinja")], stdin="Hi"), "messages")
     assert_one_line_error(invoke(["--chat-template", str(tmp_path / "none.jinja")], stdin="Hi"), "none.jinja")
+
+
+# -- issue 48: habits from ollama and llama-cli, -f from a pipe -------------------------------------------------
+def test_ollama_and_llama_cli_habits_do_what_they_do_there(fast_load, tiny_folder):
+    """Issue 48.8: `h2o-chat run llama-2-7b` replied to the prompt "run llama-2-7b", `list` generated text, and -n,
+    -t, -s were unknown. `run MODEL` names the model (as ollama's), `list` is `models`, -n/-t/-s are
+    --max-new-tokens/--threads/--seed; a flag that means something else here says what it is."""
+    import torch
+
+    assert_one_line_error(invoke(["run", "llama-2-7b"], "hi"), "llama-2-7b", "not on this machine")
+    reply = invoke(["run", str(tiny_folder), "--raw", "--json", "-n", "3", "--temperature", "0", "w5", "w6"])
+    assert reply.exit_code == 0, reply.stderr
+    record = json.loads(reply.stdout)
+    assert record["prompt_tokens"] == 2 and record["generated_tokens"] <= 3  # the words after MODEL, alone
+    assert fast_load == ["llama-2-7b", str(tiny_folder)]
+    assert_one_line_error(invoke(["run"], "hi"), "run needs a model")
+    assert_one_line_error(invoke(["run", "x", "-m", "y"], "hi"), "run x and --model y both name the model")
+    models = invoke(["list"])
+    assert models.exit_code == 0 and models.stdout.startswith("alias") and models.stdout == invoke(["models"]).stdout
+    before = torch.get_num_threads()
+    try:
+        args = ["-n", "4", "-s", "11", "-t", "1", "--json", "--temperature", "1.5", "Name a colour."]
+        runs = [json.loads(invoke(args).stdout) for _ in range(2)]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0]["text"] == runs[1]["text"] and runs[0]["generated_tokens"] <= 4
+    assert_one_line_error(invoke(["-s", "-2"], "hi"), "--seed must be a whole number >= 0, or -1 for a random one")
+    # what means something else here: said, instead of a nearest spelling (--ctx-size suggested --chunk-size)
+    result = invoke(["--ctx-size", "4096", "hi"])
+    assert result.exit_code == 2 and "--budget" in result.stderr and "--chunk-size" not in result.stderr
+    assert result.stderr.startswith("h2o-chat: error: No such option: --ctx-size: llama.cpp's context size")
+    assert_one_line_error(
+        invoke(["-p", "What is 2+2?"]), "-p is --policy here", "give the prompt as an argument: h2o-chat 'What is 2+2?'"
+    )
+    assert_one_line_error(invoke(["chat"], "hi"), "chat needs a terminal on stdin")
+
+
+def test_ignore_eos_writes_on_to_max_new_tokens(fast_load, tmp_path):
+    """Issue 48.8: --ignore-eos (llama-cli's): a piped reply and a batch's rows run to --max-new-tokens past the
+    end-of-sequence token, for a generation of known length."""
+    args = ["--json", "-n", "24", "--temperature", "0", "Say hi."]
+    ended = json.loads(invoke(args).stdout)
+    assert ended["finish_reason"] == "stop" and ended["generated_tokens"] < 24  # the reply ends by itself
+    on = json.loads(invoke([*args, "--ignore-eos"]).stdout)
+    assert (on["finish_reason"], on["generated_tokens"]) == ("length", 24) and on["text"].startswith(ended["text"])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Say hi.", "max_new_tokens": 24}\n')
+    result = invoke(["batch", str(inp), "-o", str(out), "--ignore-eos"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(out.read_text())["generated_tokens"] == 24
+
+
+def test_a_prompt_file_may_be_a_pipe_or_stdin(fast_load, embedded, tmp_path):
+    """Issue 48.9: `-f <(echo ...)` and `-f /dev/stdin` were "not a regular file", `-f -` "not found". A prompt
+    file is any readable stream; `-` is standard input."""
+    from test_chat import _installed_command
+
+    text = "Name three colours."
+    expected = len(embedded.tokenizer(text)["input_ids"])
+    args = ["--raw", "--json", "-n", "1", "--temperature", "0"]
+    dash = invoke(["-f", "-", *args], stdin=text)
+    assert dash.exit_code == 0, dash.stderr
+    assert json.loads(dash.stdout)["prompt_tokens"] == expected
+    assert_one_line_error(invoke(["-f", "-", *args], stdin=""), "the prompt file standard input (-f -) is empty")
+    command = " ".join(f"'{word}'" for word in [*_installed_command(), *args])
+    for how, stdin in ((f"{command} -f <(printf '{text}')", None), (f"{command} -f /dev/stdin", text)):
+        done = subprocess.run(["bash", "-c", how], input=stdin, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (how, done.stderr)
+        assert json.loads(done.stdout)["prompt_tokens"] == expected, how

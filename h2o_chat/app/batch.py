@@ -61,6 +61,7 @@ class Defaults:
     seed: int | None = None
     system: str | None = None
     raw: bool = False
+    ignore_eos: bool = False  # rows run to their max_new_tokens past the end-of-sequence token
 
 
 @dataclass
@@ -195,6 +196,7 @@ def generate_batch(
     decode: str = "auto",
     rows: int = 8,
     kv_quant: str = "none",
+    ignore_eos: bool = False,
 ) -> Iterator[dict]:
     """Continuous batching: keep `rows` batch rows busy until every item is done, yielding each item's record as
     soon as it finishes. The first `rows` prompts are read together; then a row that finishes takes the next
@@ -202,7 +204,7 @@ def generate_batch(
     captured once on CUDA -- is reused for the whole run. A row decodes exactly as its prompt would alone
     (greedy). When no prompt is left and half the rows are idle, the idle rows leave the batch."""
     model, tok = loaded.model, loaded.tokenizer
-    stops = stop_token_ids(tok, model)
+    stops = set() if ignore_eos else stop_token_ids(tok, model)
     R = min(rows, len(items))
     cache = H2OCache.for_model(model, policy, positions, loaded.context, kv_quant=kv_quant)
     cache.reserve(max(len(it.ids) for it in items) + max(it.max_new_tokens for it in items))  # a full cache, once
@@ -328,6 +330,7 @@ def run_batch(
                 *(loaded, group, by_budget[budget], top_p, seed, chunk_size, positions, decode),
                 rows=batch_size,
                 kv_quant=kv_quant,
+                ignore_eos=defaults.ignore_eos,
             )
             for record in records:
                 try:

@@ -13,12 +13,14 @@ import typer
 
 from h2o_chat.app.options import (
     CacheOptions,
+    IgnoreEos,
     ModelOptions,
     PolicyKnobs,
     SamplingOptions,
     check_positive,
     grouped,
     reported,
+    require_stdout,
     status,
 )
 
@@ -39,6 +41,7 @@ def batch_command(
     batch_size: Annotated[int, typer.Option(help="Rows generated together.")] = 8,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
+    ignore_eos: IgnoreEos = False,
     models: ModelOptions = ModelOptions(),
     cache: CacheOptions = CacheOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),
@@ -59,6 +62,8 @@ def batch_command(
         if not input_path.exists():
             raise InputError(f"input file not found: {input_path}")
         check_output(output, input_path)
+        if is_stdout(output):
+            require_stdout()
         budget = cache.tokens(models, rows=batch_size)  # a memory or a share: the tokens it comes to, per row
         cache.build(knobs, budget)  # fail before loading weights
         done = finished_ids(output, note=status)  # batch's own output, or refused untouched: before loading
@@ -81,9 +86,10 @@ def batch_command(
             top_k=sampling.top_k,
             min_p=sampling.min_p,
             top_p=sampling.top_p,
-            seed=sampling.seed,
+            seed=sampling.given_seed,
+            ignore_eos=ignore_eos,
         )
-        written: list[str] = []
+        written: list[str | int] = []
 
         def on_record(record: dict) -> None:
             written.append(record["id"])

@@ -70,6 +70,7 @@ class ChatSettings:
     decode: str = "auto"  # how decode steps run: auto | eager | graph (see h2o_chat.engine)
     stop: tuple[str, ...] = ()  # stop strings (--stop): the reply ends before the first one
     chat_template: tuple[str, str] | None = None  # --chat-template: (its file, its Jinja text), not the tokenizer's
+    ignore_eos: bool = False  # --ignore-eos: replies run to max_new_tokens past the end-of-sequence token
 
 
 @dataclass
@@ -323,7 +324,7 @@ class Conversation:
                 sampler=self._reply_sampler(),
                 chunk_size=chunk,
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
-                stop_ids=self.stop_ids,
+                stop_ids=set() if self.settings.ignore_eos else self.stop_ids,
                 stop_strings=stops,
                 progress=progress,
                 engine=self.engine,
