@@ -368,14 +368,18 @@ def test_panel_separates_allocated_from_in_use_kv(embedded, tmp_path):
     assert ui.human_bytes(stats.kv_used_bytes) == ui.human_bytes(stats.full_kv_bytes)  # nothing evicted yet
 
 
-def test_an_impossible_budget_is_refused_and_the_session_goes_on(embedded, tmp_path):
-    """Issue 22.1: /budget gets the memory check --budget gets; a rejected setting never ends the session."""
+def test_an_impossible_budget_is_refused_and_the_session_goes_on(embedded, tmp_path, monkeypatch):
+    """Issue 22.1: /budget gets the memory check --budget gets; a rejected setting never ends the session. (A budget
+    within the trained context, 8,192, on a machine with 64 MB left: a larger one is capped to the context.)"""
+    from h2o_chat.models import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 64 * 2**20)
     chat = session(embedded, tmp_path, budget=64)
-    out = drive(chat, tmp_path, "/budget 99999999999\rSay hi.\r/exit\r")
+    out = drive(chat, tmp_path, "/budget 8000\rSay hi.\r/exit\r")
     line = next(line for line in out.splitlines() if "error:" in line)
-    assert "/budget 99999999999: a 99999999999-token KV cache needs" in line
+    assert "/budget 8000: a 8000-token KV cache needs" in line
     fits = int(re.search(r"/budget (\d+) fits", line).group(1))
-    assert 64 <= fits < 99999999999
+    assert 64 <= fits < 8000
     assert chat.conv.policy == make_policy("h2o", 64)  # the old budget stays
     assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"] and chat.conv.messages[1]["content"]
 

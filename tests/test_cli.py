@@ -217,8 +217,14 @@ def test_unwritable_cache_folder_falls_back_to_a_temporary_one(tmp_path, monkeyp
     assert len(notes) == 1 and f"converted weights are cached in {fallback}" in notes[0]
 
 
-def test_a_budget_beyond_memory_on_cpu_says_which_would_fit(fast_load, tiny_folder, tmp_path):
-    # tiny model: 512 bytes of KV a token, so 10^10 tokens is ~5 TB, which no test machine has
+def test_a_budget_beyond_memory_on_cpu_says_which_would_fit(fast_load, tmp_path):
+    from conftest import tiny_model, tiny_tokenizer
+
+    # tiny model: 512 bytes of KV a token, so 10^10 tokens is ~5 TB, which no test machine has; its trained
+    # context is longer, so that the budget is not capped to it (issue 48.10)
+    tiny_folder = tmp_path / "tiny-long"
+    tiny_model("llama", max_positions=2**40).save_pretrained(tiny_folder)
+    tiny_tokenizer().save_pretrained(tiny_folder)
     result = invoke(["-m", str(tiny_folder), "--device", "cpu", "-b", "10000000000"], "hi")
     assert_one_line_error(result, "10000000000-token KV cache", "memory available", "--budget")
     budget = int(re.search(r"--budget (\d+) fits", result.stderr).group(1))

@@ -158,6 +158,14 @@ def test_budget_reads_tokens_a_memory_or_a_share_as_the_command_line_does(embedd
     assert conv.policy == make_policy("snap", 819)
 
 
+def test_a_budget_beyond_the_trained_context_is_capped_and_said(embedded):
+    """Issue 48.10: /budget past the model's trained context (8,192 here) is the context, with why."""
+    cmds, conv, view = commands(embedded)
+    cmds.run("/budget 100000")
+    assert conv.policy == make_policy("snap", 8192) and not view.errors
+    assert view.said[0].startswith("/budget 100000: the budget is 8,192 tokens, the model's trained context")
+
+
 def test_set_speaks_the_chats_words_and_shows_a_random_seed(embedded):
     """Issue 38.7: /set temperature -1 answered with "--temperature must be ..." and /set showed "seed None"."""
     cmds, conv, view = commands(embedded)

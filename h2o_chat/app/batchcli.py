@@ -51,6 +51,7 @@ def batch_command(
     with reported():
         from h2o_chat.app.batch import SKIPPED_EXIT, Defaults, run_batch
         from h2o_chat.app.batch_output import check_output, finished_ids, is_stdout
+        from h2o_chat.app.budget import within_context
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
 
@@ -70,7 +71,12 @@ def batch_command(
         loaded = models.load(kv_tokens=budget, kv_rows=batch_size, kv_quant=cache.kv_quant)
 
         def policy_for(line_budget: int | None):
-            """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
+            """A line's policy (its budget within the trained context); a budget that does not fit in memory skips
+            the line, as a malformed one."""
+            if line_budget is not None and line_budget != budget:
+                line_budget, capped = within_context(line_budget, loaded.context, f'"budget" {line_budget}')
+                if capped:
+                    status(capped)
             policy = cache.build(knobs, line_budget)
             if policy.budget is not None and policy.budget != budget:  # the default one was checked above
                 loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)

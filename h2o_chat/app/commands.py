@@ -109,15 +109,19 @@ class SlashCommands:
     def _tokens(self, arg: str) -> int:
         """/budget as --budget reads it: tokens, a memory (the most tokens whose keys and values fit, as this
         chat's cache stores them) or a share of the model's trained context."""
-        from h2o_chat.app.budget import BudgetText
+        from h2o_chat.app.budget import BudgetText, within_context
         from h2o_chat.models.memory import kv_token_bytes
 
         loaded, kv_quant = self.conv.loaded, self.conv.settings.kv_quant
-        tokens, how = BudgetText.parse("/budget", arg).resolve(
+        asked = BudgetText.parse("/budget", arg)
+        tokens, how = asked.resolve(
             lambda: kv_token_bytes(loaded.model.config, loaded.dtype, kv_quant), lambda: loaded.context, 1, kv_quant
         )
         if how:
             self.view.say(how)
+        tokens, capped = within_context(tokens, loaded.context, asked.head)
+        if capped:
+            self.view.say(capped)
         return tokens
 
     def cmd_policy(self, arg: str) -> None:

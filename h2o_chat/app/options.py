@@ -26,7 +26,7 @@ from typing import Annotated, ClassVar
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from h2o_chat.app.budget import BudgetText
+from h2o_chat.app.budget import BudgetText, within_context
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import H2OChatError, SettingError, StdoutError, out_of_memory
 from h2o_chat.models.registry import load_registry
@@ -354,11 +354,17 @@ class CacheOptions:
     def tokens(self, models: ModelOptions, rows: int = 1) -> int:
         """The budget in tokens for each of `rows` rows (a memory is theirs together); how a memory or a share
         became that many is said on stderr. Nothing loads: the model's config gives its sizes."""
-        tokens, how = self.asked().resolve(
+        asked = self.asked()
+        tokens, how = asked.resolve(
             lambda: models.kv_token_bytes(self.kv_quant), models.trained_context, rows, self.kv_quant
         )
         if how:
             status(how)
+        if self.policy == "full":  # no budget: the cache holds every token
+            return tokens
+        tokens, capped = within_context(tokens, models.trained_context(), asked.head)
+        if capped:
+            status(capped)
         return tokens
 
     def build(self, knobs: PolicyKnobs, budget: int | None):
