@@ -13,7 +13,7 @@ from pathlib import Path
 
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.conversation import Conversation
-from h2o_chat.app.ui import describe_device, plural
+from h2o_chat.app.ui import describe_device, plural, quote
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
@@ -21,7 +21,7 @@ HELP = """\
 /help              this list
 /budget N|SIZE|%   set the budget: tokens, a memory (64MB) or a share of the context (10%); a smaller one evicts now
 /policy NAME       snap | recall | h2o | sink | recent | full
-/set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
+/set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed (random: -1)
 /regen             answer the last message again (the conversation is re-read)
 /undo              take back your last message and its reply
 /show              the model, chat template, settings, policy and budget
@@ -149,6 +149,10 @@ class SlashCommands:
         except ValueError:
             what = "a whole number" if kind is int else "a number"
             raise InputError(f"/set {name} takes {what}, got {value!r}") from None
+        if name == "seed" and number is not None and number < 0:
+            if number != -1:
+                raise InputError(f"/set seed takes a whole number >= 0, or random (or -1), got {number}")
+            number = None  # -1: a random seed, as llama.cpp reads it
         if name == "max_new_tokens":
             if number <= 0:
                 raise InputError(f"max_new_tokens must be a positive integer, got {number}")
@@ -176,8 +180,15 @@ class SlashCommands:
         if not any(m["role"] == "user" for m in self.conv.messages):
             raise InputError("there is nothing to undo yet")
         text, restored = self.conv.undo_last_turn()
-        preview = " ".join(text.split())[:48]
-        if restored:
+        preview = quote(text)
+        if not any(m["role"] == "user" for m in self.conv.messages):
+            self.view.say(f'took back "{preview}" and its reply; the conversation is empty again')
+        elif restored and not self.conv.fed:  # the copy is of a cache that had restarted (/regen, /load, /system)
+            self.view.say(
+                f'took back "{preview}" and its reply; the cache held none of the conversation before them (it had '
+                "restarted), so the conversation is read again at the next turn"
+            )
+        elif restored:
             self.view.say(f'took back "{preview}" and its reply; the cache is as it was before them')
         else:
             self.view.say(

@@ -44,6 +44,16 @@ def share(fraction: float) -> str:
     return "100%" if fraction >= 1 - 1e-6 else f"{min(99, math.floor(100 * fraction))}%"
 
 
+def quote(text: str, width: int = 48) -> str:
+    """`text` on one line in at most `width` characters, cut between words and marked with "…" (a cut inside a
+    word or a number misquotes it: "costs 12" for "costs 1250")."""
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    cut = flat.rfind(" ", 0, width)
+    return (flat[:cut] if cut > 0 else flat[: width - 1]) + "…"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 token', '2 tokens', '1,024 tokens'."""
     return f"{n:,} {word if n == 1 else many or word + 's'}"
