@@ -218,3 +218,16 @@ def test_a_budget_beyond_the_trained_context_is_capped_and_said(fast_load, tmp_p
     assert result.exit_code == 0, result.stderr
     assert '"budget" 100000: the budget is 8,192 tokens' in result.stderr
     assert json.loads(out.read_text())["cache"]["budget"] == 8192
+
+
+def test_a_one_token_reply_times_no_decode_step(fast_load):
+    """Issue 48.13: a 1-token reply reported 0.0 tok/s: its one token comes from the prompt's reading, so no decode
+    step was timed; the summary, --json and the panel say so instead of a speed."""
+    from h2o_chat.app.ui import TurnStats
+
+    result = invoke(["-n", "1", "--temperature", "0"], "Say hi.")
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("h2o-chat: 1 token, no decode step to time (prompt ") and "0.0 tok/s" not in summary
+    assert json.loads(invoke(["-n", "1", "--json"], "Say hi.").stdout)["decode_tps"] is None
+    assert TurnStats(prompt_tps=900.0, generation_tps=None).speed() == "prefill 900 tok/s, no decode step to time"
+    assert TurnStats(prompt_tps=900.0, generation_tps=None).speed(compact=True) == "prefill 900 tok/s"

@@ -423,15 +423,17 @@ class Conversation:
             self._restart()
         self.stopped_reading = (stopped.done, stopped.total)
 
-    def speeds(self, record: Response) -> tuple[float, float, float]:
+    def speeds(self, record: Response) -> tuple[float, float | None, float]:
         """This turn's (prompt tok/s, decode tok/s, one-time setup seconds): a capture or compilation of the
-        decode step is paid once and reported on its own, not folded into the speeds."""
+        decode step is paid once and reported on its own, not folded into the speeds. Decode is None until a
+        decode step has run: the first token comes from the prompt's reading (a 1-token reply read 0.0 tok/s)."""
         at_start, at_first, now = self._setup
         prompt = record.prompt_seconds - (at_first - at_start)
         decode = record.generation_seconds - (now - at_first)
+        steps = record.generation_tokens - 1
         return (
             record.prompt_tokens / prompt if prompt > 0 else 0.0,
-            (record.generation_tokens - 1) / decode if decode > 0 else 0.0,
+            steps / decode if steps and decode > 0 else None,
             now - at_start,
         )
 

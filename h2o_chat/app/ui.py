@@ -67,17 +67,21 @@ def reading_label(total: int, prompt_tokens: int) -> str:
     return "reading the prompt (twice: snap)"
 
 
+NOT_TIMED = "no decode step to time"  # a 1-token reply: its token comes from the prompt's reading
+
+
 def summary_line(
     response, stats, decode: str = "", speeds: tuple[float, float, float] | None = None, weights: str = ""
 ) -> str:
     """One line for stderr after a piped run; `decode` says how decode steps ran (eager, CUDA graph, ...);
-    `speeds` are (prompt tok/s, decode tok/s, one-time setup seconds) with the setup (a capture or compilation)
-    left out of both speeds, which is then stated apart."""
+    `speeds` are (prompt tok/s, decode tok/s or None when no decode step ran, one-time setup seconds) with the
+    setup (a capture or compilation) left out of both speeds, which is then stated apart."""
     prompt_tps, decode_tps, setup = speeds or (response.prompt_tps, response.generation_tps, 0.0)
     steps = f", {decode}" if decode else ""
+    rate = NOT_TIMED if decode_tps is None else f"{decode_tps:.1f} tok/s{steps}"
     once = f"; one-time setup {setup:.1f} s, not in tok/s" if setup >= 0.05 else ""
     return (
-        f"{plural(response.generation_tokens, 'token')}, {decode_tps:.1f} tok/s{steps} "
+        f"{plural(response.generation_tokens, 'token')}, {rate} "
         f"(prompt {plural(response.prompt_tokens, 'token')}, {prompt_tps:.0f} tok/s{once}) | "
         f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
         f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}" + (f" | weights {weights}" if weights else "")
@@ -217,7 +221,7 @@ class TurnStats:
 
     evicted_at_start: float = 0.0
     prompt_tps: float = 0.0
-    generation_tps: float = 0.0
+    generation_tps: float | None = 0.0  # None: no decode step has run yet (the first token is the prompt's)
     decode: str = ""  # how decode steps run: eager or CUDA graph (captured)
     reading_tps: float = 0.0  # tokens read per second so far, while the message is read (before any speed is known)
 
@@ -227,6 +231,8 @@ class TurnStats:
             if not self.reading_tps:
                 return ""
             return f"reading {self.reading_tps:,.0f} tok/s" + ("" if compact else " so far")
+        if self.generation_tps is None:
+            return f"prefill {self.prompt_tps:.0f} tok/s" + ("" if compact else f", {NOT_TIMED}")
         if compact:
             return f"{self.prompt_tps:.0f}/{self.generation_tps:.1f} tok/s"
         return f"prefill {self.prompt_tps:.0f} tok/s, decode {self.generation_tps:.1f} tok/s" + (
