@@ -355,9 +355,11 @@ def test_panel_renders_on_a_terminal(embedded, tmp_path):
 
 
 def test_panel_separates_allocated_from_in_use_kv(embedded, tmp_path):
+    """Issue 48.13: "in use" read above what a full cache would hold while nothing was evicted: it counted the
+    slots' positions and scores, which a full cache's figure does not. It counts the held keys and values."""
     chat = session(embedded, tmp_path, budget=512, panel=True, terminal=True)
     drive(chat, tmp_path, "Hello!\r/exit\r")
-    stats = chat.conv.cache.stats()
+    stats, slots = chat.conv.stats(), chat.conv.cache.stats()
     assert stats.kv_used_bytes < stats.kv_bytes  # a first short turn fills a fraction of the budget
     text = " ".join(plain(chat.console.file.getvalue()).replace("│", " ").split())
     expected = (
@@ -365,7 +367,8 @@ def test_panel_separates_allocated_from_in_use_kv(embedded, tmp_path):
         f"a full cache would hold {ui.human_bytes(stats.full_kv_bytes)}"
     )
     assert expected in text
-    assert ui.human_bytes(stats.kv_used_bytes) == ui.human_bytes(stats.full_kv_bytes)  # nothing evicted yet
+    assert stats.seen == stats.kept and stats.kv_used_bytes == stats.full_kv_bytes  # nothing evicted yet
+    assert slots.kv_used_bytes > slots.full_kv_bytes  # the library's figure: every field of the held slots
 
 
 def test_an_impossible_budget_is_refused_and_the_session_goes_on(embedded, tmp_path, monkeypatch):

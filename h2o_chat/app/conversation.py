@@ -28,6 +28,7 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress, decode_for
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
+from h2o_chat.engine.slots import slot_bytes
 from h2o_chat.engine.snap import columns_read
 from h2o_chat.engine.stats import CacheStats
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
@@ -438,9 +439,16 @@ class Conversation:
         )
 
     def stats(self) -> CacheStats:
-        """The cache's stats, with the recall store's bytes as what it holds: the entries stored times the bytes
-        of one entry (the cache reports the space reserved, which grows ahead of the entries)."""
-        stats, store = self.cache.stats(), self.cache.store
+        """The cache's stats as the user is shown them. In use: the held tokens' keys and values, counted as the
+        full cache's figure counts a token (the slots' positions and scores are part of what is allocated; counted
+        in use, they put it above the full cache's figure while nothing was evicted). The recall store's bytes:
+        what it holds, the entries stored times the bytes of one entry (the cache reports the space reserved,
+        which grows ahead of the entries)."""
+        stats, store, slots = self.cache.stats(), self.cache.store, self.cache.slots
+        if slots is not None:
+            per_slot = slots.slot_bytes()
+            keys_values = per_slot - slot_bytes(0, 0, 1)  # less the position, rotation and score of a slot
+            stats = dataclasses.replace(stats, kv_used_bytes=stats.kv_used_bytes * keys_values // per_slot)
         if store is None or not store.capacity:
             return stats
         return dataclasses.replace(stats, store_bytes=stats.store_bytes * store.count // store.capacity)
