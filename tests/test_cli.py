@@ -110,6 +110,12 @@ def test_models_lists_aliases_and_presence():
         assert alias in result.stdout
     row = next(line for line in result.stdout.splitlines() if line.startswith("smollm2-135m"))
     assert row.startswith("smollm2-135m *") and "yes" in row
+    # issue 48.13: it said the CPU runs float32; the embedded model runs from its GGUF's 4-bit weights there
+    caption = " ".join(result.stdout.split())
+    assert (
+        "CPU runs float32" not in caption
+        and "on a CPU a GGUF model (the embedded one) runs from its own 4-bit" in caption
+    )
     assert "no" in next(line for line in result.stdout.splitlines() if line.startswith("llama-2-7b"))
 
 

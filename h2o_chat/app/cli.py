@@ -277,7 +277,8 @@ def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
             for name, spec in registry.models.items()
         ]
         caption = (
-            "* the default model; dtype/quant are the defaults on CUDA (CPU runs float32)\n"
+            "* the default model; dtype/quant are the defaults on CUDA; on a CPU a GGUF model (the embedded one) runs "
+            "from its own 4-bit weights, others in float32\n"
             f"Converted weights are kept in {user_cache_dir()} (H2O_CHAT_CACHE sets another folder)."
         )
         for i, table in enumerate(models_tables(rows, caption, console.width)):
