@@ -54,6 +54,19 @@ def quote(text: str, width: int = 48) -> str:
     return (flat[:cut] if cut > 0 else flat[: width - 1]) + "…"
 
 
+def fit(text: str, width: int) -> str:
+    """`text` in `width` columns, never cut inside a word: whole clauses (before ", ", "; ", " (", " | ") leave
+    from the end while what stays fills at least half the width, else whole words; " …" marks the cut."""
+    if len(text) <= width:
+        return text
+    room = width - 2  # for " …"
+    clause = max(text.rfind(sep, 0, room + 1) for sep in (", ", "; ", " (", " | "))
+    cut = clause if clause >= width // 2 else text.rfind(" ", 0, room + 1)
+    if cut <= 0:  # one word longer than the width
+        return text[: width - 1] + "…"
+    return text[:cut].rstrip(" ,;|(") + " …"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 token', '2 tokens', '1,024 tokens'."""
     return f"{n:,} {word if n == 1 else many or word + 's'}"
@@ -270,7 +283,7 @@ class PanelView:
                 f" | GPU {human_bytes(mem['gpu_allocated'])} alloc, {human_bytes(mem['gpu_reserved'])} "
                 f"reserved, KV {100 * stats.kv_bytes / max(1, mem['gpu_allocated']):.0f}%"
             )
-        return [
+        rows = [
             ("model", f"{self.model} on {self.device}"),
             ("policy", describe_policy(stats)),
             ("tokens", f"{stats.seen} seen, {stats.kept:.0f} kept per layer and head"),
@@ -280,6 +293,7 @@ class PanelView:
             ("memory", memory),
             ("speed", self.turn.speed()),
         ]
+        return [(label, fit(value, width - PANEL_FRAME)) for label, value in rows]  # the grid would cut mid-word
 
     def _evicted(self, stats, compact: bool = False) -> str:
         """Evictions this turn and in all. `compact`: the two-line summary's wording."""
