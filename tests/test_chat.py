@@ -91,6 +91,25 @@ def test_unwritable_history_turns_history_off_and_the_session_runs(embedded, tmp
     assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"]  # the turn still ran
 
 
+def test_the_history_file_keeps_a_long_paste_capped_and_the_session_keeps_it_whole(embedded, tmp_path):
+    """Issue 48.13: a pasted ~4,900-token message landed whole in the history file, for every later session to
+    load. The file keeps the first 4,096 characters of an entry, cut between words; Up in this session still
+    brings the whole message back."""
+    from h2o_chat.app.chat import HISTORY_ENTRY_CHARS
+
+    chat = session(embedded, tmp_path)
+    with create_pipe_input() as pipe:
+        prompt = make_prompt_session(tmp_path / "history", chat, input=pipe, output=DummyOutput())
+    paste = " ".join(f"Note {i}: the red box on shelf {i} holds 1234567 beads." for i in range(200))  # ~10 KB
+    prompt.history.append_string(paste)
+    prompt.history.append_string("Say hi.")
+    kept = (tmp_path / "history").read_text()
+    assert len(kept) < HISTORY_ENTRY_CHARS + 200 and "+Say hi." in kept
+    entry = next(line for line in kept.splitlines() if line.startswith("+Note 0"))[1:]
+    assert entry.endswith(" …") and paste.startswith(entry[:-2]) and paste[len(entry) - 2] == " "  # whole words
+    assert list(prompt.history.get_strings())[-2] == paste  # this session's Up: the whole message
+
+
 def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     chat = session(embedded, tmp_path, policy=make_policy("snap", 64, sinks=2, window=8, kernel=3))
     chat.commands.cmd_budget("48")
