@@ -539,6 +539,26 @@ def test_each_reply_draws_fresh_noise_unless_a_seed_asks_for_repetition(embedded
         assert same == (seed is not None), (k, seed)
 
 
+def test_decode_that_collapses_on_a_busy_cpu_is_a_note_in_the_chat(embedded, tmp_path, monkeypatch):
+    """Issue 48.14: the chat says it as it happens, once a session (the piped summary: test_cli_usage)."""
+    from h2o_chat.app import slowdown
+
+    now = [0.0]
+
+    def clock():  # 20 ms steps, then 800 ms ones from the fourth window on
+        now[0] += 0.02 if now[0] < 0.25 else 0.8
+        return now[0]
+
+    monkeypatch.setattr(slowdown, "clock", clock)
+    monkeypatch.setattr(slowdown, "load_average", lambda: 5.0)
+    monkeypatch.setattr(slowdown, "torch_threads", lambda: 2)
+    monkeypatch.setattr(slowdown, "WINDOW", 4)
+    chat = session(embedded, tmp_path, max_new_tokens=24, ignore_eos=True)
+    out = drive(chat, tmp_path, "Count to five.\rCount to six.\r/exit\r")
+    notes = [line for line in out.splitlines() if "decode slowed to" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: decode slowed to") and "--threads 1 may help" in notes[0]
+
+
 def test_regen_answers_the_last_message_again(embedded, tmp_path):
     """Issue 22.20: /regen drops the last reply and generates it again (the conversation is re-read)."""
     chat = session(embedded, tmp_path, max_new_tokens=6)

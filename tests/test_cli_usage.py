@@ -231,3 +231,27 @@ def test_a_one_token_reply_times_no_decode_step(fast_load):
     assert json.loads(invoke(["-n", "1", "--json"], "Say hi.").stdout)["decode_tps"] is None
     assert TurnStats(prompt_tps=900.0, generation_tps=None).speed() == "prefill 900 tok/s, no decode step to time"
     assert TurnStats(prompt_tps=900.0, generation_tps=None).speed(compact=True) == "prefill 900 tok/s"
+
+
+def test_decode_that_collapses_on_a_busy_cpu_says_threads_1_may_help(fast_load, monkeypatch):
+    """Issue 48.14: another process took a core and tok/s fell 40x with no hint. A piped run says it when it
+    happens and in its summary (the chat's note: test_chat); here the clock and the load are the test's."""
+    from h2o_chat.app import slowdown
+
+    now, calls = [0.0], [0]
+
+    def clock():  # steps of 20 ms, then of 800 ms: the pace of a 2-core machine when a core is taken
+        calls[0] += 1
+        now[0] += 0.02 if calls[0] <= 1 + 3 * slowdown.WINDOW else 0.8
+        return now[0]
+
+    monkeypatch.setattr(slowdown, "clock", clock)
+    monkeypatch.setattr(slowdown, "load_average", lambda: 5.0)
+    monkeypatch.setattr(slowdown, "torch_threads", lambda: 2)
+    monkeypatch.setattr(slowdown, "WINDOW", 4)
+    result = invoke(["-n", "24", "--ignore-eos", "--temperature", "0"], "Count to five.")
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "decode slowed to" in line]
+    assert len(notes) == 1 and notes[0].startswith("h2o-chat: note: decode slowed to 1.2 tok/s from 50.0 earlier")
+    assert notes[0].endswith("--threads 1 may help")
+    assert result.stderr.splitlines()[-1].endswith(" | decode slowed 40x on a busy CPU: try --threads 1")

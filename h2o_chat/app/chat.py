@@ -106,6 +106,8 @@ class ChatSession:
             ):
                 for last in stream:
                     view.token(last, conv.engine.describe(), conv.speeds(last), conv.stats)
+                    for notice in conv.cache.pop_notices():  # e.g. decode slowed on a busy CPU: said as it happens
+                        view.note(notice)
                     if stop.is_set():
                         break
         except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk

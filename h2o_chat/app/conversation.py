@@ -24,6 +24,7 @@ from h2o_chat.app.messages import (
     use_chat_template,
     write_conversation,
 )
+from h2o_chat.app.slowdown import SlowdownWatch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress, decode_for
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
@@ -117,6 +118,7 @@ class Conversation:
         self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
         self._on_setup: Callable[[str], None] | None = None
         self.replied = 0  # tokens of every reply so far: a long chat compiles its CPU step (`_compile_when_long`)
+        self.slowdown = SlowdownWatch()  # decode that collapses on a busy CPU is said once, with what may help
         self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
@@ -315,6 +317,7 @@ class Conversation:
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
+        self.slowdown.start()
         stops = (*((PLAIN_STOP,) if self.plain and not raw else ()), *self.settings.stop)
         try:
             for r in stream_generate(
@@ -334,6 +337,8 @@ class Conversation:
                 if count == 1:
                     self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
                 self._setup[2] = self.engine.setup_seconds
+                if note := self.slowdown.step(self.engine.setup_seconds):
+                    self.cache.notices.append(note)
                 reply.append(r.text)
                 yield r
         except PrefillInterrupted as e:

@@ -167,7 +167,8 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        say(summary_line(last, conv.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded)))
+        summary = summary_line(last, conv.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded))
+        say(summary + (f" | {conv.slowdown.summary}" if conv.slowdown.summary else ""))
     sys.stdout.flush()
     return record
 
