@@ -238,3 +238,13 @@ def test_save_asks_before_replacing_a_file(embedded, tmp_path):
     conv.messages.append({"role": "assistant", "content": "hello"})
     cmds.run(f"/save {notes}")  # its own file: no question
     assert view.said[-1] == f"saved 2 messages to {notes}" and len(json.loads(notes.read_text())["messages"]) == 2
+
+
+def test_show_says_replies_run_past_the_end_of_sequence_token(embedded):
+    """Issue 48.8: --ignore-eos reaches the chat's settings, and /show says so."""
+    cmds, conv, view = commands(embedded)
+    cmds.run("/show")
+    assert "--ignore-eos" not in view.said[-1]
+    conv.set_sampling(ignore_eos=True)
+    cmds.run("/show")
+    assert view.said[-1].endswith("replies run past the end-of-sequence token to max_new_tokens (--ignore-eos)")

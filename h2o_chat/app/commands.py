@@ -212,6 +212,8 @@ class SlashCommands:
         ]
         if settings.stop:
             lines.append("stop at: " + ", ".join(repr(s) for s in settings.stop))
+        if settings.ignore_eos:
+            lines.append("replies run past the end-of-sequence token to max_new_tokens (--ignore-eos)")
         self.view.say("\n".join(lines))
 
     def cmd_clear(self, arg: str) -> None:
