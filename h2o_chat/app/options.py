@@ -184,7 +184,7 @@ Decode = Annotated[
 RepetitionPenalty = Annotated[
     float,
     typer.Option(
-        help="Make tokens of the last 64 less likely (1 = off, llama.cpp's default; ollama's is 1.1).",
+        help="Make tokens of the last 256 less likely (1 = off, llama.cpp's default; ollama's is 1.1, over 64).",
     ),
 ]
 Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
