@@ -234,7 +234,7 @@ def test_decode_modes_are_checked():
     assert resolve_decode("auto", torch.device("cuda")) == "graph"
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         resolve_decode("graph", cpu)
-    with pytest.raises(ConfigError, match="--decode must be one of auto, eager, graph, compile"):
+    with pytest.raises(ConfigError, match="^decode must be one of auto, eager, graph, compile"):
         resolve_decode("fast", cpu)
     with pytest.raises(ConfigError, match="on a GPU the step is a CUDA graph"):
         resolve_decode("compile", torch.device("cuda"))

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from h2o_chat.errors import ConfigError
+from h2o_chat.errors import ConfigError, SettingError
 
 SERVED_POLICIES = ("snap", "h2o", "sink", "recent")  # bounded, and a row's snapshot carries all of their state
 MAX_TOKENS = 1 << 20  # a reply's ceiling: the cache is bounded, only time grows with it
@@ -269,11 +269,8 @@ def _check_sampling(values: dict) -> None:
     try:
         Sampler(values["temperature"], values["top_p"], None, values["repetition_penalty"],
                 top_k=values["top_k"], min_p=values["min_p"])  # fmt: skip
-    except ConfigError as e:  # said with the request's field names, not the command line's
-        text = str(e)
-        for flag in ("temperature", "top-p", "repetition-penalty", "top-k", "min-p"):
-            text = text.replace(f"--{flag}", f'"{flag.replace("-", "_")}"')
-        raise ApiError(400, text) from None
+    except SettingError as e:  # said with the request's field names, which are the library's keywords
+        raise ApiError(400, e.worded(f'"{e.name}"'), param=e.name) from None
     if values["top_k"] > MAX_TOP_K:
         raise ApiError(400, f'"top_k" must be at most {MAX_TOP_K}, got {values["top_k"]}', param="top_k")
 

@@ -135,7 +135,7 @@ def serve_command(
                 top_k=sampling.top_k,
                 min_p=sampling.min_p,
                 repetition_penalty=sampling.repetition_penalty,
-                seed=sampling.seed,
+                seed=sampling.given_seed,
                 knobs=tuple(knobs.kwargs().items()),
             ),
             engine=EngineSettings(cache.positions, cache.kv_quant, models.decode, cache.chunk_size),
