@@ -279,7 +279,7 @@ def test_a_line_sets_its_own_top_k_and_min_p(embedded):
         parse_line('{"id": 4, "prompt": "hi", "temperature": 1.0, "top_k": 1}', 4, embedded.tokenizer, defaults),
     ]
     greedy = [parse_line('{"id": 5, "prompt": "hi", "temperature": 0}', 5, embedded.tokenizer, defaults)]
-    one = next(r for r in generate_batch(embedded, items, make_policy("h2o", 64)) if r["id"] == "4")
+    one = next(r for r in generate_batch(embedded, items, make_policy("h2o", 64)) if r["id"] == 4)
     assert one["text"] == next(generate_batch(embedded, greedy, make_policy("h2o", 64)))["text"]  # top-k 1: greedy
 
 

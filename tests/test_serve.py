@@ -218,10 +218,10 @@ def test_the_command_serves_and_stops_cleanly_on_sigterm(tiny):
 
 def test_the_command_refuses_what_it_cannot_serve_in_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "h2o_chat", "serve", "--policy", "recall"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "h2o_chat", "serve", "--policy", "full"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "--policy recall is not served" in result.stderr
+    assert "--policy full is not served" in result.stderr
 
 
 # -- under load ---------------------------------------------------------------------------------------------------
@@ -302,4 +302,52 @@ def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thre
         alone = Conversation(embedded, make_policy("h2o", budget), settings)
         for t in range(turns):
             text = "".join(r.text for r in alone.send(f"{i}-{t}"))
+            assert text == replies[i][t], (i, t)
+
+
+def test_recall_conversations_continued_from_their_snapshots_equal_each_alone(embedded, one_thread):
+    """Issue 46.4: the server serves recall. Its rows' snapshots carry the store (what each conversation evicted),
+    so three conversations decoding together, each put aside between turns and continued from its snapshot,
+    give what the chat path gives each alone (greedy), with the store counted in the idle conversations' bytes
+    and a store small enough that it fills and drops."""
+    from h2o_chat.app.conversation import ChatSettings, Conversation
+    from h2o_chat.app.sessions import snapshot_bytes
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.sampling import Sampler
+
+    clients, turns, budget, store, max_tokens = 3, 5, 32, 32, 6
+    limits = Limits(policy="recall", budget=budget, max_tokens=max_tokens, temperature=0.0, store=store)
+    replies: dict[int, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def converse(i: int, port: int) -> None:
+        try:
+            c, messages = client(port), []
+            for t in range(turns):
+                messages.append({"role": "user", "content": f"Tell me about the number {10 * i + t}."})
+                reply = c.chat.completions.create(model="m", messages=messages)
+                assert (reply.h2o["cached_tokens"] > 0) == (t > 0) and not reply.h2o["read_again"]
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            replies[i] = [m["content"] for m in messages if m["role"] == "assistant"]
+        except BaseException as e:
+            errors.append(e)
+
+    with serving(embedded, limits=limits, rows=4, max_sessions=8) as (server, port):
+        threads = [threading.Thread(target=converse, args=(i, port)) for i in range(clients)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(600)
+        assert not errors, errors[0]
+        idle = list(server.store._idle.values())
+        assert len(idle) == clients
+        for session in idle:
+            held = session.state["store"]
+            assert held is not None and session.nbytes == snapshot_bytes(session.state) > held.nbytes() > 0
+            assert held.capacity == store and float(held.dropped()[0]) > 0  # it filled and dropped
+    for i in range(clients):
+        settings = ChatSettings(max_new_tokens=max_tokens, sampler=Sampler(repetition_penalty=1.1), decode="eager")
+        alone = Conversation(embedded, make_policy("recall", budget, store=store), settings)
+        for t in range(turns):
+            text = "".join(r.text for r in alone.send(f"Tell me about the number {10 * i + t}."))
             assert text == replies[i][t], (i, t)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from h2o_chat.errors import ConfigError, SettingError
 
-SERVED_POLICIES = ("snap", "h2o", "sink", "recent")  # bounded, and a row's snapshot carries all of their state
+SERVED_POLICIES = ("snap", "h2o", "recall", "sink", "recent")  # bounded: a row's snapshot carries all their state
 MAX_TOKENS = 1 << 20  # a reply's ceiling: the cache is bounded, only time grows with it
 MAX_TOP_K = 512  # the sampler ranks at most this many candidates per step (engine/sampling.py's NUCLEUS_CAP)
 # The engine thread checks every stop string against a reply's text at every token, and a streamed reply holds
@@ -122,6 +122,7 @@ class Limits:
     repetition_penalty: float = 1.1
     seed: int | None = None
     knobs: tuple = ()  # the policy settings every request's policy is built with, as (name, value) pairs
+    store: int | None = None  # recall's store in tokens (--recall-memory); None: the policy's default for the budget
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def build_policy(name: str | None, budget: int | None, limits: Limits):
 
     name = limits.policy if name is None else name
     if name not in SERVED_POLICIES:
-        why = "is not served (its state is not held in a row)" if name in ("recall", "full") else "unknown"
+        why = "is not served (its cache grows without bound)" if name == "full" else "unknown"
         raise ApiError(400, f'"policy" {name!r} {why}; choose one of: {", ".join(SERVED_POLICIES)}', param="policy")
     budget = limits.budget if budget is None else budget
     if budget < 1:
@@ -292,7 +293,8 @@ def build_policy(name: str | None, budget: int | None, limits: Limits):
             param="budget",
         )  # fmt: skip
     try:
-        return make_policy(name, budget, **dict(limits.knobs))
+        store = {"store": limits.store} if name == "recall" and limits.store is not None else {}
+        return make_policy(name, budget, **dict(limits.knobs), **store)
     except ConfigError as e:
         raise ApiError(400, f'"budget"/"policy": {e}', param="budget") from None
 

@@ -94,11 +94,12 @@ def serve_command(
 
         if cache.policy not in SERVED_POLICIES:
             raise H2OChatError(
-                f"--policy {cache.policy} is not served: choose one of {', '.join(SERVED_POLICIES)} (a row's "
-                "snapshot holds all of their state; recall's store and a full cache's growth are not)"
+                f"--policy {cache.policy} is not served: choose one of {', '.join(SERVED_POLICIES)} (bounded "
+                "caches, whose rows are saved and restored whole between turns)"
             )
         budget = cache.tokens(models)  # a memory or a share: the tokens it comes to
-        policy = cache.build(knobs, budget, cache.store_tokens(models, budget))  # fails before the weights load
+        store = cache.store_tokens(models, budget, rows=batch_size)
+        policy = cache.build(knobs, budget, store)  # fails before the weights load
         if budget > max_budget:
             raise H2OChatError(f"--budget {budget} is above --max-budget {max_budget}")
         limit = parse_size("--memory-limit", memory_limit) if memory_limit else None
@@ -137,6 +138,7 @@ def serve_command(
                 repetition_penalty=sampling.repetition_penalty,
                 seed=sampling.given_seed,
                 knobs=tuple(knobs.kwargs().items()),
+                store=store,
             ),
             engine=EngineSettings(cache.positions, cache.kv_quant, models.decode, cache.chunk_size),
             verbose=verbose,

@@ -62,10 +62,8 @@ class Turn:
 
 
 def snapshot_bytes(state: dict) -> int:
-    slots = state.get("slots")
-    if slots is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in (*slots.slot_tensors(), slots.seen, slots.next_rot))
+    """What an idle conversation's snapshot holds: its slots and, under recall, its store (`Table.nbytes`)."""
+    return sum(table.nbytes() for table in (state.get("slots"), state.get("store")) if table is not None)
 
 
 class SessionStore:

@@ -62,15 +62,20 @@ def order(priority: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
 
 def tie(pos: torch.Tensor, new_from: int | None = None) -> torch.Tensor:
     """Held tokens tie-break by position (oldest loses first); empty slots by slot index, after padding (0)."""
-    slot = torch.arange(pos.shape[-1], device=pos.device)
+    slot = torch.arange(pos.shape[-1], device=pos.device, dtype=pos.dtype)
     empty = slot + 1 if new_from is None else torch.where(slot >= new_from, 0, slot + 1)
     return torch.where(pos >= 0, pos, empty)
 
 
 def place(table, priority: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     """Where a table's spare entry goes: per (layer, row, head) the entry with the lowest keep-priority (empty
-    ones first, so a filling table appends; ties to `ties`, the oldest position). (L, B, H, 1)"""
-    return order(priority, ties).argmin(dim=-1, keepdim=True)
+    ones first, so a filling table appends; ties to `ties`, the oldest position). (L, B, H, 1)
+
+    The same entry as `order(priority, ties).argmin(-1)`, in three passes over fp32 and the ties' own width (it
+    runs over every layer after each decode step): the lowest priority, then the lowest tie among the entries
+    that have it."""
+    low = priority.amin(dim=-1, keepdim=True)
+    return torch.where(priority == low, ties, torch.iinfo(ties.dtype).max).argmin(dim=-1, keepdim=True)
 
 
 def pair_freed_with_survivors(priority: torch.Tensor, ties: torch.Tensor, C: int, T: int):

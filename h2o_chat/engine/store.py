@@ -255,7 +255,7 @@ class Store(Table):
         for buf, x in zip(self.slot_tensors(), self._entry(keys, values, pos, rot, score), strict=True):
             buf[:, :, :, spare : spare + 1] = x
         prio = self.priority(self.pos, self.score, self.marks)
-        victim = place(self, prio, tie(self.pos.long()))  # (L, B, H, 1): whose memory is reused
+        victim = place(self, prio, tie(self.pos))  # (L, B, H, 1): whose memory is reused
         self.drops += (self.pos.gather(3, victim) >= 0).squeeze(-1)
         for buf in self.slot_tensors():
             buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
