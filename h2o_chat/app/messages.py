@@ -41,11 +41,6 @@ def messages_problem(value) -> str | None:
     return None
 
 
-def is_messages(value) -> bool:
-    """Whether `value` is a non-empty list of {"role", "content"} messages."""
-    return messages_problem(value) is None
-
-
 def _kind(value) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
     return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)

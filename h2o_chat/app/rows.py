@@ -20,7 +20,6 @@ import torch
 
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine
-from h2o_chat.engine.generate import StreamingDetokenizer, finish_reason
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
@@ -52,36 +51,6 @@ class LaneKey:
 
 class ReadingStopped(Exception):
     """A prompt's reading was stopped between two chunks (the server drains); its row is free again."""
-
-
-class TextStream:
-    """A reply's tokens -> its text, as `stream_generate` makes it: stop tokens and stop strings end it, text
-    that could begin a stop string is held back until it cannot."""
-
-    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stops: tuple[str, ...]):
-        self.detok = StreamingDetokenizer(tokenizer)
-        self.max_tokens, self.stop_ids, self.stops = max_tokens, stop_ids, stops
-        self.hold = max((len(s) - 1 for s in stops), default=0)
-        self.pending = ""
-        self.tokens: list[int] = []
-
-    def add(self, token: int) -> tuple[str, str | None]:
-        """(new text, finish reason or None)."""
-        self.tokens.append(token)
-        reason = finish_reason(token, len(self.tokens), self.max_tokens, self.stop_ids)
-        if reason != "stop":
-            self.pending += self.detok.add(token)
-        if reason is not None:
-            self.pending += self.detok.flush()
-        cut = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
-        if cut >= 0:
-            text, self.pending, reason = self.pending[:cut], "", "stop"
-        elif reason is None and self.hold:
-            keep = max(0, len(self.pending) - self.hold)
-            text, self.pending = self.pending[:keep], self.pending[keep:]
-        else:
-            text, self.pending = self.pending, ""
-        return text, reason
 
 
 class Lane:

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_chat.app.messages import PLAIN_STOP, use_chat_template
-from h2o_chat.app.rows import Lane, LaneKey, ReadingStopped, TextStream
+from h2o_chat.app.rows import Lane, LaneKey, ReadingStopped
 from h2o_chat.app.serve_api import ApiError, GenRequest
 from h2o_chat.app.sessions import SessionStore, Turn, end_turn, snapshot_bytes
-from h2o_chat.engine.generate import stop_token_ids
+from h2o_chat.engine.generate import TextStream, stop_token_ids
 from h2o_chat.errors import H2OChatError, out_of_memory
 
 MAX_LANES = 4  # engines with distinct cache keys or sampler shapes at once; more wait for one to empty

@@ -141,7 +141,6 @@ class Engine:
         self.setup_seconds = 0.0  # one-time cost so far: captures
         self.captures = 0
         self.fed_last = False  # whether the last token tokens() yielded has been fed to the cache
-        self._drop: torch.Tensor | None = None  # rows to keep, asked for while tokens() streams
         self._tokens: torch.Tensor | None = None  # the step's static input, (B,)
         self._key = None
         self._warmups = 0  # eager steps run since the step last changed (a capture needs two)
@@ -375,10 +374,6 @@ class Engine:
             self._tokens = self._tokens[index].clone()
             mark_static(self._tokens)
 
-    def keep_rows(self, index: torch.Tensor) -> None:
-        """While `tokens()` streams: from the next step on, decode only rows `index` (of the current batch)."""
-        self._drop = index
-
     # -- streams ----------------------------------------------------------------------------------
     def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens (B,) sampled from the prefill's logits, with the same sampler as the steps."""
@@ -405,12 +400,6 @@ class Engine:
             yield row_tokens
             if last:
                 return
-            if self._drop is not None:  # rows leave: the cache, the sampler and the tokens in flight
-                index, self._drop = self._drop.to(self.device), None
-                self.select_rows(index)
-                pending = pending[index]
-                if ahead is not None:
-                    ahead = ahead[index]
             if ahead is None:
                 ahead = self.decode(pending if i == 0 else None)[1]
             pending = ahead

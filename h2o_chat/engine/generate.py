@@ -99,6 +99,36 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
     return ids
 
 
+class TextStream:
+    """A reply's tokens -> its text (`stream_generate`, the server's rows): stop tokens and stop strings end it,
+    text that could begin a stop string is held back until it cannot."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stops: tuple[str, ...]):
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.max_tokens, self.stop_ids, self.stops = max_tokens, stop_ids, stops
+        self.hold = max((len(s) - 1 for s in stops), default=0)
+        self.pending = ""
+        self.tokens: list[int] = []
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        """(new text, finish reason or None)."""
+        self.tokens.append(token)
+        reason = finish_reason(token, len(self.tokens), self.max_tokens, self.stop_ids)
+        if reason != "stop":
+            self.pending += self.detok.add(token)
+        if reason is not None:
+            self.pending += self.detok.flush()
+        cut = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
+        if cut >= 0:
+            text, self.pending, reason = self.pending[:cut], "", "stop"
+        elif reason is None and self.hold:
+            keep = max(0, len(self.pending) - self.hold)
+            text, self.pending = self.pending[:keep], self.pending[keep:]
+        else:
+            text, self.pending = self.pending, ""
+        return text, reason
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -122,9 +152,7 @@ def stream_generate(
     device = engine.device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else stop_ids
-    hold = max((len(s) - 1 for s in stop_strings), default=0)
-    detok = StreamingDetokenizer(tokenizer)
-    pending = ""  # decoded text not yet emitted
+    stream = TextStream(tokenizer, max_new_tokens, stop_ids, stop_strings)
 
     engine.set_sampler(sampler or Sampler(), 1)
     t0 = time.perf_counter()
@@ -135,18 +163,7 @@ def stream_generate(
     t1 = time.perf_counter()
     for n, row_tokens in enumerate(itertools.chain((first,), steps), start=1):
         token = row_tokens[0]
-        reason = finish_reason(token, n, max_new_tokens, stop_ids)
-        if reason != "stop":
-            pending += detok.add(token)
-        if reason is not None:
-            pending += detok.flush()
-        cut = min((pending.find(s) for s in stop_strings if s in pending), default=-1)
-        if cut >= 0:
-            text, pending, reason = pending[:cut], "", "stop"
-        elif reason is None and hold:
-            text, pending = pending[: max(0, len(pending) - hold)], pending[max(0, len(pending) - hold) :]
-        else:
-            text, pending = pending, ""
+        text, reason = stream.add(token)
         seconds = time.perf_counter() - t1
         yield Response(text, token, ids.shape[1], prompt_seconds, n, seconds, cache, reason, engine.fed_last)
         if reason is not None:
