@@ -16,6 +16,31 @@ class ConfigError(H2OChatError):
     """An impossible setting: a budget that cannot hold the recent window, an unknown policy, a bad file."""
 
 
+class SettingError(ConfigError):
+    """A setting's value that breaks its rule, said by the library without naming a front end's option: `name` is
+    the library's keyword ("top_p"), `rule` what the value must be ("must be above 0 and at most 1"), `value` what
+    was given. The message says it with the keyword; a front end says it with its own name for the setting
+    (`worded`): the command line's --top-p, a request's "top_p"."""
+
+    def __init__(self, name: str, rule: str, value, *, got: bool = True):
+        self.name, self.rule, self.value, self.got = name, rule, value, got
+        super().__init__(self.worded(name))
+
+    def worded(self, label: str) -> str:
+        """The message with `label` for the setting: "--top-p must be above 0 and at most 1, got 0"; a rule about
+        the value itself names it first ("--decode graph needs a CUDA GPU ...")."""
+        if not self.got:
+            return f"{label} {self.value} {self.rule}"
+        return f"{label} {self.rule}, got {_shown(self.value)}"
+
+
+def _shown(value) -> str:
+    """A value as an error shows it: 0.5 and 1e+09 for numbers, 'fast' quoted for text."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
 class UnknownModelError(H2OChatError):
     """A model name that is neither an alias, a local path nor a Hugging Face repo id."""
 

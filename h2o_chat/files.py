@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -78,10 +79,18 @@ _READ_CHUNK = 2**20  # read in pieces: Ctrl-C is honoured between them
 
 
 def read_user_bytes(
-    path: Path, what: str = "file", error: type[H2OChatError] = InputError, limit: int = MAX_FILE_BYTES
+    path: Path,
+    what: str = "file",
+    error: type[H2OChatError] = InputError,
+    limit: int = MAX_FILE_BYTES,
+    streams: bool = False,
 ) -> bytes:
     """A user's regular file of at most `limit` bytes, or one clear error saying what is wrong with it. Devices
-    (/dev/zero), pipes and folders are refused before they are opened: reading one could block, or never end."""
+    (/dev/zero), pipes and folders are refused before they are opened: reading one could block, or never end.
+    `streams`: what a user may pipe in is read too, to its end or to `limit` -- a pipe, a terminal, `<(...)`,
+    /dev/stdin, and `-` for standard input (a prompt, as `cat` reads one)."""
+    if streams and str(path) == "-":
+        return _read_limited(sys.stdin.buffer, "standard input (-)", what, error, limit)
     path = Path(path).expanduser()
     try:
         st = path.stat()
@@ -91,28 +100,41 @@ def read_user_bytes(
         raise error(f"cannot read {what} {path}: {e.strerror}") from None
     if stat.S_ISDIR(st.st_mode):
         raise error(f"{what} {path} is a folder, not a file")
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode) and not streams:
         raise error(f"{what} {path} is not a regular file (a device, a pipe or a socket)")
     if st.st_size > limit:
         raise error(f"{what} {path} is {_size(st.st_size)}; h2o-chat reads at most {_size(limit)}")
-    pieces, total = [], 0
     try:
         with path.open("rb") as f:
-            while piece := f.read(_READ_CHUNK):
-                total += len(piece)
-                if total > limit:  # it grew while being read
-                    raise error(f"{what} {path} is over {_size(limit)}; h2o-chat reads at most that")
-                pieces.append(piece)
+            return _read_limited(f, path, what, error, limit)
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def _read_limited(f, name, what: str, error: type[H2OChatError], limit: int) -> bytes:
+    """`f` to its end in pieces (Ctrl-C is honoured between them), or an error once it passes `limit` bytes (a
+    file that grew while being read, a stream that never ends)."""
+    pieces, total = [], 0
+    try:
+        while piece := f.read(_READ_CHUNK):
+            total += len(piece)
+            if total > limit:
+                raise error(f"{what} {name} is over {_size(limit)}; h2o-chat reads at most that")
+            pieces.append(piece)
+    except OSError as e:
+        raise error(f"cannot read {what} {name}: {e.strerror}") from None
     return b"".join(pieces)
 
 
 def read_user_text(
-    path: Path, what: str = "file", error: type[H2OChatError] = InputError, limit: int = MAX_FILE_BYTES
+    path: Path,
+    what: str = "file",
+    error: type[H2OChatError] = InputError,
+    limit: int = MAX_FILE_BYTES,
+    streams: bool = False,
 ) -> str:
     """A user's UTF-8 file (see read_user_bytes), or one clear error saying what is wrong with it."""
-    data = read_user_bytes(path, what, error, limit)
+    data = read_user_bytes(path, what, error, limit, streams)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check in one command: the CUDA tests, the decode / prefill / throughput benches with their anchor
-# rows, and the CLI (piped chat path, batch, 4-bit) on a random Llama-2-7B-shaped model folder with the
+# The GPU check in one command: the CUDA tests (`pytest -m cuda`: every CUDA test carries the mark), the decode /
+# prefill / throughput benches with their anchor rows, and the CLI (piped chat path, batch, 4-bit, the server: a
+# few conversations at once, one continued, /v1/stats) on a random Llama-2-7B-shaped model folder with the
 # embedded tokenizer; one table at the end. Aimed at under 10 minutes on an H100.
 #
 #   scripts/gpu_check.sh --prepare     here (with network): wheels the GPU machine lacks into .whl/, the embedded
@@ -94,6 +95,7 @@ printf '%s\n' '{"id": 1, "prompt": "Name three animals."}' '{"id": 2, "prompt": 
   '{"id": 5, "prompt": "Why is the sky blue?", "max_new_tokens": 80}' >"$OUT/batch.jsonl"
 step batch 180 $H2O batch "$OUT/batch.jsonl" -o "$OUT/batch.out.jsonl" -m "$OUT/model" --batch-size 2 --budget 256 \
   --max-new-tokens 64
+step serve 180 python3 scripts/serve_check.py "$OUT/model" --conversations 4 --max-tokens 128 -- --budget 512
 
 python3 - "$OUT" <<'EOF'
 import json, sys
@@ -118,6 +120,14 @@ def note(name):
     if name.startswith("piped"):
         r = records(name)
         return f"{r[0]['generated_tokens']} tokens, {r[0]['decode_tps']} tok/s, {r[0]['decode']}, weights {r[0].get('weights', {}).get('format')}" if r else ""
+    if name == "serve":
+        r = records(name)
+        if not r:
+            return ""
+        r, c = r[0], r[0].get("continued", {})
+        tps = ", ".join(f"{t:.0f}" for t in r.get("tokens_per_second", []))
+        return (f"{r['conversations']} at once: {tps} tok/s; continued: read {c.get('read_tokens')}, "
+                f"cached {c.get('cached_tokens')}; decode {', '.join(r['decode'])}; errors {len(r['errors'])}")
     if name == "batch":
         f = out / "batch.out.jsonl"
         return f"{len(f.read_text().splitlines())} of 5 lines written" if f.exists() else ""

@@ -15,6 +15,17 @@ os.environ.setdefault("H2O_CHAT_DECODE", "eager")
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """`@pytest.mark.cuda` tests are skipped without a GPU, so that `pytest -m cuda` (scripts/gpu_check.sh) selects
+    them by their mark where one is."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to torch)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 def cached(model, cache) -> dict:
     """The keyword arguments that hand `cache` to `model`'s forward or generate: `cache` in transformers >= 5.2x,
     `past_key_values` before (the old name is deprecated there and goes in 5.40), as the engine passes it."""

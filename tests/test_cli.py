@@ -80,8 +80,8 @@ def test_piped_json_record(fast_load):
     assert record["model"] == "smollm2-135m" and record["text"]
     assert '"kept": 32,' in result.stdout and '"evicted": 32.0' not in result.stdout  # whole means as integers
     assert record["cache"]["kept"] == 32 and record["cache"]["seen"] > 32
-    # the budget is full: every slot but the spare one a decode step writes into
-    assert record["cache"]["kv_used_bytes"] == (record["cache"]["kv_bytes"] - 16) * 32 // 33  # 16: the counters
+    # the budget is full: the held tokens' keys and values, counted as a full cache counts them (issue 48.13)
+    assert record["cache"]["kv_used_bytes"] * record["cache"]["seen"] == record["cache"]["full_kv_bytes"] * 32
     assert record["cache"]["evicted"] == record["cache"]["seen"] - 32
     assert record["generated_tokens"] <= 24 and record["finish_reason"] in ("stop", "length")
     assert record["decode"] == "eager"  # the embedded model on the CPU: eager steps
@@ -110,6 +110,12 @@ def test_models_lists_aliases_and_presence():
         assert alias in result.stdout
     row = next(line for line in result.stdout.splitlines() if line.startswith("smollm2-135m"))
     assert row.startswith("smollm2-135m *") and "yes" in row
+    # issue 48.13: it said the CPU runs float32; the embedded model runs from its GGUF's 4-bit weights there
+    caption = " ".join(result.stdout.split())
+    assert (
+        "CPU runs float32" not in caption
+        and "on a CPU a GGUF model (the embedded one) runs from its own 4-bit" in caption
+    )
     assert "no" in next(line for line in result.stdout.splitlines() if line.startswith("llama-2-7b"))
 
 
@@ -217,8 +223,14 @@ def test_unwritable_cache_folder_falls_back_to_a_temporary_one(tmp_path, monkeyp
     assert len(notes) == 1 and f"converted weights are cached in {fallback}" in notes[0]
 
 
-def test_a_budget_beyond_memory_on_cpu_says_which_would_fit(fast_load, tiny_folder, tmp_path):
-    # tiny model: 512 bytes of KV a token, so 10^10 tokens is ~5 TB, which no test machine has
+def test_a_budget_beyond_memory_on_cpu_says_which_would_fit(fast_load, tmp_path):
+    from conftest import tiny_model, tiny_tokenizer
+
+    # tiny model: 512 bytes of KV a token, so 10^10 tokens is ~5 TB, which no test machine has; its trained
+    # context is longer, so that the budget is not capped to it (issue 48.10)
+    tiny_folder = tmp_path / "tiny-long"
+    tiny_model("llama", max_positions=2**40).save_pretrained(tiny_folder)
+    tiny_tokenizer().save_pretrained(tiny_folder)
     result = invoke(["-m", str(tiny_folder), "--device", "cpu", "-b", "10000000000"], "hi")
     assert_one_line_error(result, "10000000000-token KV cache", "memory available", "--budget")
     budget = int(re.search(r"--budget (\d+) fits", result.stderr).group(1))
@@ -378,7 +390,12 @@ def test_a_file_that_is_not_gguf_is_refused_before_converting(fast_load, tmp_pat
     assert_one_line_error(invoke(["-m", str(empty)], "hi"), "is empty, not a GGUF model")
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(b"GGUF" + bytes(60))
-    assert_one_line_error(invoke(["-m", str(damaged)], "hi"), "cannot convert")
+    # a GGUF header: its conversion starts (and says so: the budget is checked against the model's trained context,
+    # which its config gives), then fails on one line
+    result = invoke(["-m", str(damaged)], "hi")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert lines[-1].startswith("h2o-chat: error: cannot convert") and all("converting" in line for line in lines[:-1])
 
 
 @pytest.mark.parametrize(
@@ -515,6 +532,32 @@ def test_a_failed_write_to_stdout_is_one_line_for_every_command(tmp_path):
         last = done.stderr.splitlines()[-1:]
         assert done.returncode == 1 and last == ["h2o-chat: cannot write to stdout: No space left on device"], args
         assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_a_closed_stdout_is_one_line_for_every_command(tmp_path):
+    """Issue 48.7: `h2o-chat "Hi" >&-` ended in two tracebacks ('NoneType' object has no attribute 'write', then
+    'flush'). A command that writes its results to stdout says so on one line, exit 1, before loading a model;
+    batch with -o FILE writes nothing there and runs (no file it opens takes stdout's descriptor)."""
+    from test_chat import _installed_command
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Say hi.", "max_new_tokens": 2}\n')
+    closed = ["sh", "-c", 'exec "$@" >&-', "sh", *_installed_command()]
+    for args in (
+        ["--max-new-tokens", "2", "Hi"],
+        ["--json", "--max-new-tokens", "2", "Hi"],
+        ["models"],
+        ["list"],
+        ["batch", str(inp), "-o", "-"],
+    ):
+        done = subprocess.run([*closed, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        assert (done.returncode, done.stderr) == (1, "h2o-chat: cannot write to stdout: it is closed\n"), args
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        [*closed, "batch", str(inp), "-o", str(out), "--temperature", "0"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(out.read_text())["id"] == "a"
 
 
 def test_soak_help_names_the_text_option_a_file():

@@ -125,3 +125,133 @@ def test_a_chat_template_file_replaces_the_tokenizers_and_a_bad_one_is_one_line(
     assert_one_line_error(invoke(["--chat-template", str(tmp_path / "fails.jinja")], stdin="Hi"), "cannot render")
     assert_one_line_error(invoke(["--chat-template", str(tmp_path / "blind.jinja")], stdin="Hi"), "messages")
     assert_one_line_error(invoke(["--chat-template", str(tmp_path / "none.jinja")], stdin="Hi"), "none.jinja")
+
+
+# -- issue 48: habits from ollama and llama-cli, -f from a pipe -------------------------------------------------
+def test_ollama_and_llama_cli_habits_do_what_they_do_there(fast_load, tiny_folder):
+    """Issue 48.8: `h2o-chat run llama-2-7b` replied to the prompt "run llama-2-7b", `list` generated text, and -n,
+    -t, -s were unknown. `run MODEL` names the model (as ollama's), `list` is `models`, -n/-t/-s are
+    --max-new-tokens/--threads/--seed; a flag that means something else here says what it is."""
+    import torch
+
+    assert_one_line_error(invoke(["run", "llama-2-7b"], "hi"), "llama-2-7b", "not on this machine")
+    reply = invoke(["run", str(tiny_folder), "--raw", "--json", "-n", "3", "--temperature", "0", "w5", "w6"])
+    assert reply.exit_code == 0, reply.stderr
+    record = json.loads(reply.stdout)
+    assert record["prompt_tokens"] == 2 and record["generated_tokens"] <= 3  # the words after MODEL, alone
+    assert fast_load == ["llama-2-7b", str(tiny_folder)]
+    assert_one_line_error(invoke(["run"], "hi"), "run needs a model")
+    assert_one_line_error(invoke(["run", "x", "-m", "y"], "hi"), "run x and --model y both name the model")
+    models = invoke(["list"])
+    assert models.exit_code == 0 and models.stdout.startswith("alias") and models.stdout == invoke(["models"]).stdout
+    before = torch.get_num_threads()
+    try:
+        args = ["-n", "4", "-s", "11", "-t", "1", "--json", "--temperature", "1.5", "Name a colour."]
+        runs = [json.loads(invoke(args).stdout) for _ in range(2)]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0]["text"] == runs[1]["text"] and runs[0]["generated_tokens"] <= 4
+    assert_one_line_error(invoke(["-s", "-2"], "hi"), "--seed must be a whole number >= 0, or -1 for a random one")
+    # what means something else here: said, instead of a nearest spelling (--ctx-size suggested --chunk-size)
+    result = invoke(["--ctx-size", "4096", "hi"])
+    assert result.exit_code == 2 and "--budget" in result.stderr and "--chunk-size" not in result.stderr
+    assert result.stderr.startswith("h2o-chat: error: No such option: --ctx-size: llama.cpp's context size")
+    assert_one_line_error(
+        invoke(["-p", "What is 2+2?"]), "-p is --policy here", "give the prompt as an argument: h2o-chat 'What is 2+2?'"
+    )
+    assert_one_line_error(invoke(["chat"], "hi"), "chat needs a terminal on stdin")
+
+
+def test_ignore_eos_writes_on_to_max_new_tokens(fast_load, tmp_path):
+    """Issue 48.8: --ignore-eos (llama-cli's): a piped reply and a batch's rows run to --max-new-tokens past the
+    end-of-sequence token, for a generation of known length."""
+    args = ["--json", "-n", "24", "--temperature", "0", "Say hi."]
+    ended = json.loads(invoke(args).stdout)
+    assert ended["finish_reason"] == "stop" and ended["generated_tokens"] < 24  # the reply ends by itself
+    on = json.loads(invoke([*args, "--ignore-eos"]).stdout)
+    assert (on["finish_reason"], on["generated_tokens"]) == ("length", 24) and on["text"].startswith(ended["text"])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Say hi.", "max_new_tokens": 24}\n')
+    result = invoke(["batch", str(inp), "-o", str(out), "--ignore-eos"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(out.read_text())["generated_tokens"] == 24
+
+
+def test_a_prompt_file_may_be_a_pipe_or_stdin(fast_load, embedded, tmp_path):
+    """Issue 48.9: `-f <(echo ...)` and `-f /dev/stdin` were "not a regular file", `-f -` "not found". A prompt
+    file is any readable stream; `-` is standard input."""
+    from test_chat import _installed_command
+
+    text = "Name three colours."
+    expected = len(embedded.tokenizer(text)["input_ids"])
+    args = ["--raw", "--json", "-n", "1", "--temperature", "0"]
+    dash = invoke(["-f", "-", *args], stdin=text)
+    assert dash.exit_code == 0, dash.stderr
+    assert json.loads(dash.stdout)["prompt_tokens"] == expected
+    assert_one_line_error(invoke(["-f", "-", *args], stdin=""), "the prompt file standard input (-f -) is empty")
+    command = " ".join(f"'{word}'" for word in [*_installed_command(), *args])
+    for how, stdin in ((f"{command} -f <(printf '{text}')", None), (f"{command} -f /dev/stdin", text)):
+        done = subprocess.run(["bash", "-c", how], input=stdin, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (how, done.stderr)
+        assert json.loads(done.stdout)["prompt_tokens"] == expected, how
+
+
+def test_a_budget_beyond_the_trained_context_is_capped_and_said(fast_load, tmp_path):
+    """Issue 48.10: `-b 100000` on an 8,192-token model was taken silently (4.5 GB allocated, 1.1 tok/s). A budget
+    past the trained context can only hold tokens at positions the model never learned: the budget is the context,
+    and stderr says why (--budget, --kv-memory and a batch line's "budget" alike)."""
+    result = invoke(["-b", "100000", "--json", "-n", "1", "--temperature", "0"], "Hi")
+    assert result.exit_code == 0, result.stderr
+    cache = json.loads(result.stdout)["cache"]
+    assert cache["budget"] == 8192 and cache["kv_bytes"] < 8193 * 30 * 3 * 532 + 64  # the context's slots, no more
+    said = "h2o-chat: --budget 100000: the budget is 8,192 tokens, the model's trained context: a larger cache would"
+    assert result.stderr.startswith(said), result.stderr
+    result = invoke(["--kv-memory", "10GB", "--json", "-n", "1", "--temperature", "0"], "Hi")
+    assert (
+        json.loads(result.stdout)["cache"]["budget"] == 8192
+        and "--kv-memory 10GB: the budget is 8,192" in result.stderr
+    )
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Hi", "budget": 100000, "max_new_tokens": 1}\n')
+    result = invoke(["batch", str(inp), "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    assert '"budget" 100000: the budget is 8,192 tokens' in result.stderr
+    assert json.loads(out.read_text())["cache"]["budget"] == 8192
+
+
+def test_a_one_token_reply_times_no_decode_step(fast_load):
+    """Issue 48.13: a 1-token reply reported 0.0 tok/s: its one token comes from the prompt's reading, so no decode
+    step was timed; the summary, --json and the panel say so instead of a speed."""
+    from h2o_chat.app.ui import TurnStats
+
+    result = invoke(["-n", "1", "--temperature", "0"], "Say hi.")
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("h2o-chat: 1 token, no decode step to time (prompt ") and "0.0 tok/s" not in summary
+    assert json.loads(invoke(["-n", "1", "--json"], "Say hi.").stdout)["decode_tps"] is None
+    assert TurnStats(prompt_tps=900.0, generation_tps=None).speed() == "prefill 900 tok/s, no decode step to time"
+    assert TurnStats(prompt_tps=900.0, generation_tps=None).speed(compact=True) == "prefill 900 tok/s"
+
+
+def test_decode_that_collapses_on_a_busy_cpu_says_threads_1_may_help(fast_load, monkeypatch):
+    """Issue 48.14: another process took a core and tok/s fell 40x with no hint. A piped run says it when it
+    happens and in its summary (the chat's note: test_chat); here the clock and the load are the test's."""
+    from h2o_chat.app import slowdown
+
+    now, calls = [0.0], [0]
+
+    def clock():  # steps of 20 ms, then of 800 ms: the pace of a 2-core machine when a core is taken
+        calls[0] += 1
+        now[0] += 0.02 if calls[0] <= 1 + 3 * slowdown.WINDOW else 0.8
+        return now[0]
+
+    monkeypatch.setattr(slowdown, "clock", clock)
+    monkeypatch.setattr(slowdown, "load_average", lambda: 5.0)
+    monkeypatch.setattr(slowdown, "torch_threads", lambda: 2)
+    monkeypatch.setattr(slowdown, "WINDOW", 4)
+    result = invoke(["-n", "24", "--ignore-eos", "--temperature", "0"], "Count to five.")
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "decode slowed to" in line]
+    assert len(notes) == 1 and notes[0].startswith("h2o-chat: note: decode slowed to 1.2 tok/s from 50.0 earlier")
+    assert notes[0].endswith("--threads 1 may help")
+    assert result.stderr.splitlines()[-1].endswith(" | decode slowed 40x on a busy CPU: try --threads 1")

@@ -158,6 +158,14 @@ def test_budget_reads_tokens_a_memory_or_a_share_as_the_command_line_does(embedd
     assert conv.policy == make_policy("snap", 819)
 
 
+def test_a_budget_beyond_the_trained_context_is_capped_and_said(embedded):
+    """Issue 48.10: /budget past the model's trained context (8,192 here) is the context, with why."""
+    cmds, conv, view = commands(embedded)
+    cmds.run("/budget 100000")
+    assert conv.policy == make_policy("snap", 8192) and not view.errors
+    assert view.said[0].startswith("/budget 100000: the budget is 8,192 tokens, the model's trained context")
+
+
 def test_set_speaks_the_chats_words_and_shows_a_random_seed(embedded):
     """Issue 38.7: /set temperature -1 answered with "--temperature must be ..." and /set showed "seed None"."""
     cmds, conv, view = commands(embedded)
@@ -177,6 +185,44 @@ def test_set_speaks_the_chats_words_and_shows_a_random_seed(embedded):
     assert conv.settings.sampler.seed is None and view.said[-1] == "seed set to random from the next reply on"
 
 
+def test_undo_says_what_the_cache_holds_and_quotes_whole_words(embedded):
+    """Issue 48.13: /undo said "the cache is as it was before them" where that cache had restarted (0 seen,
+    nothing cached: the conversation is read again at the next turn), and its quote cut a number in the middle."""
+    cmds, conv, view = commands(embedded)
+    conv.set_sampling(max_new_tokens=2)
+    list(conv.send("Hello there."))
+    long = "Please check: the shipment number is 1234567890123 today, and it is late."
+    list(conv.send(long))
+    cmds.run("/regen")  # the cache restarts; the copy /undo keeps is of that empty cache
+    cmds.run("/undo")
+    assert not view.errors and conv.fed == 0 and len(conv.messages) == 2
+    assert view.said[-1] == (
+        'took back "Please check: the shipment number is…" and its reply; the cache held none of the conversation '
+        "before them (it had restarted), so the conversation is read again at the next turn"
+    )
+    list(conv.send("Name a colour."))  # reads the whole conversation again
+    list(conv.send("Name a fruit."))
+    cmds.run("/undo")
+    assert view.said[-1] == 'took back "Name a fruit." and its reply; the cache is as it was before them'
+    assert conv.fed == conv.cache.stats().seen > 0
+    cmds.run("/undo")
+    cmds.run("/undo")
+    assert view.said[-1] == 'took back "Hello there." and its reply; the conversation is empty again'
+
+
+def test_set_seed_minus_one_is_random_again(embedded):
+    """Issue 48.13: `/set seed -1` showed "seed -1", with no way back to random; -1 is random (as llama.cpp reads
+    it), and shown so."""
+    cmds, conv, view = commands(embedded)
+    cmds.run("/set seed 5")
+    cmds.run("/set seed -1")
+    assert conv.settings.sampler.seed is None and view.said[-1] == "seed set to random from the next reply on"
+    cmds.run("/set")
+    assert "seed random" in view.said[-1]
+    cmds.run("/set seed -7")
+    assert view.errors == ["/set seed takes a whole number >= 0, or random (or -1), got -7"]
+
+
 def test_save_asks_before_replacing_a_file(embedded, tmp_path):
     """Issue 38.7: /save replaced a file without a word; as /load does before losing unsaved messages, the first
     /save over an existing file says so and the same /save again replaces it. The file this session saved to last
@@ -192,3 +238,13 @@ def test_save_asks_before_replacing_a_file(embedded, tmp_path):
     conv.messages.append({"role": "assistant", "content": "hello"})
     cmds.run(f"/save {notes}")  # its own file: no question
     assert view.said[-1] == f"saved 2 messages to {notes}" and len(json.loads(notes.read_text())["messages"]) == 2
+
+
+def test_show_says_replies_run_past_the_end_of_sequence_token(embedded):
+    """Issue 48.8: --ignore-eos reaches the chat's settings, and /show says so."""
+    cmds, conv, view = commands(embedded)
+    cmds.run("/show")
+    assert "--ignore-eos" not in view.said[-1]
+    conv.set_sampling(ignore_eos=True)
+    cmds.run("/show")
+    assert view.said[-1].endswith("replies run past the end-of-sequence token to max_new_tokens (--ignore-eos)")

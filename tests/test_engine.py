@@ -15,8 +15,6 @@ from h2o_chat.engine.sampling import Sampler
 from h2o_chat.errors import ConfigError
 from h2o_chat.measure.bench import attention
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
-
 BUDGET = 16
 POLICIES = {
     "h2o": lambda: make_policy("h2o", BUDGET),
@@ -236,7 +234,7 @@ def test_decode_modes_are_checked():
     assert resolve_decode("auto", torch.device("cuda")) == "graph"
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         resolve_decode("graph", cpu)
-    with pytest.raises(ConfigError, match="--decode must be one of auto, eager, graph, compile"):
+    with pytest.raises(ConfigError, match="^decode must be one of auto, eager, graph, compile"):
         resolve_decode("fast", cpu)
     with pytest.raises(ConfigError, match="on a GPU the step is a CUDA graph"):
         resolve_decode("compile", torch.device("cuda"))
@@ -285,7 +283,7 @@ def test_a_new_sampler_gets_a_new_step_key_where_a_freed_one_lived():
 
 
 # -- CUDA only ------------------------------------------------------------------------------------------------
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_cuda_captured_step_decides_as_the_eager_one(family, batch):
@@ -299,7 +297,7 @@ def test_cuda_captured_step_decides_as_the_eager_one(family, batch):
         assert engine.captures == 1, name  # one capture served all 310 steps
 
 
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("positions", ["absolute", "rolling", "auto"])
 def test_cuda_replays_after_new_prefills_equal_the_eager_step(positions):
     """A chat: a captured step, then a second turn's prefill, a long message (renumbering past the context in
@@ -322,7 +320,68 @@ def test_cuda_replays_after_new_prefills_equal_the_eager_step(positions):
     assert graph == eager and engine.captures == 1
 
 
-@needs_cuda
+def test_a_graph_for_the_second_gpu_is_captured_on_that_gpu(monkeypatch):
+    """Issue 49.5: PyTorch captures on the current device's stream unless told; a model on cuda:1 must capture and
+    replay on cuda:1. No GPU here: the step runs on the CPU, and the CUDA calls around it record which device was
+    current when the capture began (as the fake two-GPU map test in test_config_loading.py fakes its devices)."""
+    import contextlib
+
+    current, captured_on = ["cuda:0"], []
+
+    class Device:  # torch.cuda.device(d): the current device within the block
+        def __init__(self, device):
+            self.device = str(torch.device(device))
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.device
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None):
+        captured_on.append(current[0])
+        yield
+
+    fakes = {"device": Device, "Stream": lambda device=None: Stream(), "current_stream": lambda device=None: Stream(),
+             "stream": lambda s: contextlib.nullcontext(), "graph": graph, "graph_pool_handle": lambda: object(),
+             "CUDAGraph": lambda: type("Graph", (), {"replay": lambda self: None})()}  # fmt: skip
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
+    engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (1, 12)))))  # the step's input, on CPU
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    engine.mode, engine.device = "graph", torch.device("cuda", 1)
+    for _ in range(3):  # two warm-up steps, then the capture
+        engine.decode()
+    assert captured_on == ["cuda:1"] and engine.captures == 1 and current == ["cuda:0"]
+
+
+def test_pytest_m_cuda_selects_the_cuda_tests():
+    """scripts/gpu_check.sh runs `pytest -m cuda`: every CUDA test carries the mark (conftest skips them without a
+    GPU), so the check runs them all (it used to select none: they only had skipif)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/"]
+    out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300).stdout
+    selected = {line.split("::")[1].split("[")[0] for line in out.splitlines() if "::" in line}
+    named = set()
+    for path in (root / "tests").glob("test_*.py"):
+        named |= {line.split("(")[0][4:] for line in path.read_text().splitlines() if line.startswith("def test_cuda_")}
+    named.discard("test_cuda_device_without_gpu")  # a CPU test: the error a CUDA request gets without a GPU
+    named.discard("test_cuda_request_without_gpu")
+    assert named and named <= selected, named - selected
+    assert {"test_a_captured_8bit_step_decodes_as_the_eager_one", "test_cuda_graph_replays_never_sync"} <= selected
+
+
+@pytest.mark.cuda
 def test_cuda_graph_replays_never_sync():
     model = tiny_model("llama", seed=6).to("cuda", torch.float16)
     cache = H2OCache.for_model(model, make_policy("h2o", 32))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from h2o_chat.engine.evict import order, tie
 from h2o_chat.engine.policies import H2O, Full, Recent, Rules, Sink, make_policy
+from h2o_chat.engine.slots import order, tie
 from h2o_chat.errors import ConfigError
 
 

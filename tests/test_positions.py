@@ -144,23 +144,25 @@ def test_recalled_tokens_are_renumbered_by_their_rank_among_the_held_ones(positi
             assert (by_pos[1:] >= by_pos[:-1]).all()  # the numbers keep the order of the true positions
 
 
-def test_a_message_taken_back_across_a_renumbering_drops_what_was_stored_and_says_so():
-    """Ctrl-C while a long message is read restores the cache from before it; stored tokens renumbered during
-    that message cannot follow the restored held ones, so they are dropped (with a notice), never left rotated
-    at numbers the held tokens no longer have. Without a renumbering the store keeps what came before."""
+def test_a_message_taken_back_across_a_renumbering_restores_the_store_as_it_was():
+    """Ctrl-C while a long message is read restores the cache from before it: the store is part of the snapshot,
+    so entries renumbered (or dropped) while that message was read come back with the numbers and contents
+    they had, consistent with the restored held tokens, and nothing is said to be dropped."""
     model = tiny_model("llama", seed=17, max_positions=48)
     cache = H2OCache.for_model(model, make_policy("recall", 16), "auto")
     engine = Engine(model, cache, "eager")
     engine.prefill(torch.randint(0, 256, (1, 20)))
-    before, stored = cache.snapshot(), cache.store.tokens()
-    engine.prefill(torch.randint(0, 256, (1, 6)))  # 26 positions: inside the context
-    assert not cache.store.renumbers
+    before = cache.snapshot()
+    was = {name: t.clone() for name, t in cache.store.tensors().items()}
+    assert float(cache.store.tokens()[0]) > 0
+    engine.prefill(torch.randint(0, 256, (1, 60)), None, 8)  # past the trained context: renumbers
+    assert cache.renumbered and not torch.equal(cache.store.pos, was["pos"])
     cache.restore(before)
-    assert cache.store.tokens() == stored > 0 and not cache.pop_notices()
-    engine.prefill(torch.randint(0, 256, (1, 60)), None, 8)  # past it: renumbers
-    assert cache.store.renumbers
-    cache.restore(before)
-    assert cache.store.tokens() == 0 and any("dropped" in n for n in cache.pop_notices())
+    for name, t in cache.store.tensors().items():
+        assert torch.equal(t, was[name]), name
+    assert not any("dropped" in n for n in cache.pop_notices())
+    engine.prefill(torch.randint(0, 256, (1, 6)))  # and it reads on from there
+    assert int(cache.slots.next_rot.max()) <= 48
 
 
 def test_a_rolling_decode_step_costs_what_an_absolute_one_costs():
@@ -377,6 +379,8 @@ def test_a_padded_row_past_the_context_renumbers_when_it_would_alone(name, budge
     left padding included): prompts of 150 and 90 tokens read together past a 64-token trained context give
     each row, at the prompt's last position and for 40 decode steps, the logits of its prompt alone."""
     model = tiny_model("llama", seed=21, max_positions=64)
+    if name == "recall":  # its store keeps 8-bit keys: fp32 batch noise can flip a rounding, and a recall with it
+        model = model.double()
     g = torch.Generator().manual_seed(21)
     rows = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (150, 90)]
 

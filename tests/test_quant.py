@@ -151,7 +151,7 @@ def test_a_kv_quant_that_does_not_exist_is_refused_in_one_line():
         H2OCache.for_model(model, make_policy("h2o", 32), kv_quant="4bit")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_a_captured_8bit_step_decodes_as_the_eager_one():
     """The quantizing write of the new token and the scaled attention run inside the captured CUDA graph."""
     model = tiny_model("llama").cuda()

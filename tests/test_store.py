@@ -169,6 +169,24 @@ def test_the_memory_held_is_the_budget_and_the_store_it_was_given(single_thread)
     assert plain.stats().store_bytes == 0 and "recall" not in ui.describe_kv(plain.stats())
 
 
+@pytest.mark.cuda
+def test_cuda_memory_held_stays_flat_while_the_store_fills_and_drops():
+    """On CUDA the store lives on the GPU beside the slots, allocated once: memory stays flat once it is full."""
+    model = tiny_model("llama", seed=4).cuda()
+    cache = H2OCache.for_model(model, make_policy("recall", 64, store=256))
+    engine = Engine(model, cache, "auto")
+    tokens = engine.first_tokens(engine.prefill(torch.randint(4, 200, (1, 256), device="cuda")))
+    for _ in range(50):
+        tokens = engine.decode(tokens)[1]
+    torch.cuda.synchronize()
+    at_50 = torch.cuda.memory_allocated()
+    for _ in range(400):
+        tokens = engine.decode(tokens)[1]
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= at_50 and cache.store.keys.device.type == "cuda"
+    assert float(cache.store.tokens()[0]) == 256 and float(cache.store.dropped()[0]) > 0
+
+
 def test_snapshot_and_restore_bring_the_store_back_as_it_was(single_thread):
     model = tiny_model("llama", seed=5)
     cache = H2OCache.for_model(model, make_policy("recall", 24, recalled=4, store=16))

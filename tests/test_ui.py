@@ -194,3 +194,26 @@ def test_the_kv_and_evicted_rows_fit_80_to_220_columns_with_recall():
             assert "full" in text and "alloc" in text
     wide = " ".join(draw(view.render(stats()), width=220).split())
     assert "a full cache would hold 18.2 MB (15% allocated)" in wide  # the whole wording where it fits
+
+
+def test_the_panel_at_80_columns_never_cuts_a_word():
+    """Issue 48.13: at 80 columns the panel cut the model row inside a word ("int8 embedd…"). A row too long for
+    the width drops whole clauses (then whole words), marked with "…"."""
+    device = "cpu, int4 groups of 32 (LM head too), int8 embedding, 158.0 MB, float32 compute"
+    view = ui.PanelView("smollm2-135m", device)
+    view.turn = ui.TurnStats(prompt_tps=250.0, generation_tps=31.25, decode="compiled step (1 compilation, 45.0 s)")
+    for width in (80, 90, 100):
+        lines = draw(view.render(stats()), width=width).splitlines()
+        assert len(lines) == 10 and all(len(line) == width for line in lines)
+        rows = {label: value for label, value in view.rows(stats(), {"rss": 0}, width)}
+        for label, full in (("model", f"smollm2-135m on {device}"), ("speed", view.turn.speed())):
+            line = next(line for line in lines if line.startswith(f"│ {label}"))
+            shown = line.strip("│ ").removeprefix(label).strip()
+            assert shown == rows[label] and len(shown) <= width - ui.PANEL_FRAME, (width, shown)
+            if shown != full:  # cut: at a word's end, marked
+                assert shown.endswith(" …") and full.startswith(shown[:-2]), (width, shown)
+                assert full[len(shown) - 2] in " ,;(", (width, shown)
+    assert ui.fit("smollm2-135m on cpu, int4 groups of 32 (LM head too), int8 embedding", 40) == (
+        "smollm2-135m on cpu, int4 groups of 32 …"
+    )
+    assert ui.fit("supercalifragilistic", 10) == "supercali…"  # one word longer than the width: nothing better

@@ -25,7 +25,7 @@ from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.stats import mean_count
-from h2o_chat.errors import ConfigError, H2OChatError, InputError, StdoutError
+from h2o_chat.errors import H2OChatError, InputError, SettingError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
@@ -37,7 +37,7 @@ SKIPPED_EXIT = 4  # every valid row ran, but some lines were skipped (3 is out o
 
 @dataclass
 class Item:
-    id: str
+    id: str | int  # as the line gives it: it comes back the same in the result
     line: int
     ids: list[int]
     max_new_tokens: int
@@ -62,6 +62,7 @@ class Defaults:
     seed: int | None = None
     system: str | None = None
     raw: bool = False
+    ignore_eos: bool = False  # rows run to their max_new_tokens past the end-of-sequence token
 
 
 @dataclass
@@ -84,23 +85,21 @@ def _positive_int(value, name: str) -> int:
 
 
 def _setting(obj: dict, name: str, default, check) -> float:
-    """A line's own sampling setting (or the default), checked as the Sampler checks the command line's."""
+    """A line's own sampling setting (or the default), checked as the Sampler checks the command line's and said
+    with the line's key."""
     value = obj.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f'"{name}" must be a number, got {json.dumps(value)}')
     try:
-        check(value, f'"{name}"')
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
+        check(value)
+    except SettingError as e:
+        raise ValueError(e.worded(f'"{name}"')) from None
     return value
 
 
-def _check_top_p(value: float, name: str) -> None:
-    """top_p as the Sampler checks it (its one home), said with the line's key."""
-    try:
-        Sampler(top_p=value)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("--top-p", name, 1)) from None
+def _check_top_p(value: float) -> None:
+    """top_p as the Sampler checks it (its one home)."""
+    Sampler(top_p=value)
 
 
 def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
@@ -146,7 +145,7 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
             messages = [{"role": "system", "content": defaults.system}, *messages]
         ids = chat_ids(tokenizer, messages)
     return Item(
-        str(obj["id"]), number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p),
+        obj["id"], number, ids, max_new, float(temperature), budget, float(penalty), top_k, float(min_p),
         float(top_p), seed,
     )  # fmt: skip
 
@@ -167,7 +166,7 @@ def read_items(
                 continue
             item = parse_line(text, number, tokenizer, defaults)
             if item.id in seen:
-                raise ValueError(f'duplicate id "{item.id}"')
+                raise ValueError(f"duplicate id {json.dumps(item.id)}")
             if item.budget in impossible:
                 raise impossible[item.budget]
             if item.budget not in policies:
@@ -198,6 +197,7 @@ def generate_batch(
     decode: str = "auto",
     rows: int = 8,
     kv_quant: str = "none",
+    ignore_eos: bool = False,
 ) -> Iterator[dict]:
     """Continuous batching: keep `rows` batch rows busy until every item is done, yielding each item's record as
     soon as it finishes. The first `rows` prompts are read together; then a row that finishes takes the next
@@ -205,7 +205,7 @@ def generate_batch(
     captured once on CUDA -- is reused for the whole run. A row decodes exactly as its prompt would alone
     (greedy). When no prompt is left and half the rows are idle, the idle rows leave the batch."""
     model, tok = loaded.model, loaded.tokenizer
-    stops = stop_token_ids(tok, model)
+    stops = set() if ignore_eos else stop_token_ids(tok, model)
     R = min(rows, len(items))
     cache = H2OCache.for_model(model, policy, positions, loaded.context, kv_quant=kv_quant)
     cache.reserve(max(len(it.ids) for it in items) + max(it.max_new_tokens for it in items))  # a full cache, once
@@ -303,7 +303,7 @@ def run_batch(
     decode: str = "auto",
     on_skip: Callable[[str], None] | None = None,
     kv_quant: str = "none",
-    done: set[str] | None = None,
+    done: set[str | int] | None = None,
 ) -> Summary:
     """Generate every well-formed line not yet in the output (`-`: stdout; `done`: its ids, when the caller has
     read them already). Malformed and duplicate lines are passed to `on_skip` before anything is generated (a
@@ -331,6 +331,7 @@ def run_batch(
                 *(loaded, group, by_budget[budget], top_p, seed, chunk_size, positions, decode),
                 rows=batch_size,
                 kv_quant=kv_quant,
+                ignore_eos=defaults.ignore_eos,
             )
             for record in records:
                 try:

@@ -76,20 +76,22 @@ def _parsed(line: bytes):
         return None
 
 
-def _record_id(line: bytes) -> str | None:
-    """The id of a record batch wrote, or None when `line` is not one."""
+def _record_id(line: bytes) -> str | int | None:
+    """The id of a record batch wrote (a string or an integer, as its input line gave it), or None when `line` is
+    not one."""
     record = _parsed(line) if line.startswith(RECORD_START) else None
     if not isinstance(record, dict) or not record.keys() >= RECORD_KEYS:
         return None
-    return record["id"] if isinstance(record["id"], str) and isinstance(record["text"], str) else None
+    ok = isinstance(record["id"], (str, int)) and not isinstance(record["id"], bool)
+    return record["id"] if ok and isinstance(record["text"], str) else None
 
 
-def finished_ids(out: Path, note: Callable[[str], None] | None = None) -> set[str]:
+def finished_ids(out: Path, note: Callable[[str], None] | None = None) -> set[str | int]:
     """The ids already in `out` (none when it does not exist yet). A file that is not batch's own is refused
     (InputError) and left untouched; a killed run's last line is completed or set aside, and `note` told which."""
     if is_stdout(out) or not _existing(out):  # a regular file: a device would never end
         return set()
-    ids: set[str] = set()
+    ids: set[str | int] = set()
     with out.open("rb") as f:
         number, end = 0, 0  # lines read, and the offset after the last complete one
         while line := f.readline(MAX_LINE):
@@ -107,7 +109,7 @@ def finished_ids(out: Path, note: Callable[[str], None] | None = None) -> set[st
     return ids
 
 
-def _last_line(out: Path, line: bytes, end: int, number: int, ids: set[str], note) -> None:
+def _last_line(out: Path, line: bytes, end: int, number: int, ids: set[str | int], note) -> None:
     """A last line without its newline: a whole record gets its newline (appended); a record cut short (only a
     killed run writes one) is moved aside, with the file cut back to its complete lines; anything else is refused."""
     say = note or (lambda message: None)

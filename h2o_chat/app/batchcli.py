@@ -13,12 +13,14 @@ import typer
 
 from h2o_chat.app.options import (
     CacheOptions,
+    IgnoreEos,
     ModelOptions,
     PolicyKnobs,
     SamplingOptions,
     check_positive,
     grouped,
     reported,
+    require_stdout,
     status,
     store_of,
 )
@@ -40,6 +42,7 @@ def batch_command(
     batch_size: Annotated[int, typer.Option(help="Rows generated together.")] = 8,
     system: Annotated[str | None, typer.Option(help="System prompt for lines without one.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help='Feed "prompt" lines as plain text, no chat template.')] = False,
+    ignore_eos: IgnoreEos = False,
     models: ModelOptions = ModelOptions(),
     cache: CacheOptions = CacheOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),
@@ -49,6 +52,7 @@ def batch_command(
     with reported():
         from h2o_chat.app.batch import SKIPPED_EXIT, Defaults, run_batch
         from h2o_chat.app.batch_output import check_output, finished_ids, is_stdout
+        from h2o_chat.app.budget import within_context
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError
 
@@ -60,6 +64,8 @@ def batch_command(
         if not input_path.exists():
             raise InputError(f"input file not found: {input_path}")
         check_output(output, input_path)
+        if is_stdout(output):
+            require_stdout()
         budget = cache.tokens(models, rows=batch_size)  # a memory or a share: the tokens it comes to, per row
         store = cache.store_tokens(models, budget, rows=batch_size)
         default = cache.build(knobs, budget, store)  # fail before loading weights
@@ -68,7 +74,12 @@ def batch_command(
         loaded = models.load(kv_tokens=budget, **kv)
 
         def policy_for(line_budget: int | None):
-            """A line's policy; a budget that does not fit in memory skips the line, as a malformed one."""
+            """A line's policy (its budget within the trained context); a budget that does not fit in memory skips
+            the line, as a malformed one."""
+            if line_budget is not None and line_budget != budget:
+                line_budget, capped = within_context(line_budget, loaded.context, f'"budget" {line_budget}')
+                if capped:
+                    status(capped)
             policy = cache.build(knobs, line_budget, store)
             if policy.budget is not None and policy.budget != budget:  # the default one was checked above
                 loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)
@@ -84,9 +95,10 @@ def batch_command(
             top_k=sampling.top_k,
             min_p=sampling.min_p,
             top_p=sampling.top_p,
-            seed=sampling.seed,
+            seed=sampling.given_seed,
+            ignore_eos=ignore_eos,
         )
-        written: list[str] = []
+        written: list[str | int] = []
 
         def on_record(record: dict) -> None:
             written.append(record["id"])

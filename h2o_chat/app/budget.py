@@ -47,6 +47,19 @@ def tokens_in(flag: str, text: str, memory: int, per_token: int, rows: int = 1, 
     return tokens
 
 
+def within_context(tokens: int, context: int | None, head: str) -> tuple[int, str | None]:
+    """A budget of at most the model's trained context, and a line saying why when `tokens` (`head` as the user
+    wrote it) was more. Held tokens are numbered within the budget once the text passes the context (auto,
+    rolling), or past the context (absolute): a budget above it only numbers tokens at positions the model never
+    learned, and costs memory and time for nothing (-b 100000 on an 8,192-token model: 4.5 GB, 1.1 tok/s)."""
+    if not context or tokens <= context:
+        return tokens, None
+    return context, (
+        f"{head}: the budget is {context:,} tokens, the model's trained context: a larger cache would hold tokens "
+        "at positions it was never trained on, and cost memory and time for nothing"
+    )
+
+
 @dataclass(frozen=True)
 class BudgetText:
     """A budget as typed after `flag`: exactly one of tokens, memory (bytes) or share is set."""

@@ -110,6 +110,8 @@ class ChatSession:
             ):
                 for last in stream:
                     view.token(last, conv.engine.describe(), conv.speeds(last), conv.stats)
+                    for notice in conv.cache.pop_notices():  # e.g. decode slowed on a busy CPU: said as it happens
+                        view.note(notice)
                     if stop.is_set():
                         break
         except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk
@@ -150,6 +152,18 @@ class ChatSession:
         return self.view.toolbar(self.conv.stats(), width)
 
 
+HISTORY_ENTRY_CHARS = 4096  # what the history file keeps of one entry (this session's Up keeps it whole)
+
+
+def history_entry(text: str, limit: int = HISTORY_ENTRY_CHARS) -> str:
+    """What the history file keeps of an entry: a pasted document (~20 KB for 4,900 tokens) landed whole in it,
+    for every later session to load; it keeps the first `limit` characters, cut between words, marked " …"."""
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit))
+    return text[: cut if cut > 0 else limit].rstrip() + " …"
+
+
 def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     """prompt-toolkit input: persistent history, Alt-Enter for a new line, stats in the bottom toolbar."""
     from prompt_toolkit import PromptSession
@@ -157,11 +171,15 @@ def make_prompt_session(history: Path | None, chat: ChatSession, **kwargs):
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.layout.dimension import Dimension
 
+    class CappedHistory(FileHistory):
+        def store_string(self, string: str) -> None:
+            super().store_string(history_entry(string))
+
     path = (history or user_data_dir() / "history").expanduser()
     try:  # a read-only home must not end the session that has just loaded its model
         path.parent.mkdir(parents=True, exist_ok=True)
         path.open("a", encoding="utf-8").close()
-        past = FileHistory(str(path))
+        past = CappedHistory(str(path))
     except OSError as e:
         chat.view.note(f"input history is off for this session: cannot write {path} ({e.strerror})")
         past = InMemoryHistory()

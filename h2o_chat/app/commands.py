@@ -14,7 +14,7 @@ from pathlib import Path
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.conversation import Conversation
 from h2o_chat.app.resume import load_conversation, loaded_line, save_conversation, saved_line
-from h2o_chat.app.ui import describe_device, plural
+from h2o_chat.app.ui import describe_device, plural, quote
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
@@ -22,8 +22,8 @@ HELP = """\
 /help              this list
 /budget N|SIZE|%   set the budget: tokens, a memory (64MB) or a share of the context (10%); a smaller one evicts now
 /policy NAME       snap | recall | h2o | sink | recent | full
-/set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed
-/regen             answer the last message again (the conversation is re-read)
+/set NAME VALUE    temperature | top_p | top_k | min_p | repetition_penalty | max_new_tokens | seed (random: -1)
+/regen             answer the last message again, from the cache as it was before the reply
 /undo              take back your last message and its reply
 /show              the model, chat template, settings, policy and budget
 /clear             clear the screen (the conversation stays)
@@ -110,15 +110,19 @@ class SlashCommands:
     def _tokens(self, arg: str) -> int:
         """/budget as --budget reads it: tokens, a memory (the most tokens whose keys and values fit, as this
         chat's cache stores them) or a share of the model's trained context."""
-        from h2o_chat.app.budget import BudgetText
+        from h2o_chat.app.budget import BudgetText, within_context
         from h2o_chat.models.memory import kv_token_bytes
 
         loaded, kv_quant = self.conv.loaded, self.conv.settings.kv_quant
-        tokens, how = BudgetText.parse("/budget", arg).resolve(
+        asked = BudgetText.parse("/budget", arg)
+        tokens, how = asked.resolve(
             lambda: kv_token_bytes(loaded.model.config, loaded.dtype, kv_quant), lambda: loaded.context, 1, kv_quant
         )
         if how:
             self.view.say(how)
+        tokens, capped = within_context(tokens, loaded.context, asked.head)
+        if capped:
+            self.view.say(capped)
         return tokens
 
     def cmd_policy(self, arg: str) -> None:
@@ -146,37 +150,48 @@ class SlashCommands:
         except ValueError:
             what = "a whole number" if kind is int else "a number"
             raise InputError(f"/set {name} takes {what}, got {value!r}") from None
+        if name == "seed" and number is not None and number < 0:
+            if number != -1:
+                raise InputError(f"/set seed takes a whole number >= 0, or random (or -1), got {number}")
+            number = None  # -1: a random seed, as llama.cpp reads it
         if name == "max_new_tokens":
             if number <= 0:
                 raise InputError(f"max_new_tokens must be a positive integer, got {number}")
             self.conv.set_sampling(max_new_tokens=number)
         else:
-            try:
-                sampler = dataclasses.replace(sampler, **{name: number})  # the Sampler checks
-            except H2OChatError as e:  # in the chat's words: `temperature`, not the command line's `--temperature`
-                raise InputError(str(e).replace("--" + name.replace("_", "-"), name, 1)) from None
+            # the Sampler checks; its errors name the setting as /set does (top_p)
+            sampler = dataclasses.replace(sampler, **{name: number})
             self.conv.set_sampling(sampler=sampler)
         self.view.say(f"{name} set to {_shown(number)} from the next reply on")
 
     def cmd_regen(self, arg: str) -> None:
-        """Answer the last message again: the reply is dropped, the conversation re-read, a new one sampled."""
+        """Answer the last message again: the message and its reply are taken back as /undo takes them (the cache
+        goes back to the state the reply began from, where a copy was kept; else the conversation is re-read), the
+        message is sent again and a new reply sampled."""
         if not any(m["role"] == "assistant" for m in self.conv.messages):
             raise InputError("there is no reply to generate again yet")
         sampler = self.conv.settings.sampler
         if sampler.temperature == 0:
             self.view.note("temperature is 0 (greedy): the same reply comes again; /set temperature 0.7 varies it")
-        text = self.conv.drop_last_turn()
+        text, _ = self.conv.undo_last_turn()
         self.conv.set_sampling(sampler=sampler.reseeded())  # another draw than the reply it replaces
         self.reply(text)
 
     def cmd_undo(self, arg: str) -> None:
         """Take back the last exchange: the cache goes back to before it (a copy kept from then), or, where no copy
-        was kept, restarts and re-reads the conversation on the next turn, as /regen does (said)."""
+        was kept, restarts and re-reads the conversation on the next turn (said)."""
         if not any(m["role"] == "user" for m in self.conv.messages):
             raise InputError("there is nothing to undo yet")
         text, restored = self.conv.undo_last_turn()
-        preview = " ".join(text.split())[:48]
-        if restored:
+        preview = quote(text)
+        if not any(m["role"] == "user" for m in self.conv.messages):
+            self.view.say(f'took back "{preview}" and its reply; the conversation is empty again')
+        elif restored and not self.conv.fed:  # the copy is of a cache that had restarted (/regen, /load, /system)
+            self.view.say(
+                f'took back "{preview}" and its reply; the cache held none of the conversation before them (it had '
+                "restarted), so the conversation is read again at the next turn"
+            )
+        elif restored:
             self.view.say(f'took back "{preview}" and its reply; the cache is as it was before them')
         else:
             self.view.say(
@@ -200,6 +215,8 @@ class SlashCommands:
         ]
         if settings.stop:
             lines.append("stop at: " + ", ".join(repr(s) for s in settings.stop))
+        if settings.ignore_eos:
+            lines.append("replies run past the end-of-sequence token to max_new_tokens (--ignore-eos)")
         self.view.say("\n".join(lines))
 
     def cmd_clear(self, arg: str) -> None:

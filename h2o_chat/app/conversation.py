@@ -24,10 +24,12 @@ from h2o_chat.app.messages import (
     use_chat_template,
     write_conversation,
 )
+from h2o_chat.app.slowdown import SlowdownWatch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
+from h2o_chat.engine.slots import slot_bytes
 from h2o_chat.engine.snap import columns_read
 from h2o_chat.engine.stats import CacheStats
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
@@ -71,6 +73,7 @@ class ChatSettings:
     decode: str = "auto"  # how decode steps run: auto | eager | graph (see h2o_chat.engine)
     stop: tuple[str, ...] = ()  # stop strings (--stop): the reply ends before the first one
     chat_template: tuple[str, str] | None = None  # --chat-template: (its file, its Jinja text), not the tokenizer's
+    ignore_eos: bool = False  # --ignore-eos: replies run to max_new_tokens past the end-of-sequence token
 
 
 @dataclass
@@ -115,6 +118,7 @@ class Conversation:
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
         self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
         self._on_setup: Callable[[str], None] | None = None
+        self.slowdown = SlowdownWatch()  # decode that collapses on a busy CPU is said once, with what may help
         self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
@@ -325,6 +329,7 @@ class Conversation:
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
         self._setup = [self.engine.setup_seconds] * 3
+        self.slowdown.start()
         stops = (*((PLAIN_STOP,) if self.plain and not raw else ()), *self.settings.stop)
         try:
             for r in stream_generate(
@@ -332,10 +337,10 @@ class Conversation:
                 self.tokenizer,
                 self.cache,
                 ids,
-                sampler=self.settings.sampler,
+                sampler=self._reply_sampler(),
                 chunk_size=chunk,
                 max_new_tokens=max_new_tokens or self.settings.max_new_tokens,
-                stop_ids=self.stop_ids,
+                stop_ids=set() if self.settings.ignore_eos else self.stop_ids,
                 stop_strings=stops,
                 progress=progress,
                 engine=self.engine,
@@ -344,6 +349,8 @@ class Conversation:
                 if count == 1:
                     self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
                 self._setup[2] = self.engine.setup_seconds
+                if note := self.slowdown.step(self.engine.setup_seconds):
+                    self.cache.notices.append(note)
                 reply.append(r.text)
                 yield r
         except PrefillInterrupted as e:
@@ -356,6 +363,13 @@ class Conversation:
             if not taken_back:
                 self._end_turn(user, reply, last, count, start + len(ids), reply_index)
                 self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
+
+    def _reply_sampler(self) -> Sampler:
+        """This reply's sampler: a fresh draw each reply unless a seed was given, which repeats (the same text at the
+        same place gives the same reply). A Sampler's automatic seed is drawn once, and each prompt starts the
+        draw count again, so reusing one made every reply's k-th draw the same noise."""
+        sampler = self.settings.sampler
+        return sampler if sampler.seed is not None else sampler.reseeded()
 
     def _cheap_snapshot(self) -> bool:
         """Whether a copy of the cache before each turn (for /undo) is cheap: a bounded cache of a small model's
@@ -417,21 +431,31 @@ class Conversation:
             self._restart()
         self.stopped_reading = (stopped.done, stopped.total)
 
-    def speeds(self, record: Response) -> tuple[float, float, float]:
+    def speeds(self, record: Response) -> tuple[float, float | None, float]:
         """This turn's (prompt tok/s, decode tok/s, one-time setup seconds): a capture or compilation of the
-        decode step is paid once and reported on its own, not folded into the speeds."""
+        decode step is paid once and reported on its own, not folded into the speeds. Decode is None until a
+        decode step has run: the first token comes from the prompt's reading (a 1-token reply read 0.0 tok/s)."""
         at_start, at_first, now = self._setup
         prompt = record.prompt_seconds - (at_first - at_start)
         decode = record.generation_seconds - (now - at_first)
+        steps = record.generation_tokens - 1
         return (
             record.prompt_tokens / prompt if prompt > 0 else 0.0,
-            (record.generation_tokens - 1) / decode if decode > 0 else 0.0,
+            steps / decode if steps and decode > 0 else None,
             now - at_start,
         )
 
     def stats(self) -> CacheStats:
-        """The cache's stats (recall's store included: its bytes as allocated, its tokens and drops)."""
-        return self.cache.stats()
+        """The cache's stats as the user is shown them (recall's store included: its bytes as allocated, its tokens
+        and drops). In use: the held tokens' keys and values, counted as the full cache's figure counts a token (the
+        slots' positions and scores are part of what is allocated; counted in use, they put it above the full
+        cache's figure while nothing was evicted)."""
+        stats, slots = self.cache.stats(), self.cache.slots
+        if slots is not None:
+            per_slot = slots.slot_bytes()
+            keys_values = per_slot - slot_bytes(0, 0, 1)  # less the position, rotation and score of a slot
+            stats = dataclasses.replace(stats, kv_used_bytes=stats.kv_used_bytes * keys_values // per_slot)
+        return stats
 
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import functools
 import inspect
 import io
@@ -25,9 +26,9 @@ from typing import Annotated, ClassVar
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from h2o_chat.app.budget import BudgetText, StoreText
+from h2o_chat.app.budget import BudgetText, StoreText, within_context
 from h2o_chat.engine.policies import DEFAULT_POLICY
-from h2o_chat.errors import H2OChatError, StdoutError, out_of_memory
+from h2o_chat.errors import H2OChatError, SettingError, StdoutError, out_of_memory
 from h2o_chat.models.registry import load_registry
 
 
@@ -65,11 +66,29 @@ class Group(_FlagsTakeNoValue, TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+# options of llama-cli and ollama that h2o-chat spells another way, or that mean something else here: what to use
+FOREIGN_OPTIONS = {
+    "--ctx-size": "llama.cpp's context size; the nearest here is --budget (-b), the tokens the cache keeps per layer "
+    "(512 by default) however long the text grows",
+    "--prompt": 'give the prompt as an argument (h2o-chat "PROMPT"), or -f FILE',
+    "--n-predict": "the most tokens to generate is -n (--max-new-tokens) here",
+    "--temp": "use --temperature",
+    "--repeat-penalty": "use --repetition-penalty",
+}
+FOREIGN_OPTIONS["-c"] = FOREIGN_OPTIONS["--ctx-size"]
+
+
 def usage_error(error: typer.TyperException) -> typing.NoReturn:
-    """`h2o-chat: error: Missing option '--output' / '-o'.` and `Try 'h2o-chat batch --help'`, then exit 2."""
+    """`h2o-chat: error: Missing option '--output' / '-o'.` and `Try 'h2o-chat batch --help'`, then exit 2. An
+    option another tool takes says what it is here (click would suggest the nearest spelling: --chunk-size for
+    --ctx-size)."""
     if type(error).__name__ == "NoArgsIsHelpError":  # `h2o-chat eval`: Typer has printed the help
         sys.exit(error.exit_code)
-    typer.echo(f"h2o-chat: error: {error.format_message()}", err=True)
+    message = error.format_message()
+    name = getattr(error, "option_name", None)
+    if type(error).__name__ == "NoSuchOption" and name in FOREIGN_OPTIONS:
+        message = f"No such option: {name}: {FOREIGN_OPTIONS[name]}."
+    typer.echo(f"h2o-chat: error: {message}", err=True)
     ctx = getattr(error, "ctx", None)
     if ctx is not None:
         typer.echo(f"Try '{ctx.command_path} --help'", err=True)
@@ -175,7 +194,7 @@ Decode = Annotated[
 RepetitionPenalty = Annotated[
     float,
     typer.Option(
-        help="Make tokens of the last 64 less likely (1 = off, llama.cpp's default; ollama's is 1.1).",
+        help="Make tokens of the last 256 less likely (1 = off, llama.cpp's default; ollama's is 1.1, over 64).",
     ),
 ]
 Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
@@ -188,7 +207,9 @@ Quantize = Annotated[
 ]
 ModelsFile = Annotated[Path | None, typer.Option("--models", help="Extra models.toml (adds or overrides aliases).")]
 Download = Annotated[bool, typer.Option("--download", help="Allow fetching weights from the Hugging Face Hub.")]
-MaxNewTokens = Annotated[int, typer.Option(help="Most tokens per reply (batch: for lines without max_new_tokens).")]
+MaxNewTokens = Annotated[
+    int, typer.Option("--max-new-tokens", "-n", help="Most tokens per reply (batch: for lines without max_new_tokens).")
+]
 Temperature = Annotated[float, typer.Option(help="0 = greedy (batch: for lines without temperature).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold (1 = off).")]
 TopK = Annotated[
@@ -200,9 +221,22 @@ MinP = Annotated[
         help="Drop tokens less likely than this share of the most likely one (0 = off; batch: for lines without min_p)."
     ),
 ]
-Seed = Annotated[int | None, typer.Option(help="Seed for repeatable sampling.")]
+Seed = Annotated[
+    int | None, typer.Option("--seed", "-s", help="Seed for repeatable sampling (-1: random, the default).")
+]
 Threads = Annotated[
-    int | None, typer.Option(help="CPU threads for torch (default: torch's choice, usually the physical cores).")
+    int | None,
+    typer.Option(
+        "--threads", "-t", help="CPU threads for torch (default: torch's choice, usually the physical cores)."
+    ),
+]
+IgnoreEos = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-eos",
+        help="Write on past the end-of-sequence token, to --max-new-tokens (as llama-cli's): a generation of a known "
+        "length, e.g. to time it.",
+    ),
 ]
 
 
@@ -348,11 +382,17 @@ class CacheOptions:
     def tokens(self, models: ModelOptions, rows: int = 1) -> int:
         """The budget in tokens for each of `rows` rows (a memory is theirs together); how a memory or a share
         became that many is said on stderr. Nothing loads: the model's config gives its sizes."""
-        tokens, how = self.asked().resolve(
+        asked = self.asked()
+        tokens, how = asked.resolve(
             lambda: models.kv_token_bytes(self.kv_quant), models.trained_context, rows, self.kv_quant
         )
         if how:
             status(how)
+        if self.policy == "full":  # no budget: the cache holds every token
+            return tokens
+        tokens, capped = within_context(tokens, models.trained_context(), asked.head)
+        if capped:
+            status(capped)
         return tokens
 
     def store_tokens(self, models: ModelOptions, budget: int, rows: int = 1) -> int | None:
@@ -388,13 +428,20 @@ class SamplingOptions:
 
     def check(self) -> None:
         check_positive("--max-new-tokens", self.max_new_tokens)
+        if self.seed is not None and self.seed < -1:
+            raise H2OChatError(f"--seed must be a whole number >= 0, or -1 for a random one, got {self.seed}")
         self.sampler()  # the Sampler checks its settings
+
+    @property
+    def given_seed(self) -> int | None:
+        """The seed asked for; None for a random one (no --seed, or -1 as llama.cpp reads it)."""
+        return None if self.seed == -1 else self.seed
 
     def sampler(self):
         from h2o_chat.engine.sampling import Sampler
 
         return Sampler(
-            self.temperature, self.top_p, self.seed, self.repetition_penalty, top_k=self.top_k, min_p=self.min_p
+            self.temperature, self.top_p, self.given_seed, self.repetition_penalty, top_k=self.top_k, min_p=self.min_p
         )
 
 
@@ -446,6 +493,9 @@ def reported() -> Iterator[None]:
     """Turn the errors users can cause into one line on stderr and a non-zero exit."""
     try:
         yield
+    except SettingError as e:  # the library names the setting by its keyword; here it is an option
+        typer.echo(f"h2o-chat: error: {e.worded(flag(e.name))}", err=True)
+        raise typer.Exit(e.exit_code) from None
     except H2OChatError as e:
         typer.echo(f"h2o-chat: error: {e}", err=True)
         raise typer.Exit(e.exit_code) from None
@@ -462,10 +512,11 @@ def reported() -> Iterator[None]:
 
 
 class _Fd(io.RawIOBase):
-    """A file descriptor whose write errors are named StdoutError (EPIPE apart, which ends quietly as before)."""
+    """A file descriptor whose write errors are named StdoutError (EPIPE apart, which ends quietly as before).
+    `refused`: why every write fails (stdout was closed), until `stdout_failed` lets writes go to the null device."""
 
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, fd: int, refused: str | None = None):
+        self.fd, self.refused = fd, refused
 
     def writable(self) -> bool:
         return True
@@ -477,6 +528,8 @@ class _Fd(io.RawIOBase):
         return os.isatty(self.fd)
 
     def write(self, data) -> int:
+        if self.refused:
+            raise StdoutError(errno.EBADF, self.refused)
         try:
             return os.write(self.fd, data)
         except (BrokenPipeError, BlockingIOError):
@@ -488,6 +541,9 @@ class _Fd(io.RawIOBase):
 def guard_stdout() -> None:
     """Make a failed write to stdout, wherever it comes from (streamed text, a table, --help), a StdoutError:
     sys.stdout becomes the same text stream over the same descriptor, whose errors say they are stdout's."""
+    if sys.stdout is None:  # `h2o-chat ... >&-`: Python gives no stream for a closed descriptor
+        _closed_stdout()
+        return
     try:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
@@ -499,10 +555,31 @@ def guard_stdout() -> None:
     )
 
 
+def _closed_stdout() -> None:
+    """A closed stdout: the null device takes its descriptor, so that no file opened later (a model, -o FILE)
+    takes it and receives what a library prints; writing to sys.stdout fails, as a StdoutError."""
+    fd = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: 1, unless stdin is closed too
+    if fd != 1:
+        os.dup2(fd, 1)
+        os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_Fd(1, refused="it is closed")), encoding="utf-8")
+
+
+def require_stdout() -> None:
+    """For a command whose results go to stdout, before it loads anything: a closed stdout is one line now, not
+    after the work."""
+    raw = getattr(getattr(sys.stdout, "buffer", None), "raw", None)
+    if isinstance(raw, _Fd) and raw.refused:
+        raise StdoutError(errno.EBADF, raw.refused)
+
+
 def stdout_failed(error: OSError) -> typing.NoReturn:
     """One line for a failed write to stdout, exit 1. Stdout then points to the null device: what is still
     buffered would fail again at the interpreter's exit, and be printed as an ignored exception."""
     typer.echo(f"h2o-chat: cannot write to stdout: {error.strerror or error}", err=True)
+    raw = getattr(getattr(sys.stdout, "buffer", None), "raw", None)
+    if isinstance(raw, _Fd):
+        raw.refused = None  # a closed stdout's descriptor is the null device already
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -564,6 +641,11 @@ def check_positions(value: str) -> str:
     from h2o_chat.engine.cache import check_positions as check  # torch: only once a command runs, never for --help
 
     return check(value)
+
+
+def flag(name: str) -> str:
+    """The option that sets a library keyword: top_p -> --top-p."""
+    return "--" + name.replace("_", "-")
 
 
 def check_positive(name: str, value: int | None) -> None:

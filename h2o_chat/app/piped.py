@@ -185,6 +185,8 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         sys.stdout.write("\n")
         sys.stdout.flush()
         summary = summary_line(last, conv.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded))
+        if conv.slowdown.summary:
+            summary += f" | {conv.slowdown.summary}"
         say(summary + (f" | {cached.summary()}" if cached is not None else ""))
     sys.stdout.flush()
     return record
@@ -192,7 +194,7 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
 
 def _record(loaded: Loaded, conv: Conversation, pieces: list[str], last, finish_reason: str | None) -> dict:
     """The --json record: the text, why it ended, token counts, speeds (a one-time setup apart), cache stats."""
-    prompt_tps, decode_tps, setup = conv.speeds(last) if last is not None else (0.0, 0.0, 0.0)
+    prompt_tps, decode_tps, setup = conv.speeds(last) if last is not None else (0.0, None, 0.0)
     return {
         "model": loaded.spec.name,
         "text": "".join(pieces),
@@ -200,7 +202,7 @@ def _record(loaded: Loaded, conv: Conversation, pieces: list[str], last, finish_
         "prompt_tokens": last.prompt_tokens if last is not None else conv.pending,
         "generated_tokens": last.generation_tokens if last is not None else 0,
         "prompt_tps": round(prompt_tps, 2),
-        "decode_tps": round(decode_tps, 2),
+        "decode_tps": None if decode_tps is None else round(decode_tps, 2),  # None: no decode step ran
         "setup_seconds": round(setup, 2),
         "decode": conv.engine.describe(),
         "weights": {"format": loaded.weights, "bytes": loaded.weight_bytes},

@@ -13,6 +13,7 @@ are fixed for a batch's step. Each row has its own temperature, penalty, top-k, 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,10 @@ class LaneKey:
     @classmethod
     def of(cls, req) -> LaneKey:
         return cls(req.policy.name, req.policy.budget, req.top_p, bool(req.top_k or req.min_p or req.top_p < 1))
+
+
+class ReadingStopped(Exception):
+    """A prompt's reading was stopped between two chunks (the server drains); its row is free again."""
 
 
 class TextStream:
@@ -94,6 +99,7 @@ class Lane:
         sampler, per_row = self._sampler(rows)
         self.engine.set_sampler(sampler, rows, **per_row)
         self.jobs: list = [None] * rows
+        self.closing = False  # takes no new rows: a waiting job needs this lane's place
         self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's next input token
         self.steps = 0
 
@@ -135,10 +141,12 @@ class Lane:
             self.cache.clear_row(r)
 
     # -- a conversation into a row and out of it ------------------------------------------------------------
-    def start(self, r: int, state: dict | None, ids: list[int], req) -> tuple[int, float]:
+    def start(
+        self, r: int, state: dict | None, ids: list[int], req, stop: Callable[[], bool] = lambda: False
+    ) -> tuple[int, float]:
         """Bring a conversation into row r (its snapshot, or an empty row) and read `ids` into it alone, the
         other rows untouched; returns (the reply's first token, seconds reading). The fit check comes first: a
-        DeviceError leaves the row free."""
+        DeviceError leaves the row free. `stop()` is asked after each chunk read: True raises ReadingStopped."""
         t0 = time.perf_counter()
         if state is None:
             self.cache.clear_row(r)
@@ -147,8 +155,14 @@ class Lane:
             view.restore(state)
         chunk, _ = prefill_chunk(self.loaded.model, view, 1, len(ids), self.settings.chunk_size)
         prompt = torch.tensor([ids], dtype=torch.long)
+
+        def between_chunks(done: int, total: int) -> None:
+            if stop():
+                raise ReadingStopped(f"stopped after {done} of {total} tokens")
+
         try:
-            logits = Engine(self.loaded.model, view, "eager").prefill(prompt, chunk_size=chunk)[0]  # (V,)
+            logits = Engine(self.loaded.model, view, "eager").prefill(prompt, chunk_size=chunk, progress=between_chunks)
+            logits = logits[0]  # (V,)
         except BaseException:
             self.cache.clear_row(r)  # half a prompt: the row is free again, its conversation is dropped
             raise
@@ -187,10 +201,10 @@ class Lane:
             "top_p": self.key.top_p,
             "rows": self.rows,
             "decode": self.engine.describe(),
-            "active": [
+            "closing": self.closing,
+            "active": [  # no conversation ids: a client must not learn of others' conversations
                 {
                     "row": r,
-                    "conversation": j.turn.session.id,
                     "generated": len(j.stream.tokens),
                     **self.cache.row_stats(r),
                 }

@@ -1,23 +1,31 @@
 """The server's engine thread: requests in, text events out, every conversation a row of one engine.
 
-One thread owns the model, the lanes (app/rows.py) and the idle conversations (app/sessions.py); the HTTP side
-only submits jobs and reads their events, so nothing here needs a lock but the queue. Each turn of the loop:
+One thread owns the model and the lanes (app/rows.py); the HTTP side plans a request (the conversation it
+continues, its tokens: app/sessions.py, whose store takes a lock) and submits it, then reads its events. Each turn
+of the loop:
 
 1. take the jobs submitted since the last turn (a cancelled one is dropped; a client gone mid-reply frees its row
    here, at the next step);
-2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows): find the
-   conversation they continue, bring it into a row and read only its new tokens; a prompt that cannot fit is a
-   503 for that job alone;
+2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows): bring their
+   conversation into a row and read only its new tokens; a prompt that cannot fit is a 503 for that job alone. A
+   job that needs a fifth lane closes the least busy one to new rows, so it waits for that lane's replies, never
+   for ever;
 3. decode one step of every lane with busy rows, and hand each row's text to its job; a finished reply's row is
    copied out as an idle conversation before the next step.
+
+Draining (SIGTERM) refuses every job not yet decoding and stops a prompt being read at its next chunk; a dead
+engine thread answers everything, queued or new, with a 500 at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_chat.app.messages import PLAIN_STOP, use_chat_template
-from h2o_chat.app.rows import Lane, LaneKey, TextStream
+from h2o_chat.app.rows import Lane, LaneKey, ReadingStopped, TextStream
 from h2o_chat.app.serve_api import ApiError, GenRequest
-from h2o_chat.app.sessions import SessionStore, Turn, end_turn, plan_turn, snapshot_bytes
+from h2o_chat.app.sessions import SessionStore, Turn, end_turn, snapshot_bytes
 from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.errors import H2OChatError, out_of_memory
 
@@ -35,14 +43,23 @@ MAX_LANES = 4  # engines with distinct cache keys or sampler shapes at once; mor
 MAX_WAITING = 256  # jobs queued beyond the rows; more are told the server is busy
 
 
+SHUTTING_DOWN = "the server is shutting down: it finishes the replies under way and takes no new ones"
+
+
+class _WaitForLane(Exception):
+    """Every lane is busy with other keys: the job waits for the one closed to new rows to empty."""
+
+
 @dataclass
 class Job:
     req: GenRequest
-    # ("started", None) | ("text", str) | ("done", result) | ("error", ApiError), from the engine thread
-    emit: Callable[[tuple], None]
+    turn: Turn  # planned by the HTTP side: the conversation (taken out of the idle store) and the tokens to read
+    # ("started", None) | ("text", str) | ("done", result) | ("error", ApiError), put by the engine thread into
+    # `events` through `loop` (the HTTP side's), all of one turn of the loop at once (`Scheduler._flush`)
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the HTTP side when the client goes away
-    turn: Turn | None = None
     stream: TextStream | None = None
     first_at: float | None = None
     read_seconds: float = 0.0
@@ -62,6 +79,9 @@ class Scheduler:
         self.draining = False
         self.served = 0
         self.failed: str | None = None  # the engine thread's fatal error, if it died
+        self._outbox: list[tuple[Job, tuple]] = []  # events of this turn of the loop, not yet handed over
+        self.closed = False  # the thread has ended after a drain
+        self._gate = threading.Lock()  # a job is queued, or told the engine died, never lost between the two
         self._stop = threading.Event()
         self._threads = torch.get_num_threads()  # --threads, set in the main thread: the engine thread's too
         self._thread = threading.Thread(target=self._run, name="h2o-chat-engine", daemon=True)
@@ -70,22 +90,40 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self.draining:
-            raise ApiError(503, "the server is shutting down: it finishes the replies under way and takes no new ones")
-        if self.failed:
-            raise ApiError(500, f"the engine stopped: {self.failed}", "server_error")
-        if self.inbox.qsize() + len(self.waiting) >= MAX_WAITING:
-            raise ApiError(503, f"the server is busy: {MAX_WAITING} requests are waiting for a row; retry later")
-        self.inbox.put(job)
+        """Queue a job for the engine thread, or raise the ApiError that says why it cannot run (then the
+        caller gives its conversation back: `release`)."""
+        with self._gate:
+            if self.failed:
+                raise self._dead()
+            if self.draining:
+                raise ApiError(503, SHUTTING_DOWN)
+            if self.inbox.qsize() + len(self.waiting) >= MAX_WAITING:
+                raise ApiError(503, f"the server is busy: {MAX_WAITING} requests are waiting for a row; retry later")
+            self.inbox.put(job)
 
     def call(self, fn: Callable[[], object]) -> Future:
-        """Run `fn` in the engine thread between steps (stats read the rows while nothing moves them)."""
+        """Run `fn` in the engine thread between steps (stats read the rows while nothing moves them); a
+        future that fails at once when the thread is gone."""
         future: Future = Future()
-        self.inbox.put((fn, future))
+        with self._gate:
+            if self.failed:
+                future.set_exception(self._dead())
+            elif self.closed:
+                future.set_exception(ApiError(503, SHUTTING_DOWN))
+            else:
+                self.inbox.put((fn, future))
         return future
 
+    def release(self, job: Job) -> None:
+        """A job that will not start: the idle conversation it continues goes back to the store."""
+        if job.turn.session.state is not None:
+            self.store.put(job.turn.session)
+
+    def _dead(self) -> ApiError:
+        return ApiError(500, f"the engine stopped: {self.failed}", "server_error")
+
     def stop(self, timeout: float | None = None) -> None:
-        """Finish the replies under way and the waiting ones, then end the thread."""
+        """Finish the replies already decoding (the others get a 503), then end the thread."""
         self.draining = True
         self._stop.set()
         self.inbox.put(None)
@@ -107,6 +145,7 @@ class Scheduler:
                 while True:
                     idle = not self.busy
                     if idle and self._stop.is_set() and not self.waiting and self.inbox.empty():
+                        self._end(ApiError(503, SHUTTING_DOWN))
                         return
                     self._take(block=idle and not self.waiting)
                     self._admit()
@@ -114,14 +153,51 @@ class Scheduler:
                         if lane.active:
                             self._step(lane)
                     self._tidy()
-            except Exception as e:  # a bug: every job is told, one line each, and new ones are refused
-                self.failed = f"{type(e).__name__}: {e}"
-                for job in self._all_jobs():
-                    job.emit(("error", ApiError(500, f"the engine stopped: {self.failed}", "server_error")))
-                raise
+                    self._flush()
+            except Exception as e:  # a bug: the traceback for its report, and one line to every job
+                traceback.print_exc()
+                self._die(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
 
-    def _all_jobs(self) -> list[Job]:
-        return [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]
+    def _die(self, why: str) -> None:
+        """Every job -- decoding, waiting or still queued -- and every pending call gets the error now; under the
+        gate, so whatever is submitted later is refused at once."""
+        self.failed = why
+        self._end(self._dead())
+
+    def _end(self, error: ApiError) -> None:
+        """The thread ends: whatever is left, and whatever comes later (under the gate), gets `error`."""
+        with self._gate:
+            self.closed = True
+            jobs = [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]
+            while True:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, tuple):
+                    item[1].set_exception(error)
+                elif item is not None:
+                    jobs.append(item)
+            self.waiting = []
+        for job in jobs:
+            self._send(job, ("error", error))
+        self._flush()
+
+    def _send(self, job: Job, event: tuple) -> None:
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Hand this turn's events to the HTTP side: one wake-up of its event loop per turn, however many rows
+        stepped (a wake-up per row and token took a core's slice from the engine's threads on a small machine)."""
+        if not self._outbox:
+            return
+        by_loop: dict = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_deliver, batch)
 
     def _take(self, block: bool) -> None:
         while True:
@@ -142,31 +218,43 @@ class Scheduler:
             self.waiting.append(item)
 
     def _admit(self) -> None:
+        reserved = 0  # a row kept for an older job that waits for a lane to close
         for job in list(self.waiting):
-            if job.cancelled:
+            if job.cancelled or self.draining:
                 self.waiting.remove(job)
+                self.release(job)
+                if not job.cancelled:
+                    self._send(job, ("error", ApiError(503, SHUTTING_DOWN)))
                 continue
             try:
-                place = self._place(LaneKey.of(job.req), job.req.policy)
+                place = self._place(LaneKey.of(job.req), job.req.policy, self.max_rows - reserved)
                 if place is None:
                     continue  # no row yet: it waits for one (jobs behind it with another key may go first)
                 self.waiting.remove(job)
                 self._start(job, *place)
+                self._flush()  # its first token, before the next job's prompt is read
+            except _WaitForLane:
+                reserved = 1
             except ApiError as e:
                 if job in self.waiting:
                     self.waiting.remove(job)
-                job.emit(("error", e))
+                    self.release(job)
+                self._send(job, ("error", e))
 
-    def _place(self, key: LaneKey, policy) -> tuple[Lane, int] | None:
-        """A free row for `key`: in its lane, grown when full, or in a new lane."""
-        if self.busy >= self.max_rows:
+    def _place(self, key: LaneKey, policy, rows: int) -> tuple[Lane, int] | None:
+        """A free row for `key` among `rows` busy at most: in its lane, grown when full, or in a new lane. With
+        every lane busy, the least busy closes to new rows (one at a time) and `_WaitForLane` says so: rows
+        keep coming to four lanes, so waiting for one to empty by chance could last for ever."""
+        if self.busy >= rows:
             return None
-        lane = next((lane for lane in self.lanes if lane.key == key), None)
+        lane = next((lane for lane in self.lanes if lane.key == key and not lane.closing), None)
         if lane is None:
             if len(self.lanes) >= MAX_LANES:
                 empty = next((la for la in self.lanes if not la.active), None)
                 if empty is None:
-                    return None
+                    if not any(la.closing for la in self.lanes):
+                        min(self.lanes, key=lambda la: la.active).closing = True
+                    raise _WaitForLane
                 self.lanes.remove(empty)
             self._fits(policy, 1)
             lane = Lane(self.loaded, key, policy, self.settings)
@@ -184,30 +272,35 @@ class Scheduler:
     def _fits(self, policy, rows: int) -> None:
         """The fit check of every command for `rows` more rows of `policy`'s budget: a 503 when they cannot."""
         try:
-            self.loaded.check_budget(policy.budget, rows=rows, flag='"budget"', kv_quant=self.settings.kv_quant)
+            kv_quant, snap = self.settings.kv_quant, policy.compresses_prompts
+            self.loaded.check_budget(policy.budget, rows=rows, flag='"budget"', kv_quant=kv_quant, snap=snap)
         except H2OChatError as e:
             raise ApiError(503, f"no memory for this conversation's cache: {e}") from None
 
     def _start(self, job: Job, lane: Lane, r: int) -> None:
-        req = job.req
-        job.turn = turn = plan_turn(self.store, req, self.loaded.tokenizer)
+        req, turn = job.req, job.turn
         stops = (*((PLAIN_STOP,) if self.plain and req.kind == "chat" else ()), *req.stop)
         job.stream = TextStream(self.loaded.tokenizer, req.max_tokens, self.stop_ids, stops)
         lane.jobs[r] = job
         try:
-            first, job.read_seconds = lane.start(r, turn.session.state, turn.ids, req)
+            first, job.read_seconds = lane.start(r, turn.session.state, turn.ids, req, self._reading_stops)
         except Exception as e:
             lane.jobs[r] = None
-            if turn.session.state is not None:  # a conversation that was idle stays as it was
-                self.store.put(turn.session)
+            self.release(job)  # a conversation that was idle stays as it was
+            if isinstance(e, ReadingStopped):
+                raise ApiError(503, SHUTTING_DOWN) from None
             if isinstance(e, H2OChatError):
                 raise ApiError(503, f"this prompt cannot be read here: {e}") from None
             if out_of_memory(e):
                 raise ApiError(503, f"out of memory while reading this prompt ({str(e).splitlines()[0]})") from None
             raise
         turn.session.state, turn.session.nbytes = None, 0  # the conversation is in the row now
-        job.emit(("started", None))
+        self._send(job, ("started", None))
         self._consume(lane, r, first)
+
+    def _reading_stops(self) -> bool:
+        """Checked after each chunk of a prompt: a drain stops the reading at once, not at the prompt's end."""
+        return self.draining
 
     def _step(self, lane: Lane) -> None:
         for r, job in enumerate(lane.jobs):  # a client gone: its row is free before this step
@@ -233,7 +326,7 @@ class Scheduler:
             job.first_at = time.perf_counter()
         if text:
             job.text.append(text)
-            job.emit(("text", text))
+            self._send(job, ("text", text))
         if reason is not None:
             self._finish(lane, r, job, reason)
 
@@ -249,14 +342,14 @@ class Scheduler:
         result = self._result(job, reason, stats)
         if self.log:
             self.log(_log_line(result))
-        job.emit(("done", result))
+        self._send(job, ("done", result))
 
     def _result(self, job: Job, reason: str, stats: dict) -> dict:
         turn, now = job.turn, time.perf_counter()
         ttft = job.first_at - job.submitted
         decode = now - job.first_at
         n = len(job.stream.tokens)
-        kept_in = turn.session.id in {s["id"] for s in self.store.describe()}
+        kept_in = self.store.holds(turn.session)
         return {
             "finish": "length" if reason == "length" else "stop",
             "read_tokens": len(turn.ids),
@@ -281,14 +374,14 @@ class Scheduler:
     def _fail_lane(self, lane: Lane, error: ApiError) -> None:
         for job in lane.jobs:
             if job is not None:
-                job.emit(("error", error))
+                self._send(job, ("error", error))
         self.lanes.remove(lane)
 
     def _tidy(self) -> None:
         """Lanes without busy rows go (their storage is freed; the default lane shrinks to one row); a lane
         whose busy rows fit in a quarter of it shrinks to half."""
         for lane in list(self.lanes):
-            if not lane.active and (len(self.lanes) > 1 or self.waiting):
+            if not lane.active and (len(self.lanes) > 1 or self.waiting or lane.closing):
                 self.lanes.remove(lane)
             elif lane.rows > 1 and lane.active <= lane.rows // 4:
                 lane.resize(max(1, lane.rows // 2))
@@ -312,6 +405,12 @@ class Scheduler:
             },
             "memory": process_memory(self.loaded.device),
         }
+
+
+def _deliver(batch: list[tuple[Job, tuple]]) -> None:
+    """In the HTTP side's event loop: each event into its job's queue."""
+    for job, event in batch:
+        job.events.put_nowait(event)
 
 
 def _log_line(result: dict) -> str:

@@ -1,22 +1,26 @@
 """`h2o-chat serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over the engine thread.
 
-The HTTP side checks requests (app/serve_api.py), submits them to the engine thread (app/scheduler.py) and
-turns its events into replies: one JSON object, or server-sent events as tokens come. A request that cannot
-start (no memory for its prompt, the server draining) gets its status before a streamed reply begins. A client
-that goes away marks its job cancelled; the engine thread frees its row before the next step. SIGINT / SIGTERM
-stop taking requests, let the replies under way finish, then stop the engine thread.
+The HTTP side checks requests (app/serve_api.py), plans them in a thread of its own (app/sessions.py: the
+conversation they continue, their tokens, --max-prompt-tokens; so a huge prompt never reaches the engine thread),
+submits them to the engine thread (app/scheduler.py) and turns its events into replies: one JSON object, or
+server-sent events as tokens come. A request that cannot start (no memory for its prompt, the server draining)
+gets its status before a streamed reply begins. A client that goes away marks its job cancelled; the engine thread
+frees its row before the next step. SIGINT / SIGTERM stop taking requests and reading prompts, let the replies
+already decoding finish, then stop the engine thread. Every error, a bug's too, is OpenAI's JSON error object.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -27,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from h2o_chat.app.rows import EngineSettings
-from h2o_chat.app.scheduler import Job, Scheduler
+from h2o_chat.app.scheduler import SHUTTING_DOWN, Job, Scheduler
 from h2o_chat.app.serve_api import (
     ApiError,
     GenRequest,
@@ -39,7 +43,7 @@ from h2o_chat.app.serve_api import (
     reply,
     usage,
 )
-from h2o_chat.app.sessions import SessionStore
+from h2o_chat.app.sessions import SessionStore, plan_turn
 
 MAX_BODY = 8 * 2**20  # bytes of one request body; a larger one is a 413 (a prompt of ~2M tokens fits)
 DRAIN_SECONDS = 60  # on SIGINT/SIGTERM, how long replies under way may take before they are cut
@@ -50,7 +54,7 @@ POLL = 0.5  # seconds between checks that a client still waits for a reply that 
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # each key's clients reuse only their own conversations
     rows: int = 16  # conversations decoding together, over all lanes
     max_sessions: int = 64
     memory_limit: int = 2**30  # bytes of idle conversations' caches
@@ -76,6 +80,8 @@ class Server:
         )  # fmt: skip
         self.uvicorn = _Uvicorn(config, self)
         self._thread: threading.Thread | None = None
+        # one thread tokenizes (the tokenizer is not shared between threads; one core at most goes to it)
+        self.planner = ThreadPoolExecutor(1, thread_name_prefix="h2o-chat-plan")
 
     @property
     def port(self) -> int:
@@ -88,6 +94,7 @@ class Server:
             self.uvicorn.run()
         finally:
             self.scheduler.stop()
+            self.planner.shutdown(wait=False, cancel_futures=True)
         if not self.uvicorn.started:
             raise OSError(f"cannot listen on {self.options.host}:{self.options.port}")
 
@@ -152,10 +159,18 @@ def _app(server: Server) -> Starlette:
         body = {"status": "ok" if ok else "failed", "model": server.model_name, "draining": server.scheduler.draining}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    def card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": int(time.time()), "owned_by": "h2o-chat"}
+
     async def models(request: Request) -> Response:
-        created = int(time.time())
-        data = [{"id": server.model_name, "object": "model", "created": created, "owned_by": "h2o-chat"}]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != server.model_name:
+            message = f"the model {name!r} is not served here; this server serves {server.model_name!r}"
+            raise ApiError(404, message, param="model", code="model_not_found")
+        return JSONResponse(card())
 
     async def stats(request: Request) -> Response:
         return JSONResponse(await asyncio.wrap_future(server.scheduler.call(server.scheduler.stats)))
@@ -174,33 +189,41 @@ def _app(server: Server) -> Starlette:
         message = words.get(status, getattr(exc, "detail", "internal error"))
         return JSONResponse(ApiError(status, message).body(), status_code=status)
 
+    async def bug(request: Request, exc: Exception) -> Response:  # what no handler expected: still JSON, one line
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        error = ApiError(500, f"internal error (a bug): {type(exc).__name__}: {why}"[:300], "server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/stats", stats, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={ApiError: problem, HTTPException: problem})
-    return _Guard(app, opts.api_key)
+    handlers = {ApiError: problem, HTTPException: problem, Exception: bug}
+    return _Guard(Starlette(routes=routes, exception_handlers=handlers), opts.api_keys)
 
 
 class _Guard:
-    """ASGI middleware: with an API key, every request must carry it (`Authorization: Bearer KEY`): 401."""
+    """ASGI middleware: with API keys, every request must carry one (`Authorization: Bearer KEY`), else 401; the
+    key it carried (a digest of it) scopes the conversations it may continue."""
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.key = app, api_key
+    def __init__(self, app, api_keys: tuple[str, ...]):
+        self.app, self.keys = app, [k.encode() for k in api_keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.key is not None:
+        if scope["type"] == "http" and self.keys:
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = given[7:].strip() if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.key.encode()):
+            token = (given[7:].strip() if given.lower().startswith("bearer ") else "").encode()
+            if not any([hmac.compare_digest(token, key) for key in self.keys]):  # every key compared: no timing
                 why = "a wrong API key" if token else "no API key (send Authorization: Bearer KEY)"
                 error = ApiError(401, f"this server needs its API key: the request has {why}", "authentication_error")
                 response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["key"] = hashlib.sha256(token).hexdigest()[:16]
         await self.app(scope, receive, send)
 
 
@@ -225,17 +248,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 async def _generate(server: Server, request: Request, kind: str) -> Response:
     body = parse_json(await _read_body(request, server.options.max_body))
-    req = parse_request(body, kind, server.options.limits)
+    limits = server.options.limits
+    req = parse_request(body, kind, limits, key=getattr(request.state, "key", ""))
+    if server.scheduler.draining:  # not even tokenized: the drain reads no new prompt
+        raise ApiError(503, SHUTTING_DOWN)
     loop = asyncio.get_running_loop()
+    # matched, tokenized and checked against --max-prompt-tokens here, never in the engine thread
+    tokenizer = server.loaded.tokenizer
+    turn = await loop.run_in_executor(server.planner, plan_turn, server.store, req, tokenizer, limits.max_prompt_tokens)
     events: asyncio.Queue = asyncio.Queue()
-
-    def emit(event: tuple) -> None:  # from the engine thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    job = Job(req, emit)
-    server.scheduler.submit(job)
-    rid, model = new_id(kind), req.model or server.model_name
+    job = Job(req, turn, events, loop)
+    try:
+        server.scheduler.submit(job)
+    except ApiError:
+        server.scheduler.release(job)
+        raise
+    rid, model = new_id(kind), server.model_name  # whatever "model" the request named: one model is served
     try:
         first = await _next(events, request, job)
     except _Gone:
@@ -287,9 +315,17 @@ async def _stream(events: asyncio.Queue, job: Job, req: GenRequest, rid: str, mo
     """Server-sent events: the role, each piece of text, the finish with our stats, the usage when asked."""
     try:
         yield _sse(chunk(req, rid, model, None))
+        later = None
         while True:
-            kind, value = await events.get()
+            kind, value = later or await events.get()
+            later = None
             if kind == "text":
+                while not events.empty():  # text that came together goes out as one chunk: one write, not several
+                    kind_next, more = events.get_nowait()
+                    if kind_next != "text":
+                        later = (kind_next, more)
+                        break
+                    value += more
                 yield _sse(chunk(req, rid, model, value))
             elif kind == "error":
                 yield _sse(value.body())

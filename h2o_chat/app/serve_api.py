@@ -17,24 +17,38 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from h2o_chat.errors import ConfigError
+from h2o_chat.errors import ConfigError, SettingError
 
 SERVED_POLICIES = ("snap", "h2o", "sink", "recent")  # bounded, and a row's snapshot carries all of their state
 MAX_TOKENS = 1 << 20  # a reply's ceiling: the cache is bounded, only time grows with it
 MAX_TOP_K = 512  # the sampler ranks at most this many candidates per step (engine/sampling.py's NUCLEUS_CAP)
+# The engine thread checks every stop string against a reply's text at every token, and a streamed reply holds
+# back text that could begin one (up to the longest's length): a few short ones serve every chat template.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 64
+MAX_DEPTH = 32  # JSON nesting; a valid body nests 5 deep (messages, a message, its parts, a part)
+MAX_PROMPT_TOKENS = 8192  # --max-prompt-tokens' default: servecli.MAX_PROMPT_TOKENS says why (the CLI must not
+# import this module at start: pydantic would slow --help; a test checks the two agree)
 
 
 class ApiError(Exception):
     """An error a client gets as an HTTP status and OpenAI's error object, one clear message."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        codes = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "unavailable"}
+        self.code = code or codes.get(status)
 
     def body(self) -> dict:
-        code = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "unavailable"}
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": code.get(self.status)}}  # fmt: skip
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class _Strict(BaseModel):
@@ -70,7 +84,8 @@ class _Body(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None
+    user: str | None = None  # with cache_salt: conversations are reused only within one (key, user, salt)
+    cache_salt: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | int | None = None
@@ -99,6 +114,7 @@ class Limits:
     budget: int = 512
     max_budget: int = 4096
     max_tokens: int = 512
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS  # tokens one request may read (what its conversation's cache lacks)
     temperature: float = 0.7
     top_p: float = 0.9
     top_k: int = 0
@@ -126,7 +142,7 @@ class GenRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    model: str
+    scope: tuple = ()  # (API key, user, cache salt): a conversation continues only within its own scope
 
     @property
     def cache_key(self) -> tuple:
@@ -137,6 +153,8 @@ class GenRequest:
 def parse_json(raw: bytes) -> dict:
     try:
         obj = json.loads(raw)
+    except RecursionError:  # a body nested thousands deep: the parser gives up before any limit of ours
+        raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 text") from None
     except json.JSONDecodeError as e:
@@ -145,7 +163,21 @@ def parse_json(raw: bytes) -> dict:
         ) from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if _depth(obj) > MAX_DEPTH:
+        raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
     return obj
+
+
+def _depth(obj) -> int:
+    """How deep lists and objects nest (a loop, not recursion: the check itself must not overflow)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _pydantic_problem(error: ValidationError, model: type[BaseModel]) -> ApiError:
@@ -162,8 +194,9 @@ def _pydantic_problem(error: ValidationError, model: type[BaseModel]) -> ApiErro
     return ApiError(400, f'"{field}": {first["msg"][0].lower()}{first["msg"][1:]}, got {got}', param=field)
 
 
-def parse_request(obj: dict, kind: str, limits: Limits) -> GenRequest:
-    """A chat (`kind` "chat") or completion ("text") body -> GenRequest, or ApiError(400) saying what is wrong."""
+def parse_request(obj: dict, kind: str, limits: Limits, key: str = "") -> GenRequest:
+    """A chat (`kind` "chat") or completion ("text") body -> GenRequest, or ApiError(400) saying what is wrong.
+    `key`: which API key the request showed (its conversations are its own)."""
     model = ChatBody if kind == "chat" else CompletionBody
     try:
         body = model.model_validate(obj)
@@ -182,9 +215,7 @@ def parse_request(obj: dict, kind: str, limits: Limits) -> GenRequest:
         messages, prompt, max_tokens = None, prompts[0], body.max_tokens
         if not prompt:
             raise ApiError(400, '"prompt" is empty', param="prompt")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if not all(stop):
-        raise ApiError(400, '"stop" strings must not be empty', param="stop")
+    stop = _stops(body.stop)
     pick = lambda name: getattr(limits, name) if getattr(body, name) is None else getattr(body, name)  # noqa: E731
     sampling = {k: pick(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     _check_sampling(sampling)
@@ -199,8 +230,22 @@ def parse_request(obj: dict, kind: str, limits: Limits) -> GenRequest:
         stop=stop,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        model=body.model or "",
+        scope=(key, body.user or "", body.cache_salt or ""),
     )
+
+
+def _stops(given: str | list[str] | None) -> tuple[str, ...]:
+    stop = (given,) if isinstance(given, str) else tuple(given or ())
+    if not all(stop):
+        raise ApiError(400, '"stop" strings must not be empty', param="stop")
+    if len(stop) > MAX_STOPS:
+        raise ApiError(400, f'"stop" takes at most {MAX_STOPS} strings, got {len(stop)}', param="stop")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise ApiError(
+            400, f'"stop" strings must be at most {MAX_STOP_CHARS} characters, got one of {len(longest)}', param="stop"
+        )
+    return stop
 
 
 def _refuse_unsupported(body: _Body) -> None:
@@ -224,11 +269,8 @@ def _check_sampling(values: dict) -> None:
     try:
         Sampler(values["temperature"], values["top_p"], None, values["repetition_penalty"],
                 top_k=values["top_k"], min_p=values["min_p"])  # fmt: skip
-    except ConfigError as e:  # said with the request's field names, not the command line's
-        text = str(e)
-        for flag in ("temperature", "top-p", "repetition-penalty", "top-k", "min-p"):
-            text = text.replace(f"--{flag}", f'"{flag.replace("-", "_")}"')
-        raise ApiError(400, text) from None
+    except SettingError as e:  # said with the request's field names, which are the library's keywords
+        raise ApiError(400, e.worded(f'"{e.name}"'), param=e.name) from None
     if values["top_k"] > MAX_TOP_K:
         raise ApiError(400, f'"top_k" must be at most {MAX_TOP_K}, got {values["top_k"]}', param="top_k")
 

@@ -23,6 +23,10 @@ from h2o_chat.app.options import (
 )
 from h2o_chat.errors import H2OChatError
 
+# --max-prompt-tokens' default: the embedded model's trained context; ~30 s of reading on a 2-core CPU (~300 tok/s),
+# the longest one request may hold every other row's next token (prompts are read between decode steps)
+MAX_PROMPT_TOKENS = 8192
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -33,10 +37,11 @@ def serve_command(
     ),
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed).")] = 8000,
     api_key: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             envvar="H2O_CHAT_API_KEY",
-            help="Every request must send 'Authorization: Bearer KEY' (else 401). Also from $H2O_CHAT_API_KEY.",
+            help="Every request must send 'Authorization: Bearer KEY' (else 401); give it again for more keys, "
+            "each reusing only its own conversations. Also from $H2O_CHAT_API_KEY (keys split by spaces).",
             show_default=False,
         ),
     ] = None,
@@ -56,6 +61,13 @@ def serve_command(
     max_budget: Annotated[int, typer.Option(help='The largest budget a request may ask for (its own "budget").')] = (
         4096
     ),
+    max_prompt_tokens: Annotated[
+        int,
+        typer.Option(
+            help="The most prompt tokens one request may read (what its conversation's cache has not seen); more "
+            "is a 400. Prompts are read between decode steps: this bounds how long one holds the others."
+        ),
+    ] = MAX_PROMPT_TOKENS,
     verbose: Annotated[
         bool,
         typer.Option(
@@ -74,6 +86,7 @@ def serve_command(
         for name, value in (("--batch-size", batch_size), ("--max-sessions", max_sessions)):
             check_positive(name, value)
         check_positive("--max-budget", max_budget)
+        check_positive("--max-prompt-tokens", max_prompt_tokens)
         if not 0 <= port <= 65535:
             raise H2OChatError(f"--port must be between 0 and 65535, got {port}")
         from h2o_chat.app.budget import parse_size
@@ -89,9 +102,10 @@ def serve_command(
         if budget > max_budget:
             raise H2OChatError(f"--budget {budget} is above --max-budget {max_budget}")
         limit = parse_size("--memory-limit", memory_limit) if memory_limit else None
-        if api_key is not None and not api_key.strip():
+        keys = tuple(api_key or ())
+        if any(not k.strip() for k in keys):
             raise H2OChatError("--api-key is empty")
-        if host not in LOOPBACK and api_key is None:
+        if host not in LOOPBACK and not keys:
             status(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
         loaded = models.load(
             kv_tokens=policy.budget, kv_rows=batch_size, kv_quant=cache.kv_quant, store_tokens=store_of(policy)
@@ -106,7 +120,7 @@ def serve_command(
         options = ServeOptions(
             host=host,
             port=port,
-            api_key=api_key,
+            api_keys=keys,
             rows=batch_size,
             max_sessions=max_sessions,
             memory_limit=limit,
@@ -115,12 +129,13 @@ def serve_command(
                 budget=policy.budget,
                 max_budget=max_budget,
                 max_tokens=sampling.max_new_tokens,
+                max_prompt_tokens=max_prompt_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 min_p=sampling.min_p,
                 repetition_penalty=sampling.repetition_penalty,
-                seed=sampling.seed,
+                seed=sampling.given_seed,
                 knobs=tuple(knobs.kwargs().items()),
             ),
             engine=EngineSettings(cache.positions, cache.kv_quant, models.decode, cache.chunk_size),

@@ -11,28 +11,38 @@ A `Session` is a conversation's cache row as its last reply left it, copied out 
 - anything else starts a new session, read from the start (`Turn.read_again` when it carried earlier replies: the
   conversation was evicted, or asked for another budget or policy).
 
-Idle sessions live in a `SessionStore`, least recently used first out, within a count and a memory limit.
+A session belongs to the scope that made it (the API key shown, the request's `user` and `cache_salt`): only a
+request of that scope may continue it, so a client never learns whether another's conversation exists (nor its
+id, which is random). Idle sessions live in a `SessionStore`, least recently used first out, within a count and a
+memory limit. Requests are planned (matched, tokenized, checked against --max-prompt-tokens) outside the engine
+thread, so the store takes a lock; a session taken out of it belongs to that request alone.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from h2o_chat.app.conversation import SENTINEL
 from h2o_chat.app.messages import encode, render
+from h2o_chat.app.serve_api import ApiError
 
-_ids = itertools.count(1)
+# A prompt with more characters to read than this many per token allowed is refused before it is tokenized (no
+# text averages near 16 characters a token: English ~4.5, code ~3.5), so a huge body costs no tokenizer time
+MAX_CHARS_PER_TOKEN = 16
 
 
 @dataclass
 class Session:
     kind: str  # "chat" | "text"
     cache_key: tuple  # (policy name, budget): a row of another key cannot continue it
-    id: str = field(default_factory=lambda: f"conv-{next(_ids)}")
+    scope: tuple = ()  # (API key, user, cache salt) of the requests that may continue it
+    id: str = field(default_factory=lambda: f"conv-{secrets.token_hex(8)}")
     messages: list[dict] = field(default_factory=list)  # chat: what the cache has seen, ending with the reply
     ids: list[int] = field(default_factory=list)  # text: the token ids the cache has seen
+    text: str = ""  # text: the prompt and reply those ids came from (to size a continuation before tokenizing)
     fed: int = 0  # tokens the cache has seen
     unfed: int | None = None  # the reply's last token, sampled but not fed (the next turn reads it first)
     fed_stop: int | None = None  # an end-of-turn token already fed (the template's own is then skipped)
@@ -64,6 +74,7 @@ class SessionStore:
     def __init__(self, max_sessions: int, memory_limit: int):
         self.max_sessions, self.memory_limit = max_sessions, memory_limit
         self._idle: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
         self.evicted = 0  # sessions dropped for the limits so far
 
     def __len__(self) -> int:
@@ -71,57 +82,107 @@ class SessionStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._idle.values())
+        with self._lock:
+            return sum(s.nbytes for s in self._idle.values())
 
     def put(self, session: Session) -> None:
         """Keep an idle session (its snapshot in `state`); the least recently used go beyond the limits."""
-        self._idle[session.id] = session
-        self._idle.move_to_end(session.id)
-        while self._idle and (len(self._idle) > self.max_sessions or self.nbytes > self.memory_limit):
-            self._idle.popitem(last=False)
-            self.evicted += 1
+        with self._lock:
+            self._idle[session.id] = session
+            self._idle.move_to_end(session.id)
+            held = sum(s.nbytes for s in self._idle.values())
+            while self._idle and (len(self._idle) > self.max_sessions or held > self.memory_limit):
+                held -= self._idle.popitem(last=False)[1].nbytes
+                self.evicted += 1
 
-    def take_chat(self, cache_key: tuple, messages: tuple[dict, ...]) -> Session | None:
-        """The idle chat session that `messages` continue (the longest, if several), taken out of the store."""
-        best = None
-        for s in self._idle.values():
-            n = len(s.messages)
-            if s.kind == "chat" and s.cache_key == cache_key and n < len(messages) and list(messages[:n]) == s.messages:
-                best = s if best is None or n > len(best.messages) else best
-        return self._idle.pop(best.id) if best is not None else None
+    def holds(self, session: Session) -> bool:
+        return session.id in self._idle
 
-    def take_text(self, cache_key: tuple, ids: list[int]) -> Session | None:
-        """The idle completion session whose fed ids are a prefix of `ids` (the longest), taken out."""
-        best = None
-        for s in self._idle.values():
-            n = len(s.ids)
-            if s.kind == "text" and s.cache_key == cache_key and 0 < n < len(ids) and ids[:n] == s.ids:
-                best = s if best is None or n > len(best.ids) else best
-        return self._idle.pop(best.id) if best is not None else None
+    def _take(self, longest: Session | None) -> Session | None:
+        return self._idle.pop(longest.id) if longest is not None else None
 
-    def describe(self) -> list[dict]:
-        return [{"id": s.id, "kind": s.kind, "tokens": s.fed, "turns": s.turns, "bytes": s.nbytes}
-                for s in self._idle.values()]  # fmt: skip
+    def _mine(self, kind: str, scope: tuple, cache_key: tuple) -> list[Session]:
+        return [s for s in self._idle.values() if s.kind == kind and s.scope == scope and s.cache_key == cache_key]
+
+    def take_chat(self, scope: tuple, cache_key: tuple, messages: tuple[dict, ...]) -> Session | None:
+        """The idle chat session of `scope` that `messages` continue (the longest, if several), taken out."""
+        with self._lock:
+            best = None
+            for s in self._mine("chat", scope, cache_key):
+                n = len(s.messages)
+                if n < len(messages) and list(messages[:n]) == s.messages:
+                    best = s if best is None or n > len(best.messages) else best
+            return self._take(best)
+
+    def text_known(self, scope: tuple, cache_key: tuple, prompt: str) -> int:
+        """Characters at the start of `prompt` that an idle completion session of `scope` has read already."""
+        with self._lock:
+            return max((len(s.text) for s in self._mine("text", scope, cache_key) if prompt.startswith(s.text)),
+                       default=0)  # fmt: skip
+
+    def take_text(self, scope: tuple, cache_key: tuple, ids: list[int]) -> Session | None:
+        """The idle completion session of `scope` whose fed ids are a prefix of `ids` (the longest), taken out."""
+        with self._lock:
+            best = None
+            for s in self._mine("text", scope, cache_key):
+                n = len(s.ids)
+                if 0 < n < len(ids) and ids[:n] == s.ids:
+                    best = s if best is None or n > len(best.ids) else best
+            return self._take(best)
 
 
-def plan_turn(store: SessionStore, req, tokenizer) -> Turn:
-    """The session a request continues (taken out of the store) or a new one, and the tokens it reads now."""
-    key = req.cache_key
+def plan_turn(store: SessionStore, req, tokenizer, max_prompt_tokens: int) -> Turn:
+    """The session a request continues (taken out of the store) or a new one, and the tokens it reads now; an
+    ApiError (400) when those are more than `max_prompt_tokens` (then nothing is taken). Runs outside the engine
+    thread: a huge prompt is refused by its characters before it is tokenized."""
+    key, scope = req.cache_key, req.scope
     if req.kind == "text":
+        _check_chars(len(req.prompt) - store.text_known(scope, key, req.prompt), max_prompt_tokens)
         ids = tokenizer(req.prompt)["input_ids"]
-        session = store.take_text(key, ids)
+        session = store.take_text(scope, key, ids)
         if session is not None:
-            return Turn(session, ids[len(session.ids) :], session.fed, False)
-        return Turn(Session("text", key), ids, 0, False)
+            turn = Turn(session, ids[len(session.ids) :], session.fed, False)
+        else:
+            turn = Turn(Session("text", key, scope), ids, 0, False)
+        return _within(store, turn, max_prompt_tokens)
     messages = req.messages
-    session = store.take_chat(key, messages)
+    session = store.take_chat(scope, key, messages)
+    new = messages[len(session.messages) :] if session is not None else messages
+    try:
+        _check_chars(sum(len(m["content"]) for m in new), max_prompt_tokens)
+    except ApiError:
+        if session is not None:
+            store.put(session)
+        raise
     if session is not None:
-        ids = continuation(tokenizer, session, messages[len(session.messages) :])
+        ids = continuation(tokenizer, session, new)
         if ids:
-            return Turn(session, ids, session.fed, False)
+            return _within(store, Turn(session, ids, session.fed, False), max_prompt_tokens)
         store.evicted += 1  # the template does not render its replies where they were: read the whole again
     ids = encode(tokenizer, render(tokenizer, list(messages)))
-    return Turn(Session("chat", key), ids, 0, any(m["role"] == "assistant" for m in messages))
+    turn = Turn(Session("chat", key, scope), ids, 0, any(m["role"] == "assistant" for m in messages))
+    return _within(store, turn, max_prompt_tokens)
+
+
+def _too_long(what: str, limit: int) -> ApiError:
+    return ApiError(
+        400, f"this request would read {what}, more than this server reads for one request (--max-prompt-tokens "
+        f"{limit}); send a shorter prompt (a conversation this server kept reads only its new messages)",
+        param="messages", code="context_length_exceeded",
+    )  # fmt: skip
+
+
+def _check_chars(chars: int, limit: int) -> None:
+    if chars > MAX_CHARS_PER_TOKEN * limit:
+        raise _too_long(f"{chars:,} characters (over {MAX_CHARS_PER_TOKEN} per token allowed)", limit)
+
+
+def _within(store: SessionStore, turn: Turn, limit: int) -> Turn:
+    if len(turn.ids) > limit:
+        if turn.session.state is not None:  # a conversation that was idle stays as it was
+            store.put(turn.session)
+        raise _too_long(f"{len(turn.ids):,} prompt tokens", limit)
+    return turn
 
 
 def continuation(tokenizer, session: Session, new: tuple[dict, ...]) -> list[int] | None:
@@ -154,5 +215,6 @@ def end_turn(session: Session, req, turn: Turn, generated: list[int], text: str,
         session.messages = [*req.messages, {"role": "assistant", "content": text}]
     else:
         session.ids = [*session.ids, *turn.ids, *generated[: max(0, len(generated) - 1)]]
+        session.text = req.prompt + text
         if fed_last and generated:
             session.ids.append(generated[-1])

@@ -44,6 +44,29 @@ def share(fraction: float) -> str:
     return "100%" if fraction >= 1 - 1e-6 else f"{min(99, math.floor(100 * fraction))}%"
 
 
+def quote(text: str, width: int = 48) -> str:
+    """`text` on one line in at most `width` characters, cut between words and marked with "…" (a cut inside a
+    word or a number misquotes it: "costs 12" for "costs 1250")."""
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    cut = flat.rfind(" ", 0, width)
+    return (flat[:cut] if cut > 0 else flat[: width - 1]) + "…"
+
+
+def fit(text: str, width: int) -> str:
+    """`text` in `width` columns, never cut inside a word: whole clauses (before ", ", "; ", " (", " | ") leave
+    from the end while what stays fills at least half the width, else whole words; " …" marks the cut."""
+    if len(text) <= width:
+        return text
+    room = width - 2  # for " …"
+    clause = max(text.rfind(sep, 0, room + 1) for sep in (", ", "; ", " (", " | "))
+    cut = clause if clause >= width // 2 else text.rfind(" ", 0, room + 1)
+    if cut <= 0:  # one word longer than the width
+        return text[: width - 1] + "…"
+    return text[:cut].rstrip(" ,;|(") + " …"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 token', '2 tokens', '1,024 tokens'."""
     return f"{n:,} {word if n == 1 else many or word + 's'}"
@@ -57,17 +80,21 @@ def reading_label(total: int, prompt_tokens: int) -> str:
     return "reading the prompt (twice: snap)"
 
 
+NOT_TIMED = "no decode step to time"  # a 1-token reply: its token comes from the prompt's reading
+
+
 def summary_line(
     response, stats, decode: str = "", speeds: tuple[float, float, float] | None = None, weights: str = ""
 ) -> str:
     """One line for stderr after a piped run; `decode` says how decode steps ran (eager, CUDA graph, ...);
-    `speeds` are (prompt tok/s, decode tok/s, one-time setup seconds) with the setup (a capture or compilation)
-    left out of both speeds, which is then stated apart."""
+    `speeds` are (prompt tok/s, decode tok/s or None when no decode step ran, one-time setup seconds) with the
+    setup (a capture or compilation) left out of both speeds, which is then stated apart."""
     prompt_tps, decode_tps, setup = speeds or (response.prompt_tps, response.generation_tps, 0.0)
     steps = f", {decode}" if decode else ""
+    rate = NOT_TIMED if decode_tps is None else f"{decode_tps:.1f} tok/s{steps}"
     once = f"; one-time setup {setup:.1f} s, not in tok/s" if setup >= 0.05 else ""
     return (
-        f"{plural(response.generation_tokens, 'token')}, {decode_tps:.1f} tok/s{steps} "
+        f"{plural(response.generation_tokens, 'token')}, {rate} "
         f"(prompt {plural(response.prompt_tokens, 'token')}, {prompt_tps:.0f} tok/s{once}) | "
         f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
         f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}" + (f" | weights {weights}" if weights else "")
@@ -213,7 +240,7 @@ class TurnStats:
 
     evicted_at_start: float = 0.0
     prompt_tps: float = 0.0
-    generation_tps: float = 0.0
+    generation_tps: float | None = 0.0  # None: no decode step has run yet (the first token is the prompt's)
     decode: str = ""  # how decode steps run: eager or CUDA graph (captured)
     reading_tps: float = 0.0  # tokens read per second so far, while the message is read (before any speed is known)
 
@@ -223,6 +250,8 @@ class TurnStats:
             if not self.reading_tps:
                 return ""
             return f"reading {self.reading_tps:,.0f} tok/s" + ("" if compact else " so far")
+        if self.generation_tps is None:
+            return f"prefill {self.prompt_tps:.0f} tok/s" + ("" if compact else f", {NOT_TIMED}")
         if compact:
             return f"{self.prompt_tps:.0f}/{self.generation_tps:.1f} tok/s"
         return f"prefill {self.prompt_tps:.0f} tok/s, decode {self.generation_tps:.1f} tok/s" + (
@@ -260,7 +289,7 @@ class PanelView:
                 f" | GPU {human_bytes(mem['gpu_allocated'])} alloc, {human_bytes(mem['gpu_reserved'])} "
                 f"reserved, KV {100 * stats.kv_bytes / max(1, mem['gpu_allocated']):.0f}%"
             )
-        return [
+        rows = [
             ("model", f"{self.model} on {self.device}"),
             ("policy", describe_policy(stats)),
             ("tokens", f"{stats.seen} seen, {stats.kept:.0f} kept per layer and head"),
@@ -270,12 +299,15 @@ class PanelView:
             ("memory", memory),
             ("speed", self.turn.speed()),
         ]
+        return [(label, fit(value, width - PANEL_FRAME)) for label, value in rows]  # the grid would cut mid-word
 
     def _evicted(self, stats, compact: bool = False) -> str:
         """Evictions this turn and in all. `compact`: the two-line summary's wording."""
         total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
         # recall: what its store keeps of the evicted tokens, and what it dropped for good
-        store = f"; kept for recall {describe_store(stats)}" if stats.store_bytes else ""
+        store = (
+            f"; {human_bytes(stats.store_bytes)} kept for recall: {describe_store(stats)}" if stats.store_bytes else ""
+        )
         return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total{store}"
 
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:

@@ -37,7 +37,7 @@ from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.sampling import RowSampler, Sampler
 from h2o_chat.engine.slots import mark_static
 from h2o_chat.engine.snap import compress_prompt
-from h2o_chat.errors import ConfigError
+from h2o_chat.errors import ConfigError, SettingError
 
 DECODE_MODES = ("auto", "eager", "graph", "compile")
 DEFAULT_CHUNK = 512
@@ -51,7 +51,7 @@ def resolve_decode(mode: str, device: torch.device) -> str:
     """auto -> graph on CUDA; on CPU compile (the step compiled ahead of time: `compiled.py`), unless no
     compiler is at hand or `H2O_CHAT_DECODE` says eager; an explicit mode must be possible on this device."""
     if mode not in DECODE_MODES:
-        raise ConfigError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+        raise SettingError("decode", f"must be one of {', '.join(DECODE_MODES)}", mode)
     if mode == "auto":
         if device.type == "cuda":
             return "graph"
@@ -60,11 +60,15 @@ def resolve_decode(mode: str, device: torch.device) -> str:
             raise ConfigError(f"H2O_CHAT_DECODE must be eager or compile, got {mode!r}")
         return "eager" if mode == "compile" and compiled.unavailable() else mode
     if mode == "graph" and device.type != "cuda":
-        raise ConfigError("--decode graph captures CUDA graphs and needs a CUDA GPU; use compile or eager here")
+        raise SettingError(
+            "decode", "captures CUDA graphs and needs a CUDA GPU; use compile or eager here", mode, got=False
+        )
     if mode == "compile" and device.type != "cpu":
-        raise ConfigError("--decode compile builds the CPU's decode step; on a GPU the step is a CUDA graph (graph)")
+        raise SettingError(
+            "decode", "builds the CPU's decode step; on a GPU the step is a CUDA graph (graph)", mode, got=False
+        )
     if mode == "compile" and (why := compiled.unavailable()):
-        raise ConfigError(f"--decode compile is not possible here: {why}; use eager")
+        raise SettingError("decode", f"is not possible here: {why}; use eager", mode, got=False)
     return mode
 
 
@@ -321,7 +325,8 @@ class Engine:
             return self._body()
         if self.mode == "compile":
             return self._compile_step()
-        return self._graph_step()
+        with torch.cuda.device(self.device):  # captured on the model's GPU's stream, not the current GPU's
+            return self._graph_step()
 
     def _graph_step(self):
         if self._graph is not None:

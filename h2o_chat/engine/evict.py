@@ -23,30 +23,10 @@ import torch
 
 from h2o_chat.engine.policies import Rules
 from h2o_chat.engine.quant import quantize
-from h2o_chat.engine.slots import Slots, per_slot
+from h2o_chat.engine.slots import Slots, pair_freed_with_survivors, per_slot, place, tie
 
 if TYPE_CHECKING:
     from h2o_chat.engine.store import Store
-
-
-def order(priority: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
-    """One int64 sort key per candidate: fp32 priority first, then `tie` (0 <= tie < 2**32). Lower loses."""
-    bits = priority.contiguous().view(torch.int32)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # IEEE floats as integers that sort like the floats
-    return (bits.long() << 32) | tie
-
-
-def tie(pos: torch.Tensor, new_from: int | None = None) -> torch.Tensor:
-    """Held tokens tie-break by position (oldest loses first); empty slots by slot index, after padding (0)."""
-    slot = torch.arange(pos.shape[-1], device=pos.device)
-    empty = slot + 1 if new_from is None else torch.where(slot >= new_from, 0, slot + 1)
-    return torch.where(pos >= 0, pos, empty)
-
-
-def place(table, priority: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
-    """Where a table's spare entry goes: per (layer, row, head) the entry with the lowest keep-priority (empty
-    ones first, so a filling table appends; ties to `ties`, the oldest position). (L, B, H, 1)"""
-    return order(priority, ties).argmin(dim=-1, keepdim=True)
 
 
 def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
@@ -164,19 +144,3 @@ def _pair_freed_with_survivors(
     if store is not None:
         _keep_losers(slots, new, losers, pos, store)
     return target
-
-
-def pair_freed_with_survivors(priority: torch.Tensor, ties: torch.Tensor, C: int, T: int):
-    """Per (layer, row, head) of a table of C entries given T new candidates (priorities (L, B, H, C + T), the
-    stored first): the T lowest lose; the j-th surviving new candidate goes to the j-th freed entry (counts are
-    equal: exactly T lose), a losing one to the spare (C). -> (target (L, B, H, T), the losers (L, B, H, T))"""
-    losers = order(priority, ties).topk(T, dim=-1, largest=False, sorted=False).indices
-    lost = torch.zeros(priority.shape, dtype=torch.bool, device=priority.device).scatter_(-1, losers, True)
-    freed, survives = lost[..., :C], ~lost[..., C:]
-    # freed entry indices in order, written at their ordinal (non-freed ones at a dump column T)
-    ordinal = torch.where(freed, freed.cumsum(-1) - 1, T)
-    slot = torch.arange(C, device=priority.device).expand_as(freed)
-    shape = (*priority.shape[:-1], T + 1)
-    freed_in_order = torch.full(shape, C, device=priority.device, dtype=torch.long).scatter_(-1, ordinal, slot)
-    rank = (survives.cumsum(-1) - 1).clamp(min=0)
-    return torch.where(survives, freed_in_order.gather(-1, rank), C), losers

@@ -20,7 +20,7 @@ import torch
 
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.rope import Rope
-from h2o_chat.errors import ConfigError, ContextLimitError
+from h2o_chat.errors import ContextLimitError, SettingError
 
 POSITIONS = ("auto", "absolute", "rolling")
 
@@ -28,7 +28,7 @@ POSITIONS = ("auto", "absolute", "rolling")
 def check_positions(positions: str) -> str:
     """The one check of a --positions value (the command line runs it before loading a model)."""
     if positions not in POSITIONS:
-        raise ConfigError(f"--positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+        raise SettingError("positions", f"must be one of {', '.join(POSITIONS)}", positions)
     return positions
 
 
@@ -67,10 +67,13 @@ class Numbering:
         check_positions(mode)
         if mode == "rolling" and self.rope is None:
             if self.rope_problem:
-                raise ConfigError(f"--positions rolling cannot be used with this model: {self.rope_problem}")
-            raise ConfigError(
-                "--positions rolling needs rotary position embeddings; this model has learned absolute positions "
-                f"(OPT), which cannot be re-assigned: it stops at its trained context ({self.context} tokens)"
+                raise SettingError("positions", f"cannot be used with this model: {self.rope_problem}", mode, got=False)
+            raise SettingError(
+                "positions",
+                "needs rotary position embeddings; this model has learned absolute positions "
+                f"(OPT), which cannot be re-assigned: it stops at its trained context ({self.context} tokens)",
+                mode,
+                got=False,
             )
 
     def starts_switched(self, group: Group) -> bool:

@@ -24,10 +24,10 @@ _TINY = 2.0**-24  # the smallest positive float16: an all-zero token keeps a usa
 
 def check_mode(mode: str) -> str:
     """The one check of a --kv-quant value."""
-    from h2o_chat.errors import ConfigError
+    from h2o_chat.errors import SettingError
 
     if mode not in MODES:
-        raise ConfigError(f"--kv-quant must be {' or '.join(MODES)}, got {mode!r}")
+        raise SettingError("kv_quant", f"must be {' or '.join(MODES)}", mode)
     return mode
 
 

@@ -52,8 +52,8 @@ def first_pass(store, i: int, q: torch.Tensor) -> torch.Tensor:
     """Layer i's approximate logits from the entries' coordinates: q (B, H, Q, D) fp32 -> (B, H, Q, n)."""
     n = store.capacity
     ql = q @ store.basis[i]  # (B, H, Q, rank)
-    low = store.low[i, :, :, :n].float() * store.lscale[i, :, :, :n].float()  # (B, H, n, rank)
-    return ql @ low.mT
+    # each entry's scale applied to its logit, not to its coordinates: one (B, H, n, rank) transient fewer
+    return (ql @ store.low[i, :, :, :n].float().mT) * store.lscale[i, :, :, :n].float().mT
 
 
 def step(store, i: int, query: torch.Tensor) -> Recalled:

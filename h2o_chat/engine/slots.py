@@ -50,6 +50,45 @@ def per_slot(index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return index.view(*index.shape, *([1] * len(extra))).expand(*index.shape, *extra)
 
 
+# Placement, shared by every table (the slots and recall's store): which entry a new one takes.
+
+
+def order(priority: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """One int64 sort key per candidate: fp32 priority first, then `tie` (0 <= tie < 2**32). Lower loses."""
+    bits = priority.contiguous().view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # IEEE floats as integers that sort like the floats
+    return (bits.long() << 32) | tie
+
+
+def tie(pos: torch.Tensor, new_from: int | None = None) -> torch.Tensor:
+    """Held tokens tie-break by position (oldest loses first); empty slots by slot index, after padding (0)."""
+    slot = torch.arange(pos.shape[-1], device=pos.device)
+    empty = slot + 1 if new_from is None else torch.where(slot >= new_from, 0, slot + 1)
+    return torch.where(pos >= 0, pos, empty)
+
+
+def place(table, priority: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+    """Where a table's spare entry goes: per (layer, row, head) the entry with the lowest keep-priority (empty
+    ones first, so a filling table appends; ties to `ties`, the oldest position). (L, B, H, 1)"""
+    return order(priority, ties).argmin(dim=-1, keepdim=True)
+
+
+def pair_freed_with_survivors(priority: torch.Tensor, ties: torch.Tensor, C: int, T: int):
+    """Per (layer, row, head) of a table of C entries given T new candidates (priorities (L, B, H, C + T), the
+    stored first): the T lowest lose; the j-th surviving new candidate goes to the j-th freed entry (counts are
+    equal: exactly T lose), a losing one to the spare (C). -> (target (L, B, H, T), the losers (L, B, H, T))"""
+    losers = order(priority, ties).topk(T, dim=-1, largest=False, sorted=False).indices
+    lost = torch.zeros(priority.shape, dtype=torch.bool, device=priority.device).scatter_(-1, losers, True)
+    freed, survives = lost[..., :C], ~lost[..., C:]
+    # freed entry indices in order, written at their ordinal (non-freed ones at a dump column T)
+    ordinal = torch.where(freed, freed.cumsum(-1) - 1, T)
+    slot = torch.arange(C, device=priority.device).expand_as(freed)
+    shape = (*priority.shape[:-1], T + 1)
+    freed_in_order = torch.full(shape, C, device=priority.device, dtype=torch.long).scatter_(-1, ordinal, slot)
+    rank = (survives.cumsum(-1) - 1).clamp(min=0)
+    return torch.where(survives, freed_in_order.gather(-1, rank), C), losers
+
+
 @dataclass(frozen=True)
 class Field:
     """One per-slot buffer of the storage, (L, B, H, S, ...): everything that copies, moves, clears or counts the

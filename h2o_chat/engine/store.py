@@ -8,7 +8,7 @@ the key's coordinates in its head's principal directions (int8 with a scale: wha
 reads), its true position, the position its key is rotated at, the score it had when it was evicted and how
 often it has been recalled. The store is a `Table` like the slots: `capacity` entries and a spare per layer,
 row and KV head. A new entry is written into the spare and then takes the place of the entry its row and head
-value least (`DROP` decides by what), the way a decode step places its token among the slots (`evict.place`):
+value least (`DROP` decides by what), the way a decode step places its token among the slots (`slots.place`):
 a static shape, a few operators, no host synchronisation, so it runs inside a captured or compiled step. Once
 full the store drops one entry per new one and stays the size it was allocated with; a dropped entry's memory
 is overwritten, so it can never be recalled again (`drops` counts them).
@@ -22,9 +22,18 @@ from __future__ import annotations
 
 import torch
 
-from h2o_chat.engine import evict
 from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
-from h2o_chat.engine.slots import Field, Table, allocate_fields, entry_bytes, per_slot
+from h2o_chat.engine.slots import (
+    Field,
+    Table,
+    allocate_fields,
+    entry_bytes,
+    order,
+    pair_freed_with_survivors,
+    per_slot,
+    place,
+    tie,
+)
 
 RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
 FIT_FROM = 64  # a row's store is first refitted once it holds this many entries, then at each doubling
@@ -169,7 +178,7 @@ class Store(Table):
         last), best first; a row keeps its own capacity's worth, the rest is dropped."""
         n, capacity = self.capacity, max(capacities)
         prio = self.priority(self.pos[..., :n], self.score[..., :n], self.marks[..., :n])
-        ranked = evict.order(prio, evict.tie(self.pos[..., :n].long())).topk(min(n, capacity), dim=-1)
+        ranked = order(prio, tie(self.pos[..., :n].long())).topk(min(n, capacity), dim=-1)
         out = self.moved(ranked.indices, capacity)
         out.set_recalled(recalled, capacities)
         for r, c in enumerate(out.capacities):
@@ -249,7 +258,7 @@ class Store(Table):
         for buf, x in zip(self.slot_tensors(), self._entry(keys, values, pos, rot, score), strict=True):
             buf[:, :, :, spare : spare + 1] = x
         prio = self.priority(self.pos, self.score, self.marks)
-        victim = evict.place(self, prio, evict.tie(self.pos.long()))  # (L, B, H, 1): whose memory is reused
+        victim = place(self, prio, tie(self.pos.long()))  # (L, B, H, 1): whose memory is reused
         self.drops += (self.pos.gather(3, victim) >= 0).squeeze(-1)
         for buf in self.slot_tensors():
             buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
@@ -267,7 +276,7 @@ class Store(Table):
             name: torch.cat((getattr(self, name)[..., :n], fields[name]), dim=-1) for name in ("pos", "score", "marks")
         }
         prio = self.priority(both["pos"], both["score"], both["marks"])
-        target, losers = evict.pair_freed_with_survivors(prio, evict.tie(both["pos"].long(), new_from=n), n, T)
+        target, losers = pair_freed_with_survivors(prio, tie(both["pos"].long(), new_from=n), n, T)
         self.drops += (both["pos"].gather(-1, losers) >= 0).sum(-1)
         for buf, x in zip(self.slot_tensors(), new, strict=True):
             buf.scatter_(3, per_slot(target, buf), x.to(buf.dtype))

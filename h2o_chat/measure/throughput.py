@@ -3,12 +3,18 @@
 At a fixed memory limit, a full cache must hold prompt + generated tokens for every row, so few rows fit;
 H2O holds `budget` tokens per row, so the batch can be much larger and tokens/s over the batch grows. The
 batch for each configuration is the largest whose weights + KV cache (+ slack) fit the limit, as the
-`memory.Footprint` estimate says; the run then reports the peak memory it really used. Both configurations
-decode through the same engine. (Random-weight models of real shapes: `h2o_chat.models.shapes`.)
+`memory.Footprint` estimate says; the run then reports the peak memory it really used: on CUDA
+`max_memory_allocated`, on CPU the weights plus the largest sum of live allocations the profiler tracks while the
+cache is allocated, the prompt read and the warm-up steps run (untimed: the profiler slows what it watches; the
+timed steps repeat the warm-up's shapes). Both configurations decode through the same engine, one after the other,
+the first's storage freed before the second allocates. (Random-weight models of real shapes:
+`h2o_chat.models.shapes`.)
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
 from dataclasses import asdict, dataclass
 
@@ -17,7 +23,8 @@ import torch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.models.memory import OVERHEAD, ModelShape, decode_bytes, footprint, prefill_bytes, process_memory
+from h2o_chat.measure.prefill import cpu_peak_bytes
+from h2o_chat.models.memory import OVERHEAD, ModelShape, decode_bytes, footprint, prefill_bytes
 
 
 @dataclass(frozen=True)
@@ -62,10 +69,17 @@ def largest_batch(
     return max(((rows_for(size), size) for size in sizes), key=lambda rs: (rs[0], rs[1]))
 
 
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return process_memory(device)["rss"]
+def _start(held: list, model, policy, total: int, decode: str, ids, chunk: int, warmup: int, report) -> None:
+    """Allocate the cache, read the prompt and run the warm-up steps (every shape the timed steps run); the run's
+    cache and engine go into `held`."""
+    cache = H2OCache.for_model(model, policy, "absolute", context=total + 1)
+    cache.reserve(total)  # the full cache holds every token, allocated once
+    engine = Engine(model, cache, decode)
+    token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk, progress=report))
+    for i in range(warmup):
+        engine.decode(token if i == 0 else None)
+    sync(next(model.parameters()).device)
+    held.extend((cache, engine))
 
 
 @torch.inference_mode()
@@ -104,17 +118,14 @@ def run_throughput(
             if report:
                 report(total, total)
             continue
-        cache = H2OCache.for_model(model, policy, "absolute", context=total + 1)
-        cache.reserve(total)  # the full cache holds every token, allocated once
-        engine = Engine(model, cache, decode)
         ids = torch.randint(3, vocab, (batch, prompt_tokens), device=device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        token = engine.first_tokens(engine.prefill(ids, chunk_size=chunk_used, progress=report))
-        for i in range(warmup):
-            engine.decode(token if i == 0 else None)
-        sync(device)
+        held: list = []
+        start = functools.partial(_start, held, model, policy, total, decode, ids, chunk_used, warmup, report)
+        tracked = start() if device.type == "cuda" else cpu_peak_bytes(start)  # (CPU) the weights are held throughout
+        cache, engine = held
         t = time.perf_counter()
         for i in range(generated_tokens - 1 - warmup):
             engine.decode()
@@ -134,14 +145,15 @@ def run_throughput(
                 generated_tokens,
                 round(batch * timed / seconds, 2) if timed > 0 else 0.0,
                 cache.stats().kv_bytes,
-                _peak(device),
+                torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weights + tracked,
                 memory_limit,
                 device.type,
                 engine.mode,
                 round(engine.setup_seconds, 2),
             )
         )
-        del cache, engine
+        del cache, engine, held
+        gc.collect()  # a cache refers to itself through its layers: freed only by the collector, before the next
     return out
 
 

@@ -4,214 +4,225 @@ A CPU decode step is a matrix-vector product per linear, bound by the bytes of t
 embedded model's 540 MB of float32 per token). PyTorch ships the kernels that read packed weights:
 
 - int4: `aten._weight_int4pack_mm_for_cpu`, groups of 32 input channels, each with a scale and a zero
-  (w = (q - 8) * scale + zero, q in 0..15). GGUF's Q4_1 blocks (w = q * d + m, 32 values) are exactly this
-  form (scale = d, zero = m + 8 d) and Q4_0 (w = (q - 8) d) too (zero = 0): a GGUF model runs from its own
-  4-bit values, only the scales rounded to bfloat16.
+  (w = (q - 8) * scale + zero, q in 0..15): GGUF's Q4_0 / Q4_1 blocks are this form (`gguf_q4.py`).
 - int8: `aten._weight_int8pack_mm`, one scale per output channel. Used for the embedding / LM head, which the
   GGUF stores as Q8_0 (a scale per 32 values) and which is re-scaled per row: one int8 table serves the input
   embedding (a row gather) and the tied LM head (the product).
 
-A decode step's bytes are what it costs (the step runs at the processor's cache bandwidth), and the LM head is
-the largest single read (the embedded model's int8 table: 28 MB of a step's ~118). With 4-bit weights the head
-reads a 4-bit copy of its table (14 MB + scales) for its products, then recomputes each row's
-`REFINED_AFTER_4BIT` best outputs exactly from the int8 table (`Int8Linear._refine`): the logits that decide a
-greedy or sampled token are the int8 table's, the rest carry 4-bit error.
-
 Both kernels are fast only with bfloat16 activations (their float32 paths are 10-30x slower), so a packed
 linear takes its input in bfloat16 and returns the model's dtype.
 
-A prompt chunk is a matrix product, not a matrix-vector one: there the packed kernels are no faster than a
-dense product, so a chunk of `DENSE_TOKENS` tokens per row or more dequantizes the weight (in blocks of output
-channels, kept in the processor's cache) and multiplies densely in bfloat16. The choice depends on the tokens
-per row, never on the batch: a row computes the same way alone and beside others.
+Every product of an int4 linear, a decode step's and a prompt chunk's alike, goes through the int4 kernel. Its
+result for a row does not depend on the other rows (each output is one float32 multiply-add chain over the input
+channels, in order, whatever the number of rows or how they are tiled), so a row computes bit for bit the same
+alone and in a batch, and a token read in a prompt chunk the same as in a decode step: a conversation continued
+from its cache is the conversation read fresh. A dense bfloat16 product (faster for a long chunk) rounds each row
+differently with the number of rows it is given, and differently from the kernel. The weights are held once, in
+the kernel's own layout (`Int4Linear.values` reads them back through the kernel).
+
+The LM head reads a 4-bit copy of its int8 table for its products (`Int8Linear.use_4bit_products`): a decode
+step's largest read halved. Its error is not only noise: a softmax over ~49k noisy logits is biased (the noise's
+exponentials sum high, and a likely token that falls below the recomputed best ones does so because its noise
+was negative): +0.7-0.9% perplexity on texts it was not tuned on. Most of the noise comes from a few input
+channels (the final hidden state's largest; 64 of 576 carry ~75% of it): their products come from the int8
+table's columns, beside the copy made without them, and each row's best outputs are recomputed exactly from the
+table.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import inspect
+
 import torch
 from torch import nn
 
 GROUP = 32  # input channels per int4 scale/zero (GGUF's block size)
 COMPUTE = torch.bfloat16  # what the packed kernels are fast with
-DENSE_TOKENS = 16  # a forward of this many tokens per row or more multiplies densely (a prompt chunk)
-DENSE_BLOCK = 2048  # output channels dequantized at a time by the dense path (bounds its transient)
 REFINED = 16  # LM-head outputs per row recomputed in float32 from the int8 table (`Int8Linear._refine`)
 # ... when the product went through the head's 4-bit copy: perplexity over 1,024 tokens of alice.txt (full cache)
 # 1.8% above the int8 head's with 16 refined, 1.0% with 64, 0.47% with 256 (the 4-bit error of the many tokens
 # below the top still weighs in the softmax's sum); a sampler's candidates (40) are well inside
 REFINED_AFTER_4BIT = 256
+# input channels of the LM head multiplied by the int8 table beside its 4-bit copy. The head's own share of
+# perplexity (its products against the int8 table's), 4,096 tokens of alice.txt (where the channels are chosen) /
+# moby_dick.txt / as_you_like_it.txt: plain copy +0.52 / +0.95 / +0.69%, 64 channels +0.09 / +0.21 / +0.22%
+# (standard errors 0.06-0.24); the logits' squared error 0.30 -> 0.06
+EXACT_CHANNELS = 64
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) values 0..15 -> (N, K / 2) uint8, two to a byte in plain order (even index low)."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W (N, K) -> (q (N, K) uint8 0..15, scale, zero (N, K / GROUP)): asymmetric 4-bit per group of 32 (min/max,
+    as GGUF's Q4_1), w = (q - 8) * scale + zero."""
+    w = weight.detach().float()
+    N, K = w.shape
+    if K % GROUP:
+        raise ValueError(f"int4 weights need input channels in multiples of {GROUP}, got {K}")
+    g = w.view(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).view(N, K)
+    return q.to(torch.uint8), scale, lo + 8 * scale
 
 
-def unpack_nibbles(nib: torch.Tensor) -> torch.Tensor:
-    """`pack_nibbles` undone: (N, K / 2) uint8 -> (N, K) uint8."""
-    return torch.stack((nib & 15, nib >> 4), dim=-1).view(nib.shape[0], -1)
+def exact_channel_count(in_features: int) -> int:
+    """Input channels an LM head of `in_features` multiplies by its int8 table beside its 4-bit copy: at most a
+    quarter, in whole multiples of 16 (what the int8 kernel takes: it crashed on 8)."""
+    return min(EXACT_CHANNELS, in_features // 4) // 16 * 16
 
 
-def _int4_pack(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) int values 0..15 -> the CPU kernel's packed layout (N, K / 2) uint8."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+def _int4_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """W (N, K) float32 as a 4-bit copy of it holds it (`quantize_int4`, scales and zeros in bfloat16)."""
+    q, scale, zero = quantize_int4(weight)
+    scale, zero = (t.to(COMPUTE).float().repeat_interleave(GROUP, 1) for t in (scale, zero))
+    return (q.float() - 8) * scale + zero
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """(M, K) bfloat16 -> (M, N) bfloat16 through the int4 kernel."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W (N, K) held as 4-bit values in groups of `GROUP` along K."""
+    """y = x W^T + b with W (N, K) held as 4-bit values in groups of `GROUP` along K, in the kernel's layout."""
 
-    def __init__(
-        self,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        zero: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        dense: bool = True,
-    ):
-        # q (N, K) in 0..15; scale, zero (N, K / GROUP): w = (q - 8) * scale + zero. `dense`: keep the nibbles
-        # in plain order for prompt chunks (`_dense`); without them only `matvec` works
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None):
+        # packed (N, K / 2) uint8: the kernel's layout (`from_values` makes it); scales_zeros (K / GROUP, N, 2)
         super().__init__()
-        N, K = q.shape
-        if K % GROUP:
-            raise ValueError(f"int4 weights need input channels in multiples of {GROUP}, got {K}")
-        self.in_features, self.out_features = K, N
-        self.register_buffer("packed", _int4_pack(q))  # (N, K / 2) uint8
-        sz = torch.stack((scale.float().t(), zero.float().t()), dim=-1)  # (K / GROUP, N, 2)
-        self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
-        # the nibbles as (N, K / 2) uint8 in plain order, for the dense path: the kernel's packing is its own
-        self.register_buffer("nibbles", pack_nibbles(q) if dense else None)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = packed.shape[0], scales_zeros.shape[0] * GROUP
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dense: bool = True) -> Int4Linear:
-        """Asymmetric 4-bit per group of 32 (min/max, as GGUF's Q4_1)."""
-        w = weight.detach().float()
-        N, K = w.shape
-        g = w.view(N, K // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-10)
-        q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).view(N, K)
-        return cls(q.to(torch.uint8), scale, lo + 8 * scale, bias, dense)
+    def from_values(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """q (N, K) in 0..15; scale, zero (N, K / GROUP): w = (q - 8) * scale + zero (scales kept in bfloat16)."""
+        if q.shape[1] % GROUP:
+            raise ValueError(f"int4 weights need input channels in multiples of {GROUP}, got {q.shape[1]}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        sz = torch.stack((scale.float().t(), zero.float().t()), dim=-1).to(COMPUTE).contiguous()
+        return cls(packed, sz, None if bias is None else bias.detach().clone())
 
     @classmethod
-    def join(cls, parts: list[Int4Linear]) -> Int4Linear:
-        """One linear whose outputs are the parts' outputs, in order (the same values, scales and zeros)."""
-        q = torch.cat([unpack_nibbles(p.nibbles) for p in parts])
-        sz = torch.cat([p.scales_zeros.float() for p in parts], dim=1)  # (K / G, N, 2); bfloat16 exactly
-        bias = None
-        if any(p.bias is not None for p in parts):
-            bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
-        return cls(q, sz[..., 0].t(), sz[..., 1].t(), bias)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        return cls.from_values(*quantize_int4(weight), bias)
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool = False) -> Int4Linear:
+        """The shapes only (meta tensors), for weights assigned from a saved packed model (`packed.py`)."""
+        meta = {"device": "meta"}
+        packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, **meta)
+        sz = torch.empty(in_features // GROUP, out_features, 2, dtype=COMPUTE, **meta)
+        return cls(packed, sz, torch.empty(out_features, **meta) if bias else None)
+
+    def values(self) -> torch.Tensor:
+        """The 4-bit values q (N, K) uint8, read back through the kernel itself: with scale 1 and zero 8 it
+        returns q exactly, whatever layout this CPU's build of the kernel packed them in."""
+        K, N = self.in_features, self.out_features
+        unit = torch.tensor([1.0, 8.0], dtype=COMPUTE).expand(K // GROUP, N, 2).contiguous()
+        return _int4_mm(torch.eye(K, dtype=COMPUTE), self.packed, unit).t().to(torch.uint8)
 
     def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W (N, K) as the kernel sees it (its bfloat16 scales and zeros, float32 arithmetic) for output channels
-        `rows`, in `dtype`."""
-        nib = self.nibbles[rows]
-        q = unpack_nibbles(nib).view(nib.shape[0], -1, GROUP).float()  # (n, K/G, G)
+        """W (N, K) as the kernel computes it (its bfloat16 scales and zeros, float32 arithmetic) for output
+        channels `rows`, in `dtype`."""
+        q = self.values()[rows]
         sz = self.scales_zeros[:, rows].float()  # (K / G, n, 2)
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
-        return torch.addcmul(zero, q - 8, scale).reshape(nib.shape[0], -1).to(dtype)
+        w = torch.addcmul(zero, q.view(q.shape[0], -1, GROUP).float() - 8, scale)
+        return w.reshape(q.shape[0], -1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if (shape[-2] if x.dim() > 2 else 1) >= DENSE_TOKENS:
-            y = self._dense(x.reshape(-1, shape[-2], self.in_features).to(COMPUTE))
-        else:
-            y = self.matvec(x.reshape(-1, self.in_features))
-        y = y.to(x.dtype)
+        y = self.matvec(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """(M, K) -> (M, N) bfloat16 through the packed kernel, bias not added."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE), self.packed, GROUP, self.scales_zeros)
-
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, K) -> (B, T, N) through the dequantized weight, in blocks of output channels. One product per
-        row: a dense kernel's rounding depends on how many rows it is given, and a row must compute alike alone
-        and in a batch."""
-        B, T, _ = x.shape
-        y = x.new_empty(B, T, self.out_features)
-        for n in range(0, self.out_features, DENSE_BLOCK):
-            w = self.dequantize(slice(n, n + DENSE_BLOCK), x.dtype).t()  # (K, n)
-            for b in range(B):
-                torch.mm(x[b], w, out=y[b, :, n : n + DENSE_BLOCK])
-        return y
+        """(M, K) -> (M, N) bfloat16 through the packed kernel, bias not added: any number of rows, each row's
+        result independent of the others."""
+        return _int4_mm(x.to(COMPUTE).contiguous(), self.packed, self.scales_zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
 
 
-class SharedInput(nn.Module):
-    """Int4 linears that read the same input, multiplied as one: a layer's q, k and v; its gate and up. A
-    decode step's products are small (a vector times 576 x 192 for k), where each kernel call has a fixed cost
-    of its own: one call instead of three saves it, and the input is read once. The model's code still calls
-    each part (`SharedPart`) in its own order: the first multiplies by the joined table and holds the result,
-    the others take their columns of it, and the last lets it go, so that nothing is held between forwards (and
-    a compiled step keeps no state of its own). Only for families whose attention and MLP call their parts in
-    the order given (`SHARED_INPUTS`): a test runs each against the separate linears."""
-
-    def __init__(self, joined: Int4Linear, sizes: list[int]):
-        super().__init__()
-        self.joined, self.sizes = joined, sizes
-        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.pending: list[torch.Tensor] = []
-
-
-class SharedPart(nn.Module):
-    """Part `index` of a `SharedInput` group, in the place of the linear it was."""
-
-    def __init__(self, group: SharedInput, index: int):
-        super().__init__()
-        self.group, self.index = group, index
-        self.in_features, self.out_features = group.joined.in_features, group.sizes[index]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.group
-        if self.index == 0:
-            g.pending.clear()  # a forward interrupted between the parts left its product: not reused
-            g.pending.append(g.joined(x))
-        y = g.pending[0]
-        if self.index == len(g.sizes) - 1:
-            g.pending.clear()
-        start = g.starts[self.index]
-        return y[..., start : start + self.out_features]
-
-    def dequantize(self, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """This part's W (out_features, K), as `Int4Linear.dequantize` gives it."""
-        start = self.group.starts[self.index]
-        return self.group.joined.dequantize(slice(start, start + self.out_features), dtype)[rows]
-
-    def extra_repr(self) -> str:
-        return f"part {self.index} of {self.group.joined.out_features} columns: {self.out_features}"
-
-
-# families whose modules call these linears, on the same input, in this order (transformers' llama, mistral and
-# qwen2 code: q, k, v in attention; gate, then up, in the MLP)
-SHARED_INPUTS = {
-    ("llama", "mistral", "qwen2"): (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+# -- linears that read one input, multiplied as one ------------------------------------------------------------
+# families whose modules read these linears on the module's own input and nothing else from it (transformers'
+# llama, mistral and qwen2 attention and MLP): {joined linear: the linears it replaces, in order}
+JOINED = {
+    ("llama", "mistral", "qwen2"): {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    },
 }
 
 
-def share_inputs(model: nn.Module) -> None:
-    """Join the int4 linears that read one input (`SharedInput`) where the family is known to call them in
-    order."""
-    names = next((n for fams, n in SHARED_INPUTS.items() if model.config.model_type in fams), ())
-    for module in list(model.modules()):
-        for group in names:
-            parts = [getattr(module, n, None) for n in group]
-            if not all(isinstance(p, Int4Linear) and p.nibbles is not None for p in parts):
-                continue
-            if len({p.in_features for p in parts}) != 1:
-                continue
-            shared = SharedInput(Int4Linear.join(parts), [p.out_features for p in parts])
-            for i, n in enumerate(group):
-                setattr(module, n, SharedPart(shared, i))
+class Columns(nn.Module):
+    """In the place of a linear that its module multiplies joined with its siblings (`join_linears`, as gpt-fast's
+    `wqkv`): the module's code is handed the joined product instead of its input, and each former linear takes
+    its own columns of it. Stateless, so the module's code may call the parts in any order, and a part given
+    anything but the joined product fails loudly instead of computing something else."""
+
+    def __init__(self, start: int, out_features: int, width: int):
+        super().__init__()
+        self.start, self.out_features, self.width = start, out_features, width
+
+    def forward(self, joined: torch.Tensor) -> torch.Tensor:
+        if joined.shape[-1] != self.width:
+            raise RuntimeError(
+                f"a joined linear's part was called on a tensor of width {joined.shape[-1]}, not its module's "
+                f"joined product ({self.width}): this model's code reads its linears differently (`JOINED`)"
+            )
+        return joined[..., self.start : self.start + self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.start + self.out_features} of the joined product ({self.width})"
 
 
+def _multiply_joined(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a module with a joined linear: its input replaced by the joined product (one kernel
+    call for q, k and v), which its `Columns` part."""
+    name, arg = module.joined_linear
+    joined = getattr(module, name)
+    if args:
+        return (joined(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, arg: joined(kwargs[arg])}
+
+
+def join_linears(module: nn.Module, name: str, parts: tuple[str, ...], joined: Int4Linear) -> None:
+    """Make `joined` (whose outputs are those of `parts`, in order) the one product of `module`'s input."""
+    start = 0
+    for part in parts:
+        size = getattr(module, part).out_features
+        setattr(module, part, Columns(start, size, joined.out_features))
+        start += size
+    if start != joined.out_features:
+        raise ValueError(f"{name}: {joined.out_features} outputs for parts of {start}")
+    setattr(module, name, joined)
+    module.joined_linear = (name, next(iter(inspect.signature(module.forward).parameters)))
+    module.register_forward_pre_hook(_multiply_joined, with_kwargs=True)
+
+
+def _joined_groups(model: nn.Module, module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The groups of `module`'s linears to join: those of the family's `JOINED` that it holds, all reading one
+    input (same in_features, a whole number of int4 groups)."""
+    groups = next((g for fams, g in JOINED.items() if model.config.model_type in fams), {})
+    found = {}
+    for name, parts in groups.items():
+        linears = [getattr(module, p, None) for p in parts]
+        if not all(isinstance(p, nn.Linear) for p in linears):
+            continue
+        widths = {p.in_features for p in linears}
+        if len(widths) == 1 and widths.pop() % GROUP == 0:
+            found[name] = parts
+    if len(found) > 1:  # the module's one input can be replaced by one joined product only
+        raise ValueError(f"{type(module).__name__} holds more than one group of joined linears: {list(found)}")
+    return found
+
+
+# -- int8: the embedding and LM head ---------------------------------------------------------------------------
 class Int8Linear(nn.Module):
     """y = x W^T + b with W (N, K) held as int8 with one scale per output channel. Also an embedding table:
     `embed(ids)` gathers rows (a tied embedding / LM head holds one table)."""
@@ -224,14 +235,40 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.refine_top = 0  # the LM head: its best outputs per row recomputed in float32 (`_refine`)
         self.fast: Int4Linear | None = None  # the LM head: a 4-bit copy for its products (`use_4bit_products`)
+        self.register_buffer("exact_channels", None)  # ... and the input channels it leaves to this table
+        self.register_buffer("exact_columns", None)
 
-    def use_4bit_products(self) -> None:
-        """Multiply through a 4-bit copy of the table, half the bytes of a decode step's largest read; the best
-        outputs are then recomputed from this int8 table. Every product goes this way (a prompt's logits too, no
-        slower there): a full cache's perplexity, computed from a prompt's logits, is then that of the same head
-        as a decode step's."""
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool = False) -> Int8Linear:
+        """The shapes only (meta tensors), for weights assigned from a saved packed model (`packed.py`)."""
+        q = torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
+        scale = torch.empty(out_features, dtype=COMPUTE, device="meta")
+        return cls(q, scale, torch.empty(out_features, device="meta") if bias else None)
+
+    def use_4bit_products(self, inputs: torch.Tensor | None = None, empty: bool = False) -> None:
+        """Multiply through a 4-bit copy of the table, half the bytes of a decode step's largest read, except for
+        the `EXACT_CHANNELS` input channels where the copy's error weighs most, whose products come from this
+        table's columns; each row's best outputs are then recomputed from the table. Every product goes this way
+        (a prompt's logits too): a full cache's perplexity, computed from a prompt's logits, is then that of the
+        same head as a decode step's. `inputs` (T, K): the head's inputs on a calibration text, to find those
+        channels (without them: the channels whose columns the copy represents worst). `empty`: shapes only."""
         self.refine_top = REFINED_AFTER_4BIT
-        self.fast = Int4Linear.from_float(self.dequantize(), dense=False)
+        N, K = self.out_features, self.in_features
+        C = exact_channel_count(K)
+        if empty:
+            self.fast = Int4Linear.empty(N, K)
+            if C:
+                self.exact_channels = torch.empty(C, dtype=torch.long, device="meta")
+                self.exact_columns = torch.empty(N, C, dtype=torch.int8, device="meta")
+            return
+        w = self.dequantize()  # (N, K)
+        if C:
+            error = (w - _int4_rounded(w)).square_().mean(0)  # (K,): the copy's error per input channel
+            weight = inputs.float().square().mean(0) if inputs is not None else 1.0  # the channel's mean x^2
+            self.exact_channels = (error * weight).topk(C).indices.sort().values  # (C,)
+            self.exact_columns = self.weight_int8[:, self.exact_channels].contiguous()  # (N, C), the table's scales
+            w[:, self.exact_channels] = 0
+        self.fast = Int4Linear.from_float(w)
 
     def _refine(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The kernel returns bfloat16: logits near the top share values (17.375 for two tokens), so greedy
@@ -259,10 +296,16 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.fast is not None:  # every product, a prompt's too: evaluation measures what decoding uses
-            y = self.fast.matvec(x2)
+            channels = self.exact_channels
+            if channels is None:
+                y = self.fast.matvec(x2).to(x.dtype)
+            else:  # the copy's columns there hold 0 only to within its grid: those inputs are zeroed for it
+                y = self.fast.matvec(x2.index_fill(-1, channels, 0)).to(x.dtype)
+                xc = x2[:, channels].to(COMPUTE).contiguous()  # (M, C)
+                y = y + torch.ops.aten._weight_int8pack_mm(xc, self.exact_columns, self.scales).to(x.dtype)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE), self.weight_int8, self.scales)
-        y = y.to(x.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(COMPUTE).contiguous(), self.weight_int8, self.scales)
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if self.refine_top:
@@ -291,105 +334,9 @@ class Int8Embedding(nn.Module):
         return t.weight_int8[ids].to(self.dtype) * t.scales[ids, None].to(self.dtype)
 
 
-# -- GGUF blocks -> the kernels' forms --------------------------------------------------------------------
-def gguf_q4(kind: str, data: np.ndarray, shape: tuple[int, int]):
-    """A GGUF Q4_0 / Q4_1 tensor's raw blocks (N, K / 32 * block bytes) -> (q (N, K) uint8 0..15, scale, zero
-    (N, K / 32) float32) with w = (q - 8) * scale + zero, exactly the file's values."""
-    N, K = shape
-    head = 4 if kind == "Q4_1" else 2  # d (and m) as float16, then 16 bytes of nibbles
-    blocks = np.ascontiguousarray(data).reshape(N, K // GROUP, head + 16)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
-    qs = blocks[..., head:]
-    q = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(N, K)  # x[j] low nibble, x[j + 16] high
-    zero = m + 8 * d if m is not None else np.zeros_like(d)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
-
-
-def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
-    """The row order transformers gives a llama GGUF's q/k weights (llama.cpp stores them permuted for its
-    rotary layout): rows[i] is the file's row that becomes row i."""
-    dim = n_rows // heads // 2
-    return torch.arange(n_rows).view(heads, dim, 2).transpose(1, 2).reshape(n_rows)
-
-
-_LLAMA_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}  # fmt: skip
-
-
-def gguf_int4_blocks(path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """A llama-family GGUF's Q4_0 / Q4_1 linears as {module name: (q, scale, zero)} in the converted model's row
-    order; empty for other architectures (their linears are quantized from the converted floats)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"]
-    if bytes(arch.parts[arch.data[0]]).decode() not in ("llama", "mistral"):
-        return {}
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    out = {}
-    for t in reader.tensors:
-        parts = t.name.split(".")  # blk.{i}.{kind}.weight
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LLAMA_NAMES:
-            continue
-        kind = t.tensor_type.name
-        if kind not in ("Q4_0", "Q4_1"):
-            continue
-        K, N = (int(x) for x in t.shape)  # GGUF lists the fastest dimension first
-        q, scale, zero = gguf_q4(kind, t.data, (N, K))
-        if parts[2] in ("attn_q", "attn_k"):
-            rows = _unpermute_rows(N, heads if parts[2] == "attn_q" else kv_heads)
-            q, scale, zero = q[rows], scale[rows], zero[rows]
-        out[f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}"] = (q, scale, zero)
-    return out
-
-
-def save_blocks(blocks: dict, path) -> None:
-    """`gguf_int4_blocks`' result as safetensors (nibbles two to a byte), written whole or not at all."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, (q, scale, zero) in blocks.items():
-        tensors |= {f"{name}.q": pack_nibbles(q), f"{name}.scale": scale.contiguous()}
-        tensors[f"{name}.zero"] = zero.contiguous()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load_blocks(path) -> dict:
-    """What `save_blocks` wrote: {module name: (q (N, K) uint8, scale, zero)}; {} for an unreadable file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError):
-        return {}
-    out = {}
-    for key in tensors:
-        if key.endswith(".q"):
-            name = key[:-2]
-            out[name] = (unpack_nibbles(tensors[key]), tensors[f"{name}.scale"], tensors[f"{name}.zero"])
-    return out
-
-
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights as held: parameters and the packed linears' buffers (the dense path's nibbles
-    included), each tensor once (a tied table counts once)."""
+    """Bytes of the weights as held: parameters and the packed linears' buffers, each tensor once (a tied table
+    counts once)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() in seen or t.is_floating_point() and t.dim() < 1:
@@ -399,39 +346,102 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def quantize_model(model: nn.Module, fmt: str, int4_blocks: dict | None = None) -> None:
+# -- a model's linears packed ------------------------------------------------------------------------------
+def _tied(head: nn.Module | None, embed: nn.Module | None) -> bool:
+    if head is None or embed is None:
+        return False
+    a, b = head.weight, embed.weight
+    return a is b or a.device.type != "meta" and a.data_ptr() == b.data_ptr()
+
+
+def quantize_model(
+    model: nn.Module,
+    fmt: str,
+    int4_blocks: dict | None = None,
+    empty: bool = False,
+    calibration: torch.Tensor | None = None,
+) -> None:
     """Replace the model's linears in place with packed ones (`fmt` "4bit": int4 groups of 32, "8bit": int8 per
-    channel), the embedding and the LM head with one int8 table (shared when they are tied). `int4_blocks`
-    (`gguf_int4_blocks`): linears whose file holds 4-bit values, taken as they are."""
+    channel), the embedding and the LM head with one int8 table (shared when they are tied). With 4-bit weights
+    the linears of a module that read its one input are joined into one product (`JOINED`), and the LM head
+    multiplies through a 4-bit copy of its table but for the channels that `calibration` (1, T) token ids show
+    its error weighs most on (`Int8Linear.use_4bit_products`). `int4_blocks` (`gguf_q4.gguf_int4_blocks`):
+    linears whose file holds 4-bit values, taken as they are. `empty`: the same modules with their shapes only
+    (meta tensors), to assign a saved packed model's tensors to (`packed.py`)."""
     int4_blocks = int4_blocks or {}
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
-    tied = head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    tied = _tied(head, embed)
     for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        groups = _joined_groups(model, module) if fmt == "4bit" else {}
+        for joined, parts in groups.items():
+            linears = [getattr(module, p) for p in parts]
+            if empty:
+                new = Int4Linear.empty(sum(p.out_features for p in linears), linears[0].in_features, _has_bias(linears))
+            else:
+                values = [_int4_values(p, prefix + n, int4_blocks) for n, p in zip(parts, linears, strict=True)]
+                q, scale, zero = (torch.cat(v) for v in zip(*values, strict=True))
+                new = Int4Linear.from_values(q, scale, zero, _joined_bias(linears))
+            join_linears(module, joined, parts, new)
         for child_name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear) or child is head:
                 continue
-            full = f"{name}.{child_name}" if name else child_name
-            if full in int4_blocks and fmt == "4bit":
-                new = Int4Linear(*int4_blocks[full], bias=child.bias)
-            elif fmt == "4bit" and child.in_features % GROUP == 0:
-                new = Int4Linear.from_float(child.weight, child.bias)
+            full = prefix + child_name
+            bias = child.bias is not None
+            if fmt == "4bit" and child.in_features % GROUP == 0:
+                if empty:
+                    new = Int4Linear.empty(child.out_features, child.in_features, bias)
+                else:
+                    new = Int4Linear.from_values(*_int4_values(child, full, int4_blocks), child.bias)
             else:
-                new = Int8Linear.from_float(child.weight, child.bias)
+                new = (
+                    Int8Linear.empty(*child.weight.shape, bias)
+                    if empty
+                    else Int8Linear.from_float(child.weight, child.bias)
+                )
             setattr(module, child_name, new)
     dtype = embed.weight.dtype
     if head is not None:
-        table = Int8Linear.from_float(head.weight, head.bias)
-        if fmt == "4bit":
-            table.use_4bit_products()
+        if empty:
+            table = Int8Linear.empty(*head.weight.shape, head.bias is not None)
         else:
-            table.refine_top = REFINED
+            table = Int8Linear.from_float(head.weight, head.bias)
         model.set_output_embeddings(table)
         if tied:
             model.set_input_embeddings(Int8Embedding(table, dtype, getattr(embed, "padding_idx", None)))
     if not tied and embed is not None:
-        model.set_input_embeddings(
-            Int8Embedding(Int8Linear.from_float(embed.weight), dtype, getattr(embed, "padding_idx", None))
-        )
-    if fmt == "4bit":
-        share_inputs(model)
+        other = Int8Linear.empty(*embed.weight.shape) if empty else Int8Linear.from_float(embed.weight)
+        model.set_input_embeddings(Int8Embedding(other, dtype, getattr(embed, "padding_idx", None)))
+    if head is not None and fmt == "4bit":
+        inputs = None if empty or calibration is None else head_inputs(model, calibration)
+        table.use_4bit_products(inputs, empty)
+    elif head is not None:
+        table.refine_top = REFINED
+
+
+@torch.inference_mode()
+def head_inputs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """(T, K): what the LM head is given for the tokens `ids` (1, T), from one plain forward."""
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        hook.remove()
+    return seen[0].reshape(-1, seen[0].shape[-1])
+
+
+def _int4_values(linear: nn.Linear, name: str, blocks: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A linear's 4-bit (q, scale, zero): the file's own (`blocks`), else quantized from its floats."""
+    return blocks[name] if name in blocks else quantize_int4(linear.weight)
+
+
+def _has_bias(linears: list[nn.Linear]) -> bool:
+    return any(p.bias is not None for p in linears)
+
+
+def _joined_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    if not _has_bias(linears):
+        return None
+    return torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features) for p in linears])

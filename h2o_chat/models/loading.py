@@ -58,13 +58,15 @@ class Loaded:
         """Trained context in tokens (models.toml, else the config)."""
         return self.spec.context or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def check_budget(self, kv_tokens: int, rows: int = 1, flag: str = "--budget", kv_quant: str = "none") -> None:
+    def check_budget(
+        self, kv_tokens: int, rows: int = 1, flag: str = "--budget", kv_quant: str = "none", snap: bool = False
+    ) -> None:
         """Raise a DeviceError (saying which `flag` value would fit) when a KV cache of `kv_tokens` for each of
-        `rows` rows does not fit in the memory free now: a budget changed after loading gets the check that
-        --budget got before it."""
+        `rows` rows, running (`memory.peak_bytes`; `snap`: with its probe's copy), does not fit in the memory free
+        now: a budget changed after loading gets the check that --budget got before it."""
         from h2o_chat.models.memory import check_budget
 
-        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag, kv_quant)
+        check_budget(self.model.config, self.dtype, self.device, kv_tokens, rows, flag, kv_quant, snap)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -384,15 +386,18 @@ def load(
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=not download)
     except (OSError, ValueError) as e:  # ValueError: no tokenizer file the backend can build from
         raise ModelNotFoundError(_tokenizer_problem(spec, location, e)) from None
-    try:
-        with _fetching(spec, download):
-            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
-    except OSError as e:
-        raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None
-    if dev.type != "cuda":
-        model.to(dev)
-        if quant != "none":
-            _pack_for_cpu(model, spec, quant, status, Path(location))
+    model = _saved_packing(spec, location, quant, torch_dtype) if dev.type == "cpu" else None
+    if model is None:
+        try:
+            with _fetching(spec, download):
+                model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        except OSError as e:
+            raise ModelNotFoundError(f"could not load {spec.name} from {location}: {str(e).splitlines()[0]}") from None
+        if dev.type != "cuda":
+            model.to(dev)
+            if quant != "none":
+                _pack_for_cpu(model, spec, quant, status, Path(location), tokenizer)
+                model = _saved_packing(spec, location, quant, torch_dtype) or model  # as later starts hold it
     check_one_device(getattr(model, "hf_device_map", None))
     model.eval()
     prepare_model(model)
@@ -424,24 +429,44 @@ def gguf_file(spec: ModelSpec) -> Path | None:
     return None
 
 
-def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status, folder: Path) -> None:
-    """CPU weight-only quantization in place: a GGUF's 4-bit linears as the file holds them (read from the file
-    once, then from a copy beside the converted weights: parsing the GGUF's metadata takes seconds), the rest
-    (and any other model) quantized from its floats."""
-    from h2o_chat.models.cpu_quant import gguf_int4_blocks, load_blocks, quantize_model, save_blocks
+def _saved_packing(spec: ModelSpec, location: str, quant: str, dtype: torch.dtype) -> torch.nn.Module | None:
+    """A GGUF model's packed weights as a first start saved them beside the converted ones (`packed.py`): the
+    float32 file is then never read. None when there are none to use."""
+    if quant == "none" or gguf_file(spec) is None:
+        return None
+    from h2o_chat.models.packed import load_packed
+
+    return load_packed(Path(location), quant, dtype)
+
+
+# tokens of a shipped text the LM head's 4-bit copy is calibrated on (`cpu_quant.Int8Linear.use_4bit_products`)
+CALIBRATION_TOKENS = 512
+
+
+def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: Status, folder: Path, tokenizer) -> None:
+    """CPU weight-only quantization in place: a GGUF's 4-bit linears as the file holds them, the rest (and any
+    other model) quantized from its floats; the LM head's 4-bit copy calibrated on the first tokens of the
+    shipped alice.txt. A GGUF model's packed weights are then saved beside the converted ones, for later starts
+    (`_saved_packing`)."""
+    from importlib import resources
+
+    from h2o_chat.models.cpu_quant import quantize_model
+    from h2o_chat.models.gguf_q4 import gguf_int4_blocks
+    from h2o_chat.models.packed import packed_path, save_packed
 
     path = gguf_file(spec)
-    blocks = {}
-    if path is not None and quant == "4bit":
-        saved = folder / "int4-blocks.safetensors"
-        blocks = load_blocks(saved) if saved.exists() else {}
-        if not blocks:
-            blocks = gguf_int4_blocks(path, model.config)
-            with contextlib.suppress(OSError):  # a read-only cache: read the file again next time
-                save_blocks(blocks, saved)
+    blocks = gguf_int4_blocks(path, model.config) if path is not None and quant == "4bit" else {}
     if status and not blocks:
         status(f"quantizing the weights to {quant} for CPU")
-    quantize_model(model, quant, blocks)
+    text = resources.files("h2o_chat").joinpath("data", "alice.txt").read_text(encoding="utf-8")[:20_000]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+    quantize_model(model, quant, blocks, calibration=torch.tensor([ids]))
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.dtype == torch.float32:  # norms: not views that keep the float32 file's pages resident
+            t.data = t.data.clone()
+    if path is not None:
+        with contextlib.suppress(OSError):  # a read-only cache: pack again next time
+            save_packed(model, packed_path(folder, quant), quant)
 
 
 def release_freed_memory() -> None:

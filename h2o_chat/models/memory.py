@@ -1,5 +1,7 @@
 """Will it fit? Weights and KV cache sizes from a config, checked against free GPU memory (or, on CPU, the
-machine's available memory) before loading.
+machine's available memory) before loading. Every check counts what running takes at its peak: the cache's
+storage with a decode step's transients or a prompt chunk's (the smallest chunk a prompt falls back to), so a
+budget said to fit never runs past the memory it was checked against.
 
 Parameters are counted on the meta device (exact for any architecture, no memory used). bitsandbytes keeps
 the embeddings, the output head and the norms in the compute dtype and quantizes the Linear layers: NF4 packs
@@ -10,6 +12,7 @@ stores one byte per weight plus per-row scales.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +23,16 @@ from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in
 from h2o_chat.engine.quant import bytes_per_element
 from h2o_chat.engine.slots import slot_bytes, storage_bytes
 from h2o_chat.errors import DeviceError
+from h2o_chat.models.cpu_quant import exact_channel_count
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _LINEAR_BYTES = {"none": None, "8bit": 1.0 + 4 / 4096, "4bit": 0.5 + 4 / 64}
-# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles + a plain copy for prompt chunks + a
-# bfloat16 scale and zero per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
-_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 1.0 + 4 / 32}
-_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy (no nibbles)
-OVERHEAD = 1.15  # activations, CUDA context and allocator slack on top of weights + KV
+# h2o-chat's CPU packing (`cpu_quant`): int4 = the kernel's packed nibbles (held once) + a bfloat16 scale and zero
+# per 32 weights; int8 = a byte + a bfloat16 scale per output channel (~1 byte)
+_CPU_LINEAR_BYTES = {"none": None, "8bit": 1.0, "4bit": 0.5 + 4 / 32}
+_CPU_HEAD_COPY_BYTES = {"none": 0.0, "8bit": 0.0, "4bit": 0.5 + 4 / 32}  # the LM head's 4-bit copy
+OVERHEAD = 1.15  # CUDA context and allocator slack on top of weights + what running takes
+SMALLEST_CHUNK = 16  # the smallest prompt chunk `fitting_chunk` falls back to
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class Footprint:
     table_params: int = 0  # the embedding and LM head tables (once if tied), within other_params
     head_params: int = 0  # the LM head's table alone
     store_tokens: int = 0  # the recall policy's store: evicted tokens kept per row (allocated beside the slots)
+    shape: ModelShape | None = None  # the sizes a step's and a chunk's transients follow (None: storage alone)
+    head_columns: int = 0  # the LM head's int8 columns kept beside its CPU 4-bit copy (`cpu_quant`)
 
     def weight_bytes(self, dtype: torch.dtype, quantize: str = "none", cpu: bool = False) -> int:
         """As held: bitsandbytes on a GPU keeps the tables in `dtype`; the CPU packing holds them in int8."""
@@ -49,6 +56,8 @@ class Footprint:
         tables = 1.0 if cpu and quantize != "none" else per
         rest = self.other_params - self.table_params
         head_copy = self.head_params * _CPU_HEAD_COPY_BYTES[quantize] if cpu else 0
+        if cpu and quantize == "4bit":
+            head_copy += self.head_columns
         return int(self.linear_params * linear + self.table_params * tables + rest * per + head_copy)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
@@ -72,14 +81,30 @@ class Footprint:
         hd = self.head_dim
         return recall_store.store_bytes(self.layers, batch, self.kv_heads, hd, hd, self.store_tokens)
 
-    def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1) -> int:
-        """The largest budget whose storage (`kv_bytes`, with the overhead) fits in `free` bytes (0: none)."""
-        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot, the row's counters, a store
-        return max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype)))
+    def run_bytes(self, tokens: int, dtype: torch.dtype, batch: int = 1, snap: bool = False) -> int:
+        """Beyond the weights, at the peak of running a cache of `tokens` per row: `peak_bytes` when the model's
+        shape is known, else the storage alone."""
+        if tokens <= 0:
+            return 0
+        if self.shape is None:
+            return self.kv_bytes(tokens, dtype, batch)  # the store included
+        shape = dataclasses.replace(self.shape, kv_quant=self.kv_quant)
+        return peak_bytes(shape, dtype.itemsize, batch, tokens, snap=snap) + self.store(batch)
 
-    def total_bytes(self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False) -> int:
+    def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1, snap: bool = False) -> int:
+        """The largest budget whose run (`run_bytes`, with the overhead) fits in `free` bytes (0: none)."""
+        per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot, the row's counters, a store
+        lo, hi = 0, max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype))) + 1  # storage alone
+        while hi - lo > 1:  # run_bytes grows with the budget: the largest that fits lies in [lo, hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if OVERHEAD * self.run_bytes(mid, dtype, batch, snap) <= free else (lo, mid)
+        return lo
+
+    def total_bytes(
+        self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False, snap: bool = False
+    ) -> int:
         weights = self.weight_bytes(dtype, quantize, cpu)
-        return int(OVERHEAD * (weights + self.kv_bytes(kv_tokens, dtype, batch)))
+        return math.ceil(OVERHEAD * (weights + self.run_bytes(kv_tokens, dtype, batch, snap)))  # up: as the chunk's
 
 
 def footprint(config) -> Footprint:
@@ -101,6 +126,8 @@ def footprint(config) -> Footprint:
         **_kv_shape(config),
         table_params=sum(tables.values()),
         head_params=head_weight.numel() if head_weight is not None else 0,
+        shape=ModelShape.of(config),
+        head_columns=head_weight.shape[0] * exact_channel_count(head_weight.shape[1]) if head_weight is not None else 0,
     )
 
 
@@ -178,9 +205,9 @@ def check_fits_in_memory(
     """On CPU: the KV cache (and recall's store) is allocated whole at the first token, so a budget beyond this
     machine's memory fails there with "can't allocate"; say before loading which budget would fit."""
     available = available_memory()
-    sizes = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, store_tokens=store_tokens)
-    kv = sizes.kv_bytes(kv_tokens, dtype, rows)
-    if OVERHEAD * kv < available / 4:  # far from the limit: no need to count the parameters
+    shape = ModelShape.of(config)
+    run = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, store_tokens=store_tokens, shape=shape)
+    if OVERHEAD * run.run_bytes(kv_tokens, dtype, rows) < available / 4:  # far from the limit: parameters uncounted
         return
     fp = dataclasses.replace(footprint(config), kv_quant=kv_quant, store_tokens=store_tokens)
     check_fits(name, fp, dtype, quantize, kv_tokens, available, rows=rows, gpu=False)
@@ -194,17 +221,19 @@ def check_budget(
     rows: int = 1,
     flag: str = "--budget",
     kv_quant: str = "none",
+    snap: bool = False,
 ) -> None:
-    """With the weights already loaded (a budget changed in the chat, a batch line's own budget): the same
-    check as before loading, for the KV cache alone against what is free now -- raise a DeviceError saying
-    which `flag` value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
-    fp = Footprint(linear_params=0, other_params=0, **_kv_shape(config), kv_quant=kv_quant)
+    """With the weights already loaded (a budget changed in the chat, a batch line's own budget, a server's new
+    rows): the same check as before loading, for the cache's run alone (storage and a step's or a chunk's
+    transients; `snap`: its probe's copy too) against what is free now -- raise a DeviceError saying which `flag`
+    value would fit when a cache of `kv_tokens` for each of `rows` rows would not."""
+    fp = Footprint(0, 0, **_kv_shape(config), kv_quant=kv_quant, shape=ModelShape.of(config))
     gpu = device.type == "cuda"
     free = free_gpu_bytes(device) if gpu else available_memory()
-    need = fp.total_bytes(dtype, "none", kv_tokens, rows)
+    need = fp.total_bytes(dtype, "none", kv_tokens, rows, snap=snap)
     if need <= free:
         return
-    fits = fp.budget_fitting(free, dtype, rows)
+    fits = fp.budget_fitting(free, dtype, rows, snap)
     has = f"the GPU has {gb(free)} free" if gpu else f"this machine has {gb(free)} of memory available"
     cache = _cache_words(kv_tokens, rows, kv_quant)
     raise DeviceError(f"{flag} {kv_tokens}: {cache} needs ~{gb(need)}, but {has}; {flag} {fits} fits")
@@ -319,7 +348,8 @@ def prefill_bytes(
         total += B * (H + Hq) * T * N * elem + B * H * T * recall * (elem + 1)  # per-head masks, their front
     if stored:
         n, cand = stored + 1, min(stored, recall_rank.CANDIDATES * recall)
-        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + B * H * n * (4 + 8 + 16)  # a block, the best
+        rank = recall_store.rank_dim_for(D)  # a block of logits; the coordinates read as fp32; the best so far
+        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + B * H * n * (rank * 4 + 4 + 8 + 16)
         ranking += B * H * cand * (D * 4 + 8) + min(B * Hq * T * cand, recall_rank.RANK_BLOCK) * 4  # candidates
         total += store_bytes(shape, B, stored) + ranking
     if snap:
@@ -327,6 +357,15 @@ def prefill_bytes(
         total += cache_storage_bytes(shape, elem, B, capacity)  # the probe's copy (pass 1)
         total += L * B * H * (capacity + 1 + T) * G * window * 4 * 2  # observation logits (pass 2)
     return int(total)
+
+
+def peak_bytes(
+    shape: ModelShape, elem: int, rows: int, capacity: int, chunk: int = SMALLEST_CHUNK, snap: bool = False
+) -> int:
+    """Beyond the weights, the most a cache of `capacity` per row takes while it runs: its storage with a decode
+    step's transients, or with a prompt chunk's (of `chunk` columns, the attention mass counted), whichever is
+    more. A longer chunk is read only where it fits (`prefill_chunk`)."""
+    return max(decode_bytes(shape, elem, rows, capacity), prefill_bytes(shape, elem, rows, capacity, chunk, snap=snap))
 
 
 def decode_bytes(shape: ModelShape, elem: int, rows: int, capacity: int) -> int:
@@ -361,20 +400,23 @@ def fitting_chunk(
     snap: bool = False,
     window: int = 16,
     mass: bool = True,
-    smallest: int = 16,
+    smallest: int = SMALLEST_CHUNK,
     recall: int = 0,
     stored: int | None = None,
 ) -> int:
     """The largest chunk, `chunk` or a smaller power of two, whose prefill fits in `available` bytes (plus the
     `held` bytes the cache's storage already occupies, which the estimate counts); DeviceError when even
     `smallest` does not fit."""
-    size = chunk
-    while size >= smallest or size == chunk:
+    smallest = min(chunk, smallest)
+    sizes = [chunk]
+    while sizes[-1] // 2 >= smallest:
+        sizes.append(sizes[-1] // 2)
+    if sizes[-1] != smallest:  # halving 300 ends at 18: the fit checks promise that 16 can be read
+        sizes.append(smallest)
+    for size in sizes:
         need = prefill_bytes(shape, elem, rows, capacity, size, snap, window, mass, recall, stored)
         if OVERHEAD * need <= available + held:
             return size
-        size //= 2
-    smallest = min(chunk, smallest)
     need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, smallest, snap, window, mass, recall, stored)
     lower = "--budget (or /budget), --recall-memory" if stored else "--budget (or /budget)"
     raise DeviceError(

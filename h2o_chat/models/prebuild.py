@@ -82,8 +82,52 @@ def run_job(job: dict) -> list[Path]:
     for fields in job["kinds"]:
         sampler = fields.get("sampler")
         kind = compiled.StepKind(**{**fields, "sampler": None if sampler is None else tuple(sampler)})
-        paths.append(compiled.build_kind(loaded.model, kind))
+        paths.append(_build_kind(loaded.model, kind))
     return paths
+
+
+def _example_for(model, kind):
+    """A small cache and sampler of `kind` for `model`, a prompt read: what a build traces (`_build_kind`)."""
+    import torch
+
+    from h2o_chat.engine import compiled
+    from h2o_chat.engine.attention import cache_keyword
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.decode import Engine
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.sampling import Sampler
+
+    policies = [make_policy("recall" if kind.recalls else "h2o", 32)]
+    if not kind.uniform:  # rows that recall beside rows that do not
+        policies.append(make_policy("h2o", 32))
+    cache = H2OCache.for_model(model, policies, kv_quant="8bit" if kind.quantized else "none")
+    engine = Engine(model, cache, "eager")
+    if kind.sampler is not None:
+        hot, penalized, nucleus, filtered = kind.sampler
+        sampler = Sampler(
+            temperature=0.7 if hot else 0.0,
+            top_p=0.9 if nucleus else 1.0,
+            repetition_penalty=1.1 if penalized else 1.0,
+            min_p=0.05 if filtered and not nucleus else 0.0,
+        )
+        engine.set_sampler(sampler, len(policies))
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(48, device=engine.device).remainder(vocab).repeat(len(policies), 1)
+    engine.prefill(ids, chunk_size=16)
+    if compiled.StepKind.of(cache, engine.sampler) != kind:
+        raise RuntimeError(f"an example of {kind} came out as {compiled.StepKind.of(cache, engine.sampler)}")
+    return cache, engine.sampler, cache_keyword(model)
+
+
+def _build_kind(model, kind) -> Path:
+    """The package of `kind` for `model`, built unless it is on disk already; its path."""
+    from h2o_chat.engine import compiled
+
+    path = compiled.cache_dir() / f"step-{compiled.package_key(model, kind)}.pt2"
+    if not path.exists():
+        cache, sampler, keyword = _example_for(model, kind)
+        compiled.build(model, cache, sampler, keyword, path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

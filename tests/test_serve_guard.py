@@ -1,0 +1,266 @@
+"""h2o-chat serve against hostile and unlucky requests, on a loopback port with a tiny random model: a dead engine
+thread answers at once, limits answer with OpenAI's JSON errors, a drain reads no more prompts, conversations stay
+within their client's scope, a fifth kind of cache gets a lane, and the served model names itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from serving import client, get, load_tiny, post, request, serving  # noqa: E402
+
+from h2o_chat.app.rows import Lane  # noqa: E402
+from h2o_chat.app.serve_api import Limits  # noqa: E402
+
+WORDS = " ".join(f"w{4 + i % 250}" for i in range(200_000))  # 200,000 tokens of the tiny word-level tokenizer
+RUNS_ON = "w7 w8 w9"  # greedy, the tiny model's reply to this runs 400 tokens without its end of text
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine thread too: OpenMP barriers on a busy 2-core machine cost more
+    yield load_tiny(tmp_path_factory.mktemp("guard") / "tiny-llama")
+    torch.set_num_threads(before)
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(_caught(fn, *args)), daemon=True)
+    th.start()
+    return th, out
+
+
+def _caught(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # a timeout: the test says which call hung
+        return e
+
+
+# -- item 2: the engine thread dies ----------------------------------------------------------------------------
+def test_a_dead_engine_answers_everything_at_once_with_a_json_500(tiny, monkeypatch):
+    """A bug in a step: the request decoding, one queued behind it and a /v1/stats waiting for the thread all get
+    a JSON 500 at once (stats used to wait for ever, queued jobs too); later requests too; /health says so."""
+    entered, release = threading.Event(), threading.Event()
+
+    def broken_step(self):
+        entered.set()
+        release.wait(30)
+        raise RuntimeError("a bug in a decode step")
+
+    monkeypatch.setattr(Lane, "step", broken_step)
+    body = {"prompt": "w5 w6", "max_tokens": 4}
+    with serving(tiny) as (server, port):
+        decoding, got_a = in_thread(post, port, "/v1/completions", body, None, 15)
+        assert entered.wait(30)
+        queued, got_b = in_thread(post, port, "/v1/completions", body, None, 15)
+        stats, got_c = in_thread(get, port, "/v1/stats", None, 15)
+        deadline = time.monotonic() + 10
+        while server.scheduler.inbox.qsize() < 2 and time.monotonic() < deadline:  # both wait for the thread
+            time.sleep(0.02)
+        release.set()
+        for th in (decoding, queued, stats):
+            th.join(20)
+        for name, got in (("decoding", got_a), ("queued", got_b), ("stats", got_c)):
+            assert got and not isinstance(got[0], Exception), f"{name}: {got}"
+            status, answer = got[0]
+            assert (
+                status == 500
+                and "the engine stopped: RuntimeError: a bug in a decode step" in (answer["error"]["message"])
+            ), (name, answer)
+        t = time.monotonic()
+        assert get(port, "/v1/stats", timeout=5)[0] == 500
+        assert post(port, "/v1/completions", body, timeout=5)[0] == 500
+        assert time.monotonic() - t < 2
+        status, health = get(port, "/health")
+        assert status == 503 and health["status"] == "failed"
+
+
+# -- item 3: limits ----------------------------------------------------------------------------------------------
+def nested(depth: int) -> bytes:
+    return b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+HOSTILE = [
+    ("10,000 stop strings", {"prompt": "w5", "stop": [f"w{i}" for i in range(10_000)]}, 400, "at most 16 strings"),
+    ("a stop string of 1,000 characters", {"prompt": "w5", "stop": "x" * 1000}, 400, "at most 64 characters"),
+    ("a body nested 20,000 deep", nested(20_000), 400, "nests deeper than 32 levels"),
+    ("a body nested 40 deep", nested(40), 400, "nests deeper than 32 levels"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "status", "words"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_get_a_json_4xx_and_the_server_serves_on(tiny, case, body, status, words):
+    with serving(tiny) as (_, port):
+        got, answer = post(port, "/v1/completions", body)
+        assert got == status and isinstance(answer, dict), answer  # JSON, not a plain-text 500
+        assert words in answer["error"]["message"] and "\n" not in answer["error"]["message"]
+        assert post(port, "/v1/completions", {"prompt": "w5", "max_tokens": 2})[0] == 200
+
+
+def test_a_prompt_beyond_the_limit_is_refused_before_the_engine_and_a_stream_flows_on(tiny):
+    """A 200,000-token prompt used to be tokenized and read in the engine thread while every stream stood still;
+    now it is refused (400, context_length_exceeded) by its size alone, at once, and a reply streaming meanwhile
+    never pauses. A prompt one token over --max-prompt-tokens is refused after tokenizing; one at it is read."""
+    with serving(tiny, ends=False, limits=Limits(budget=64)) as (_, port):  # --max-prompt-tokens: the default
+        gaps: list[float] = []
+
+        def stream():
+            last = time.perf_counter()
+            for _ in client(port).completions.create(model="m", prompt=RUNS_ON, max_tokens=300, stream=True):
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        streaming, done = in_thread(stream)
+        while len(gaps) < 20:
+            time.sleep(0.01)
+        t = time.perf_counter()
+        status, answer = post(port, "/v1/completions", {"prompt": WORDS, "max_tokens": 2}, timeout=10)
+        assert time.perf_counter() - t < 3
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert "--max-prompt-tokens 8192" in answer["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": WORDS}], "max_tokens": 2}
+        assert post(port, "/v1/chat/completions", chat, timeout=10)[0] == 400
+        streaming.join(60)
+        assert done == [None] and len(gaps) > 250 and max(gaps[20:]) < 1.0, max(gaps)
+    with serving(tiny, limits=Limits(max_prompt_tokens=64)) as (_, port):
+        words = lambda n: " ".join(["w5"] * n)  # noqa: E731
+        status, answer = post(port, "/v1/completions", {"prompt": words(65), "max_tokens": 2})
+        assert status == 400 and "65 prompt tokens" in answer["error"]["message"]
+        assert post(port, "/v1/completions", {"prompt": words(64), "max_tokens": 2})[0] == 200
+
+
+def test_sigterm_stops_reading_prompts_at_once_and_finishes_replies_under_way(tiny):
+    """The command drains: a prompt being read stops at its next chunk (503), a request waiting behind it gets a
+    503, the reply decoding before the signal ends whole, and the command exits 0 in seconds (it used to read
+    the whole prompt first: minutes)."""
+    folder = tiny.spec.source
+    command = [sys.executable, "-m", "h2o_chat", "serve", "-m", folder, "--device", "cpu", "--port", "0",
+               "--chunk-size", "16", "--max-prompt-tokens", "1000000", "--temperature", "0"]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stderr.readline()
+        assert "serving" in line, line
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        chunks: list = []
+        stream = client(port, timeout=60).completions.create(model="m", prompt=RUNS_ON, max_tokens=200, stream=True)
+        first = next(iter(stream))
+        reading, got_long = in_thread(post, port, "/v1/completions", {"prompt": WORDS, "max_tokens": 2}, None, 60)
+        time.sleep(2)  # tokenized, and being read in chunks of 16
+        waiting, got_wait = in_thread(post, port, "/v1/completions", {"prompt": "w5", "max_tokens": 2}, None, 60)
+        time.sleep(0.5)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        reading.join(30)
+        waiting.join(30)
+        chunks = [first, *stream]
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t < 15
+        assert got_long and got_long[0][0] == 503, got_long
+        assert "shutting down" in got_long[0][1]["error"]["message"]
+        assert got_wait and got_wait[0][0] == 503, got_wait
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")  # the reply under way ended whole
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
+# -- item 4: conversations stay within their scope -----------------------------------------------------------------
+def test_a_conversation_is_continued_only_within_its_key_and_user(tiny):
+    keys = ("key-a", "key-b")
+    with serving(tiny, api_keys=keys, limits=Limits(budget=64)) as (_, port):
+        a, b = client(port, "key-a"), client(port, "key-b")
+        messages = [{"role": "user", "content": "w5 w6 w7"}]
+        one = a.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+        messages += [
+            {"role": "assistant", "content": one.choices[0].message.content},
+            {"role": "user", "content": "w9"},
+        ]
+        conv = one.h2o["conversation"]
+
+        def cached(c, **extra) -> tuple[int, str]:
+            r = c.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0, **extra)
+            return r.usage.prompt_tokens_details.cached_tokens, r.h2o["conversation"]
+
+        # another key, or the same key for another user or salt, replays the whole transcript: it reads it all
+        for c, extra in ((b, {}), (a, {"user": "someone else"}), (a, {"extra_body": {"cache_salt": "s"}})):
+            got, other = cached(c, **extra)
+            assert got == 0 and other != conv, extra
+        got, same = cached(a)  # the owner's next turn still finds its conversation
+        assert got == one.h2o["seen"] and same == conv
+        assert conv.startswith("conv-") and len(conv) == len("conv-") + 16  # random: no count of the others
+        status, stats = get(port, "/v1/stats", {"Authorization": "Bearer key-b"})
+        assert status == 200 and "conv-" not in json.dumps(stats)  # no other conversation's id
+
+
+# -- item 6: a fifth kind of cache -----------------------------------------------------------------------------------
+def test_a_fifth_kind_of_cache_gets_a_lane_while_four_stay_busy(tiny):
+    """Four budgets keep four lanes busy, each with a next reply admitted before its last one ends (so no lane
+    ever empties by itself); a request for a fifth budget used to wait until they all stopped. Now the least busy
+    lane takes no new rows, empties, and the fifth gets its place within a reply or two."""
+    rounds, length = 6, 40
+    ended: dict[int, list[float]] = {}
+    with serving(tiny, ends=False, rows=16, limits=Limits(policy="h2o", budget=16)) as (server, port):
+
+        def chain(budget: int) -> None:
+            c, ended[budget] = client(port), []
+
+            def start():
+                body = {"budget": budget, "temperature": 0}
+                return c.completions.create(model="m", prompt=RUNS_ON, max_tokens=length, stream=True, extra_body=body)
+
+            current = start()
+            for _ in range(rounds):
+                following = None
+                for n, _ in enumerate(current):
+                    if n == length // 2:
+                        following = start()  # admitted (a second row of its lane) before this one ends
+                ended[budget].append(time.monotonic())
+                current = following
+            for _ in current:
+                pass
+
+        chains = [threading.Thread(target=chain, args=(b,), daemon=True) for b in (16, 24, 32, 40)]
+        for th in chains:
+            th.start()
+        while len(server.scheduler.lanes) < 4 or server.scheduler.busy < 4:
+            time.sleep(0.01)
+        status, answer = post(port, "/v1/completions", {"prompt": "w5", "max_tokens": 4, "budget": 48}, timeout=120)
+        fifth = time.monotonic()
+        for th in chains:
+            th.join(300)
+        assert status == 200, answer
+        assert all(len(times) == rounds for times in ended.values()), ended
+        assert sum(t < fifth for times in ended.values() for t in times) <= 4 * 3, "the fifth waited for the rest"
+
+
+# -- item 11: the served model's name ------------------------------------------------------------------------------
+def test_replies_name_the_served_model_whatever_the_request_says(tiny):
+    with serving(tiny) as (_, port):
+        c = client(port)
+        reply = c.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "w5"}], max_tokens=2)
+        assert reply.model == "tiny-llama"
+        chunks = list(c.completions.create(model="gpt-4", prompt="w5", max_tokens=2, stream=True))
+        assert {ch.model for ch in chunks} == {"tiny-llama"}
+        assert [m.id for m in c.models.list()] == ["tiny-llama"] and c.models.retrieve("tiny-llama").id == "tiny-llama"
+        status, answer = request(port, "GET", "/v1/models/gpt-4")
+        assert status == 404 and answer["error"]["code"] == "model_not_found"
+        assert "serves 'tiny-llama'" in answer["error"]["message"]
+
+
+def test_the_command_and_the_server_default_to_one_prompt_limit():
+    from h2o_chat.app import serve_api, servecli
+
+    assert servecli.MAX_PROMPT_TOKENS == serve_api.MAX_PROMPT_TOKENS == Limits().max_prompt_tokens
