@@ -6,7 +6,7 @@ its last token. With --prompt-cache a run reads its prompt in two steps: (1) tha
 rest: that last token and whatever follows the text (a later run's question, the template's end of turn and
 generation prompt), read as the next turn of a chat is. A run whose text begins with the text the file was made
 from restores step 1 instead of reading it and reads only step 2; its reply is the one the same two steps give
-without the file (`tests/test_prompt_cache.py` checks it, token for token). A run whose text does not begin with it
+without the file (`tests/test_resume_cli.py` checks it, token for token). A run whose text does not begin with it
 reads both steps and replaces the file with its own step 1 (said on stderr); a run that used the file leaves it as
 it is.
 

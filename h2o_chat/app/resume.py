@@ -24,7 +24,7 @@ from h2o_chat.engine import persist
 from h2o_chat.engine.persist import StateError
 
 # What a Conversation knows about the sequence its cache has seen (`Conversation._restart` sets each): saved and
-# restored with the cache. `tests/test_resume.py` checks that every attribute `_restart` sets is here or in
+# restored with the cache. `tests/test_session_files.py` checks that every attribute `_restart` sets is here or in
 # `PER_TURN`, so one added there is classified before it can be lost.
 CARRIED = ("fed", "spans", "_unfed", "_fed_stop", "warned", "_recall_told")
 PER_TURN = ("cache", "pending", "pending_messages", "recall_note", "recalled", "_setup", "_undo")
@@ -133,10 +133,13 @@ def resumed_settings(path: Path, given: set[str], models, cache, policy):
     saved = header["settings"]
     if header.get("state") is None:
         return models, cache, policy
-    if "model" not in given:
-        known = load_registry(models.models_file).models.get(saved.get("model_name"))
+    if "model" not in given:  # the file's model, unless it is the one that loads anyway (the default)
+        registry = load_registry(models.models_file)
+        known = registry.models.get(saved.get("model_name"))
         name = saved.get("model_name") if known is not None and known.source == saved.get("model_source") else None
-        models = dataclasses.replace(models, model=name or saved.get("model_source"))
+        default = registry.resolve(None)
+        if (default.name, default.source) != (saved.get("model_name"), saved.get("model_source")):
+            models = dataclasses.replace(models, model=name or saved.get("model_source"))
     cache = dataclasses.replace(cache, **{k: saved[k] for k in ("positions", "kv_quant") if k not in given})
     if not given & POLICY_OPTIONS:
         policy = persist.policy_of(saved["policy"])
