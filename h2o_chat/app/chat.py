@@ -19,6 +19,7 @@ from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.commands import SlashCommands
 from h2o_chat.app.conversation import Conversation
 from h2o_chat.app.piped import ReadingForecast, RunOptions
+from h2o_chat.app.resume import load_conversation, loaded_line
 from h2o_chat.app.ui import PanelView, describe_device, make_console, plural
 from h2o_chat.engine.decode import PrefillInterrupted
 from h2o_chat.errors import H2OChatError, out_of_memory
@@ -60,9 +61,12 @@ class ChatSession:
     def panel(self) -> PanelView | None:
         return self.view.panel
 
-    def run(self, first: str | None = None) -> None:
-        """The session; `first` (-f FILE) is sent as the first message."""
+    def run(self, first: str | None = None, resume: Path | None = None) -> None:
+        """The session; `first` (-f FILE) is sent as the first message, after the conversation saved in `resume`
+        (--resume FILE) is loaded (a file that cannot be is one line, and the command ends)."""
         self.view.banner(self.conv.policy.describe())
+        if resume is not None:
+            self.view.say(loaded_line(self.conv, load_conversation(self.conv, resume), resume))
         if first is not None:
             self.view.echo(first)
             self.reply(first)
@@ -210,4 +214,4 @@ def run_interactive(loaded: Loaded, options: RunOptions, history: Path | None = 
     console = make_console()
     chat = ChatSession(loaded, options, console)
     chat.prompt = make_prompt_session(history, chat)
-    chat.run(first)
+    chat.run(first, options.resume)

@@ -151,6 +151,22 @@ def main_command(
         Path | None,
         typer.Option(metavar="FILE", help="A Jinja chat template file, used instead of the tokenizer's."),
     ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Continue a conversation saved by /save, with its cache (nothing is read again); its model and "
+            "cache settings unless given (piped: the prompt is its next message).",
+        ),
+    ] = None,
+    prompt_cache: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Piped: keep the cache after reading the prompt's text in FILE; a later prompt that begins with "
+            "that text reads only the rest (--max-new-tokens 0: read and save only).",
+        ),
+    ] = None,
     ignore_eos: IgnoreEos = False,
     models: ModelOptions = ModelOptions(),
     cache: CacheOptions = CacheOptions(),
@@ -167,6 +183,12 @@ def main_command(
     with reported():
         require_stdout()
         models = _run_model(ctx.meta.get(RUN), models)
+        cached = None
+        if prompt_cache is not None:  # before the checks: --max-new-tokens 0 reads the prompt into the file only
+            from h2o_chat.app.prompt_cache import options as prompt_cache_options
+
+            in_chat = chat or (argument is None and sys.stdin.isatty())
+            cached, sampling = prompt_cache_options(prompt_cache, in_chat, resume, sampling)
         for group in (models, cache, sampling):
             group.check()
         if chat and not sys.stdin.isatty():
@@ -181,6 +203,10 @@ def main_command(
         if stop is not None and not all(stop):
             raise InputError("--stop needs some text to stop at")
         policy = _policy(cache, knobs, models)
+        if resume is not None:  # the saved model and cache settings, where not given (one line for a bad file)
+            from h2o_chat.app.resume import given_options, resumed_settings
+
+            models, cache, policy = resumed_settings(resume, given_options(ctx), models, cache, policy)
         if argument is not None and not argument.strip():
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
         # read before the weights load: a file that cannot be used is one line, at once
@@ -216,6 +242,8 @@ def main_command(
             panel=not no_panel,
             json=json_out,
             raw=raw,
+            resume=resume,
+            prompt_cache=cached,
         )
         loaded = models.load(kv_tokens=policy.budget, kv_quant=cache.kv_quant, store_tokens=store_of(policy))
         if interactive:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from h2o_chat.app.chat_view import ChatView
 from h2o_chat.app.conversation import Conversation
+from h2o_chat.app.resume import load_conversation, loaded_line, save_conversation, saved_line
 from h2o_chat.app.ui import describe_device, plural, quote
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
@@ -28,8 +29,8 @@ HELP = """\
 /clear             clear the screen (the conversation stays)
 /system TEXT       set the system prompt (the conversation is re-read on the next turn)
 /reset             start over, keeping the system prompt
-/save FILE         save the conversation as JSON (system prompt included)
-/load FILE         load a saved conversation (read on the next turn)
+/save FILE         save the conversation and its cache (FILE.json: the messages alone, as JSON)
+/load FILE         load a saved conversation (with its cache: nothing is read again)
 /stats             show the cache and memory panel
 /evicted           which messages are no longer fully in the cache
 /exit              leave (or Ctrl-D); Ctrl-C stops a reply
@@ -244,9 +245,9 @@ class SlashCommands:
             self.view.say(f"{arg} exists: /save {arg} again replaces it")
             return
         self.overwriting = None
-        path = self.conv.save(arg)
+        path, cache_bytes = save_conversation(self.conv, arg)  # with its cache (a *.json name: messages alone)
         self.saved_to = target
-        self.view.say(f"saved {plural(len(self.conv.messages), 'message')} to {path}")
+        self.view.say(saved_line(self.conv, path, cache_bytes))
 
     def cmd_load(self, arg: str) -> None:
         if not arg:
@@ -260,8 +261,8 @@ class SlashCommands:
             )
             return
         self.replacing = None
-        count = self.conv.load(arg)
-        self.view.say(f"loaded {plural(count, 'message')} from {arg}; they are read into the cache on the next turn")
+        count = load_conversation(self.conv, arg)
+        self.view.say(loaded_line(self.conv, count, arg))
 
     def cmd_stats(self, arg: str) -> None:
         self.view.stats(self.conv.stats())

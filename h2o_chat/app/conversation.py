@@ -136,9 +136,11 @@ class Conversation:
         self.engine.builder = builder_for(self.loaded, self._on_setup)
         return cache
 
-    def _restart(self, policy: Policy | None = None) -> None:
-        """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget)."""
-        self.cache = self._new_cache(policy or self.cache.policy)
+    def _restart(self, policy: Policy | None = None, new_cache: bool = True) -> None:
+        """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget).
+        `new_cache` False: the cache and engine stay, for a saved state to be restored into them (`app/resume.py`)."""
+        if new_cache:
+            self.cache = self._new_cache(policy or self.cache.policy)
         self.fed = 0  # tokens the cache has seen
         self.pending = self.pending_messages = 0  # tokens (and messages) the current turn reads before its reply
         self.spans: list[Span] = []
@@ -279,15 +281,24 @@ class Conversation:
 
     # -- a turn -----------------------------------------------------------------------------------
     def send(
-        self, text: str, max_new_tokens: int | None = None, *, progress: Progress = None, raw: bool = False
+        self,
+        text: str,
+        max_new_tokens: int | None = None,
+        *,
+        progress: Progress = None,
+        raw: bool = False,
+        ids: list[int] | None = None,
     ) -> Iterator[Response]:
         """Add a user message and stream the reply. Stopping early (closing the iterator) keeps the partial
         reply in the conversation. `progress(done, total)` is called once with (0, total) before the new tokens
         are read (after a note, if the budget is far too small for them, has gone to cache.notices), then after
         each prefill chunk; total counts every pass over them (snap reads twice). `raw`: the text is continued
-        as it is, without the chat template (a one-shot prompt)."""
+        as it is, without the chat template (a one-shot prompt). `ids`: the tokens to read, made already (the
+        rest of a prompt whose start came from --prompt-cache: `app/prompt_cache.py`)."""
         user = {"role": "user", "content": text}
-        if raw:
+        if ids is not None:
+            ends = [(len(self.messages), len(ids))]
+        elif raw:
             ids = self.tokenizer(text)["input_ids"]
             ends = [(len(self.messages), len(ids))]
         else:

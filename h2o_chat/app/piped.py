@@ -9,8 +9,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.prompt_cache import PromptCache, PromptCacheOptions, read_only_line
+from h2o_chat.app.resume import load_conversation
 from h2o_chat.app.ui import (
     ProgressBar,
     describe_weights,
@@ -32,6 +35,8 @@ class RunOptions:
     panel: bool = True
     json: bool = False
     raw: bool = False  # piped: feed stdin as plain text, no chat template
+    resume: Path | None = None  # --resume FILE: a saved conversation (and its cache) to continue
+    prompt_cache: PromptCacheOptions | None = None  # --prompt-cache FILE (piped)
 
 
 def read_stdin_prompt(data: bytes, required: bool = True) -> str | None:
@@ -139,9 +144,20 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         bar(done, total)
 
     conv.on_setup = lambda message: say(f"{message} ...")
+    if options.resume is not None:  # the piped prompt is the saved conversation's next message
+        load_conversation(conv, options.resume)
+    cached, ids = None, None
+    if options.prompt_cache is not None:  # step 1 from the file, or read and saved to it (`prompt_cache.py`)
+        cached = PromptCache(options.prompt_cache)
+        ids = cached.start(conv, prompt, options.raw, progress)
+        bar.close()
+        if cached.note:
+            say(f"note: {cached.note}")
+        if options.prompt_cache.read_only:
+            return _read_only(loaded, conv, cached, options, say)
     pieces, last = [], None
     try:
-        for r in conv.send(prompt, progress=progress, raw=options.raw):
+        for r in conv.send(prompt, progress=progress, raw=options.raw, ids=ids):
             if last is None:
                 bar.close()  # the prompt is read: stderr's bar gives way to the text on stdout
             last = r
@@ -153,20 +169,25 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
     except KeyboardInterrupt:
         bar.close()
         if options.json:  # what was generated so far, and why it ends there
-            sys.stdout.write(json.dumps(_record(loaded, conv, pieces, last, "interrupted"), ensure_ascii=False) + "\n")
+            record = _record(loaded, conv, pieces, last, "interrupted")
+            _amend(record, cached, last)
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
         else:
             out.write("\n" if out.open else "")
         sys.stdout.flush()
         raise
     bar.close()
     record = _record(loaded, conv, pieces, last, last.finish_reason)
+    _amend(record, cached, last)
     if options.json:
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
         summary = summary_line(last, conv.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded))
-        say(summary + (f" | {conv.slowdown.summary}" if conv.slowdown.summary else ""))
+        if conv.slowdown.summary:
+            summary += f" | {conv.slowdown.summary}"
+        say(summary + (f" | {cached.summary()}" if cached is not None else ""))
     sys.stdout.flush()
     return record
 
@@ -187,3 +208,25 @@ def _record(loaded: Loaded, conv: Conversation, pieces: list[str], last, finish_
         "weights": {"format": loaded.weights, "bytes": loaded.weight_bytes},
         "cache": conv.stats().as_dict(),
     }
+
+
+def _amend(record: dict, cached: PromptCache | None, last) -> None:
+    """The record's prompt counts with --prompt-cache (`cached_prompt_tokens`: 0 without it)."""
+    if cached is None:
+        record["cached_prompt_tokens"] = 0
+    else:
+        cached.amend(record, last.prompt_tokens if last is not None else 0)
+
+
+def _read_only(loaded: Loaded, conv: Conversation, cached: PromptCache, options: RunOptions, say) -> dict:
+    """--prompt-cache with --max-new-tokens 0: the prompt's text read into the file (or found there), no reply."""
+    record = _record(loaded, conv, [], None, None)
+    cached.amend(record, 0)
+    if cached.read:
+        record["prompt_tps"] = round(cached.read / cached.seconds, 2) if cached.seconds else 0.0
+    if options.json:
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    else:
+        say(read_only_line(cached))
+    return record

@@ -366,6 +366,7 @@ class Scheduler:
                 "kept": round(stats["kept"], 1),
                 "evicted": round(stats["evicted"], 1),
                 "kept_idle": kept_in,
+                "restored_from_disk": turn.from_disk,
                 "time_to_first_token": round(ttft, 4),
                 "tokens_per_second": round((n - 1) / decode, 2) if n > 1 and decode > 0 else 0.0,
             },
@@ -402,8 +403,19 @@ class Scheduler:
                 "max_count": self.store.max_sessions,
                 "memory_limit": self.store.memory_limit,
                 "evicted": self.store.evicted,
+                **(self._disk_stats() if self.store.disk is not None else {}),
             },
             "memory": process_memory(self.loaded.device),
+        }
+
+    def _disk_stats(self) -> dict:
+        disk = self.store.disk
+        return {
+            "on_disk": self.store.on_disk,
+            "session_dir": str(disk.folder),
+            "written_to_disk": disk.written,
+            "restored_from_disk": disk.restored,
+            "disk_errors": list(self.store.disk_errors),
         }
 
 
@@ -416,6 +428,7 @@ def _deliver(batch: list[tuple[Job, tuple]]) -> None:
 def _log_line(result: dict) -> str:
     h = result["h2o"]
     again = " (read again from the start)" if h["read_again"] else ""
+    again += " (restored from disk)" if h["restored_from_disk"] else ""
     return (
         f"{h['conversation']}: read {h['read_tokens']} tokens{again}, {h['cached_tokens']} cached, "
         f"generated {result['generated_tokens']} | kept {h['kept']:g} of {h['seen']} seen | "

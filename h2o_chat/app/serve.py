@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
@@ -43,6 +44,7 @@ from h2o_chat.app.serve_api import (
     reply,
     usage,
 )
+from h2o_chat.app.session_disk import SessionDisk, session_folder
 from h2o_chat.app.sessions import SessionStore, plan_turn
 
 MAX_BODY = 8 * 2**20  # bytes of one request body; a larger one is a 413 (a prompt of ~2M tokens fits)
@@ -58,6 +60,7 @@ class ServeOptions:
     rows: int = 16  # conversations decoding together, over all lanes
     max_sessions: int = 64
     memory_limit: int = 2**30  # bytes of idle conversations' caches
+    session_dir: Path | None = None  # where idle conversations beyond the limits go (else they are dropped)
     limits: Limits = field(default_factory=Limits)
     engine: EngineSettings = field(default_factory=EngineSettings)
     max_body: int = MAX_BODY
@@ -71,7 +74,10 @@ class Server:
     def __init__(self, loaded, options: ServeOptions, log: Callable[[str], None] | None = None):
         self.loaded, self.options, self.log = loaded, options, log
         self.model_name = loaded.spec.name
-        self.store = SessionStore(options.max_sessions, options.memory_limit)
+        disk = None
+        if options.session_dir is not None:
+            disk = SessionDisk(session_folder(options.session_dir), loaded, options.engine)
+        self.store = SessionStore(options.max_sessions, options.memory_limit, disk)
         self.scheduler = Scheduler(loaded, options.engine, options.rows, self.store, log if options.verbose else None)
         self.app = _app(self)
         config = uvicorn.Config(
@@ -94,6 +100,7 @@ class Server:
             self.uvicorn.run()
         finally:
             self.scheduler.stop()
+            self.store.close()
             self.planner.shutdown(wait=False, cancel_futures=True)
         if not self.uvicorn.started:
             raise OSError(f"cannot listen on {self.options.host}:{self.options.port}")

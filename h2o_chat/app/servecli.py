@@ -6,6 +6,7 @@ Options in, calls out: the work is in `serve.py` (HTTP), `scheduler.py` (the eng
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -58,6 +59,14 @@ def serve_command(
             show_default=False,
         ),
     ] = None,
+    session_dir: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Idle conversations beyond --max-sessions or --memory-limit are kept in DIR (their cache, as "
+            "files) and restored on their next turn, instead of being dropped; removed when the server stops.",
+        ),
+    ] = None,
     max_budget: Annotated[int, typer.Option(help='The largest budget a request may ask for (its own "budget").')] = (
         4096
     ),
@@ -103,6 +112,10 @@ def serve_command(
         if budget > max_budget:
             raise H2OChatError(f"--budget {budget} is above --max-budget {max_budget}")
         limit = parse_size("--memory-limit", memory_limit) if memory_limit else None
+        if session_dir is not None:  # one line now, before the weights load
+            from h2o_chat.app.session_disk import session_folder
+
+            session_folder(session_dir)
         keys = tuple(api_key or ())
         if any(not k.strip() for k in keys):
             raise H2OChatError("--api-key is empty")
@@ -125,6 +138,7 @@ def serve_command(
             rows=batch_size,
             max_sessions=max_sessions,
             memory_limit=limit,
+            session_dir=session_dir,
             limits=Limits(
                 policy=policy.name,
                 budget=policy.budget,

@@ -14,8 +14,9 @@ A `Session` is a conversation's cache row as its last reply left it, copied out 
 A session belongs to the scope that made it (the API key shown, the request's `user` and `cache_salt`): only a
 request of that scope may continue it, so a client never learns whether another's conversation exists (nor its
 id, which is random). Idle sessions live in a `SessionStore`, least recently used first out, within a count and a
-memory limit. Requests are planned (matched, tokenized, checked against --max-prompt-tokens) outside the engine
-thread, so the store takes a lock; a session taken out of it belongs to that request alone.
+memory limit; with --session-dir the ones those limits would drop go to disk instead (app/session_disk.py) and
+come back on their next turn. Requests are planned (matched, tokenized, checked against --max-prompt-tokens)
+outside the engine thread, so the store takes a lock; a session taken out of it belongs to that request alone.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from h2o_chat.app.conversation import SENTINEL
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.serve_api import ApiError
+from h2o_chat.engine.persist import StateError
 
 # A prompt with more characters to read than this many per token allowed is refused before it is tokenized (no
 # text averages near 16 characters a token: English ~4.5, code ~3.5), so a huge body costs no tokenizer time
@@ -49,6 +52,8 @@ class Session:
     state: dict | None = None  # the row's snapshot while idle; None while the conversation holds a row
     nbytes: int = 0
     turns: int = 0
+    path: Path | None = None  # idle on disk (--session-dir): its snapshot's file, read back on its next turn
+    policy: object = None  # on disk: the policy its snapshot was taken with
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Turn:
     ids: list[int]  # tokens to read now
     cached: int  # tokens the conversation had seen already (not read again)
     read_again: bool  # the request carried earlier replies that no idle session held: read from the start
+    from_disk: bool = False  # the conversation was idle on disk (--session-dir) and was read back
 
 
 def snapshot_bytes(state: dict) -> int:
@@ -67,13 +73,15 @@ def snapshot_bytes(state: dict) -> int:
 
 
 class SessionStore:
-    """Idle sessions, most recently used last; `put` evicts the least recently used beyond the limits."""
+    """Idle sessions, most recently used last; `put` evicts the least recently used beyond the limits, to `disk`
+    when there is one (then the disk's own count limit drops its least recently used)."""
 
-    def __init__(self, max_sessions: int, memory_limit: int):
-        self.max_sessions, self.memory_limit = max_sessions, memory_limit
+    def __init__(self, max_sessions: int, memory_limit: int, disk=None):
+        self.max_sessions, self.memory_limit, self.disk = max_sessions, memory_limit, disk
         self._idle: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
         self.evicted = 0  # sessions dropped for the limits so far
+        self.disk_errors: list[str] = []  # why files could not be written or read back (the last few)
 
     def __len__(self) -> int:
         return len(self._idle)
@@ -83,15 +91,67 @@ class SessionStore:
         with self._lock:
             return sum(s.nbytes for s in self._idle.values())
 
+    @property
+    def on_disk(self) -> int:
+        with self._lock:
+            return sum(s.path is not None for s in self._idle.values())
+
     def put(self, session: Session) -> None:
-        """Keep an idle session (its snapshot in `state`); the least recently used go beyond the limits."""
+        """Keep an idle session (its snapshot in `state`); the least recently used in memory go beyond the limits,
+        to disk when there is one. Writing holds the lock: a request never misses a session on its way there."""
         with self._lock:
             self._idle[session.id] = session
             self._idle.move_to_end(session.id)
-            held = sum(s.nbytes for s in self._idle.values())
-            while self._idle and (len(self._idle) > self.max_sessions or held > self.memory_limit):
-                held -= self._idle.popitem(last=False)[1].nbytes
-                self.evicted += 1
+            held = [s for s in self._idle.values() if s.state is not None]  # least recently used first
+            nbytes = sum(s.nbytes for s in held)
+            while held and (len(held) > self.max_sessions or nbytes > self.memory_limit):
+                s = held.pop(0)
+                nbytes -= s.nbytes
+                self._spill(s)
+            if self.disk is not None:
+                files = [s for s in self._idle.values() if s.path is not None]
+                for s in files[: max(0, len(files) - self.disk.max_files)]:
+                    self._drop(s)
+
+    def _spill(self, session: Session) -> None:
+        if self.disk is None:
+            self._drop(session)
+            return
+        try:
+            self.disk.write(session)
+        except StateError as e:
+            self._note(str(e))
+            self._drop(session)
+
+    def _drop(self, session: Session) -> None:
+        self._idle.pop(session.id, None)
+        if self.disk is not None:
+            self.disk.remove(session)
+        self.evicted += 1
+
+    def _note(self, why: str) -> None:
+        self.disk_errors = [*self.disk_errors[-4:], why]
+
+    def read_back(self, session: Session | None) -> tuple[Session | None, bool]:
+        """A session taken out of the store with its snapshot (read back from disk when it was there): (the
+        session, whether it came from disk); (None, False) when its file could not be read (it is dropped)."""
+        if session is None or session.path is None:
+            return session, False
+        try:
+            self.disk.read(session)
+        except StateError as e:
+            self._note(str(e))
+            self.evicted += 1
+            return None, False
+        session.nbytes = snapshot_bytes(session.state)
+        return session, True
+
+    def close(self) -> None:
+        """The server stops: the files it wrote go (they are its memory, not an archive)."""
+        with self._lock:
+            for s in self._idle.values():
+                if self.disk is not None:
+                    self.disk.remove(s)
 
     def holds(self, session: Session) -> bool:
         return session.id in self._idle
@@ -137,14 +197,14 @@ def plan_turn(store: SessionStore, req, tokenizer, max_prompt_tokens: int) -> Tu
     if req.kind == "text":
         _check_chars(len(req.prompt) - store.text_known(scope, key, req.prompt), max_prompt_tokens)
         ids = tokenizer(req.prompt)["input_ids"]
-        session = store.take_text(scope, key, ids)
+        session, from_disk = store.read_back(store.take_text(scope, key, ids))
         if session is not None:
-            turn = Turn(session, ids[len(session.ids) :], session.fed, False)
+            turn = Turn(session, ids[len(session.ids) :], session.fed, False, from_disk)
         else:
             turn = Turn(Session("text", key, scope), ids, 0, False)
         return _within(store, turn, max_prompt_tokens)
     messages = req.messages
-    session = store.take_chat(scope, key, messages)
+    session, from_disk = store.read_back(store.take_chat(scope, key, messages))
     new = messages[len(session.messages) :] if session is not None else messages
     try:
         _check_chars(sum(len(m["content"]) for m in new), max_prompt_tokens)
@@ -155,7 +215,7 @@ def plan_turn(store: SessionStore, req, tokenizer, max_prompt_tokens: int) -> Tu
     if session is not None:
         ids = continuation(tokenizer, session, new)
         if ids:
-            return _within(store, Turn(session, ids, session.fed, False), max_prompt_tokens)
+            return _within(store, Turn(session, ids, session.fed, False, from_disk), max_prompt_tokens)
         store.evicted += 1  # the template does not render its replies where they were: read the whole again
     ids = encode(tokenizer, render(tokenizer, list(messages)))
     turn = Turn(Session("chat", key, scope), ids, 0, any(m["role"] == "assistant" for m in messages))

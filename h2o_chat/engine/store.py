@@ -89,6 +89,9 @@ class Store(Table):
     its basis was last fitted."""
 
     HEAD_FIELDS = ("basis", "drops")
+    # per row, on the host: its held capacity, the tokens it has evicted (host counts) and how many it had when its
+    # basis was last fitted (0: never); copied by row views, selections, snapshots and saved files
+    HOST_FIELDS = ("held_cap", "evicted", "fitted")
 
     def __init__(
         self,
@@ -100,17 +103,15 @@ class Store(Table):
     ):
         super().__init__(tensors, STORE_FIELDS)
         self.dtype = dtype  # the model's: what keys and values are read back in
-        # per row: its held capacity, the tokens it has evicted (host counts) and how many it had when its basis
-        # was last fitted (0: never)
-        held_cap, evicted, fitted = host or ([0] * len(recalled),) * 3
-        self.held_cap, self.evicted, self.fitted = list(held_cap), list(evicted), list(fitted)
+        for name, values in zip(self.HOST_FIELDS, host or ([0] * len(recalled),) * len(self.HOST_FIELDS), strict=True):
+            setattr(self, name, list(values))
         self.drop = "score"  # what a full store drops first (`policies.Recall.drop`)
         self.set_recalled(recalled, capacities)
 
     def host(self, rows: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
         """The rows' host bookkeeping (all of them by default)."""
         rows = range(len(self.recalled)) if rows is None else rows
-        return tuple([state[r] for r in rows] for state in (self.held_cap, self.evicted, self.fitted))
+        return tuple([getattr(self, name)[r] for r in rows] for name in self.HOST_FIELDS)
 
     def _made(self, tensors: dict[str, torch.Tensor]) -> Store:
         made = Store(tensors, self.dtype, self.recalled, self.host(), self.capacities)
@@ -155,11 +156,13 @@ class Store(Table):
 
     def absorb(self, r: int, view: Store) -> None:
         """Row r's host bookkeeping back from its view (`view_of_row`) after a prompt was read into it."""
-        self.held_cap[r], self.evicted[r], self.fitted[r] = view.held_cap[0], view.evicted[0], view.fitted[0]
+        for name in self.HOST_FIELDS:
+            getattr(self, name)[r] = getattr(view, name)[0]
 
     def absorb_all(self, other: Store) -> None:
         """Every row's host bookkeeping from `other` (a snapshot of this store, loaded in place)."""
-        self.held_cap, self.evicted, self.fitted = (list(x) for x in other.host())
+        for name, values in zip(self.HOST_FIELDS, other.host(), strict=True):
+            setattr(self, name, list(values))
         self.set_recalled(other.recalled, other.capacities)
 
     def select(self, index: torch.Tensor) -> Store:
