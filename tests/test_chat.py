@@ -294,7 +294,7 @@ def test_the_panel_shows_what_the_recall_store_holds_and_what_it_dropped(embedde
     assert stats.store_bytes == chat.conv.cache.store.nbytes() and stats.store_capacity == 64
     assert 0 < stats.store_tokens <= 64 and stats.store_dropped == max(0, stats.evicted - 64)
     flat = " ".join(out.replace("│", " ").split())
-    assert f"kept for recall {ui.describe_store(stats)}" in flat
+    assert f"kept for recall: {ui.describe_store(stats)}" in flat
 
 
 def test_undo_takes_back_the_last_exchange_and_the_cache_goes_back(embedded, tmp_path, monkeypatch):

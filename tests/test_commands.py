@@ -185,15 +185,17 @@ def test_set_speaks_the_chats_words_and_shows_a_random_seed(embedded):
     assert conv.settings.sampler.seed is None and view.said[-1] == "seed set to random from the next reply on"
 
 
-def test_undo_says_what_the_cache_holds_and_quotes_whole_words(embedded):
+def test_undo_says_what_the_cache_holds_and_quotes_whole_words(embedded, tmp_path):
     """Issue 48.13: /undo said "the cache is as it was before them" where that cache had restarted (0 seen,
     nothing cached: the conversation is read again at the next turn), and its quote cut a number in the middle."""
     cmds, conv, view = commands(embedded)
     conv.set_sampling(max_new_tokens=2)
     list(conv.send("Hello there."))
+    saved = tmp_path / "hello.json"  # messages alone: /load reads them again at the next turn
+    cmds.run(f"/save {saved}")
+    cmds.run(f"/load {saved}")  # the cache restarts
     long = "Please check: the shipment number is 1234567890123 today, and it is late."
-    list(conv.send(long))
-    cmds.run("/regen")  # the cache restarts; the copy /undo keeps is of that empty cache
+    list(conv.send(long))  # the copy /undo keeps is of that empty cache
     cmds.run("/undo")
     assert not view.errors and conv.fed == 0 and len(conv.messages) == 2
     assert view.said[-1] == (

@@ -147,7 +147,7 @@ def test_renumbered_8bit_keys_are_rotated_like_full_precision_ones():
 
 def test_a_kv_quant_that_does_not_exist_is_refused_in_one_line():
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="--kv-quant must be none or 8bit"):
+    with pytest.raises(ConfigError, match="kv_quant must be none or 8bit"):  # the library's name (issue 48.19)
         H2OCache.for_model(model, make_policy("h2o", 32), kv_quant="4bit")
 
 

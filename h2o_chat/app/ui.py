@@ -294,21 +294,31 @@ class PanelView:
             ("policy", describe_policy(stats)),
             ("tokens", f"{stats.seen} seen, {stats.kept:.0f} kept per layer and head"),
             ("positions", stats.positions),
-            ("evicted", self._evicted(stats)),
+            ("evicted", self._evicted(stats, width=width - PANEL_FRAME)),
             ("KV cache", describe_kv(stats, width - PANEL_FRAME)),
             ("memory", memory),
             ("speed", self.turn.speed()),
         ]
         return [(label, fit(value, width - PANEL_FRAME)) for label, value in rows]  # the grid would cut mid-word
 
-    def _evicted(self, stats, compact: bool = False) -> str:
-        """Evictions this turn and in all. `compact`: the two-line summary's wording."""
+    def _evicted(self, stats, compact: bool = False, width: int | None = None) -> str:
+        """Evictions this turn and in all; with recall, what its store keeps of them and what it dropped for good.
+        `compact`: the two-line summary's wording; `width`: the columns the panel's row has (the first wording that
+        fits)."""
         total, turn = f"{stats.evicted:.0f}", f"{stats.evicted - self.turn.evicted_at_start:.0f}"
-        # recall: what its store keeps of the evicted tokens, and what it dropped for good
-        store = (
-            f"; {human_bytes(stats.store_bytes)} kept for recall: {describe_store(stats)}" if stats.store_bytes else ""
-        )
-        return f"{turn} evicted ({total} total)" if compact else f"{turn} this turn, {total} total{store}"
+        if compact:
+            return f"{turn} evicted ({total} total)"
+        if not stats.store_bytes:
+            return f"{turn} this turn, {total} total"
+        kept = f"{human_bytes(stats.store_bytes)} kept for recall"
+        dropped = f", {stats.store_dropped:,.0f} dropped" if stats.store_dropped else ""
+        short = f"{stats.store_tokens:,.0f}/{stats.store_capacity:,}{dropped}"
+        forms = [
+            f"{turn} this turn, {total} total; {kept}: {describe_store(stats)}",
+            f"{turn} now, {total} in all; {kept} ({short})",
+            f"{turn} now; {kept} ({short})",
+        ]
+        return forms[0] if width is None else next((f for f in forms if len(f) <= width), forms[-1])
 
     def lines(self, stats, mem: dict, width: int = 200) -> list[str]:
         """The summary for narrow terminals and NO_COLOR: the figures, most important first, filled into two
