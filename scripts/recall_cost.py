@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.measure import dialogues as dl

@@ -6,7 +6,7 @@ import contextlib
 import http.client
 import json
 
-from h2o_chat.app.serve import ServeOptions, Server
+from h2o_chat.app.serve.server import ServeOptions, Server
 
 
 @contextlib.contextmanager

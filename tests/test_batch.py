@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from h2o_chat.app import cli
-from h2o_chat.app.batch import Defaults, Summary, finished_ids, generate_batch, read_items
+from h2o_chat.app.batch.run import Defaults, Summary, finished_ids, generate_batch, read_items
 from h2o_chat.engine.policies import make_policy
 
 runner = CliRunner()
@@ -189,7 +189,7 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
 
 
 def test_a_line_sets_its_own_repetition_penalty(embedded):
-    from h2o_chat.app.batch import parse_line
+    from h2o_chat.app.batch.run import parse_line
 
     defaults = Defaults(repetition_penalty=1.1)
     line = parse_line(json.dumps({"id": 1, "prompt": "hi", "repetition_penalty": 1.3}), 1, embedded.tokenizer, defaults)
@@ -259,7 +259,7 @@ def test_a_folder_and_a_hard_link_are_named_for_what_they_are(fast_load, tmp_pat
 
 def test_a_line_sets_its_own_top_k_and_min_p(embedded):
     """Issue 22.20: top-k and min-p per line, like temperature, checked as the Sampler checks them."""
-    from h2o_chat.app.batch import parse_line
+    from h2o_chat.app.batch.run import parse_line
 
     defaults = Defaults(top_k=40, min_p=0.05, max_new_tokens=6)
     line = parse_line(json.dumps({"id": 1, "prompt": "hi", "top_k": 5, "min_p": 0.1}), 1, embedded.tokenizer, defaults)
@@ -398,7 +398,7 @@ def test_a_line_sets_its_own_seed_and_top_p(fast_load, tmp_path):
 def test_ctrl_c_says_how_many_rows_are_done_and_how_to_resume(fast_load, tmp_path, monkeypatch):
     """Issue 38.7: Ctrl-C printed only "interrupted"; it now says how many rows are done and that a rerun with
     the same -o resumes (and the rerun does)."""
-    from h2o_chat.app import batch
+    from h2o_chat.app.batch import run as batch
 
     real = batch.generate_batch
 

@@ -20,8 +20,8 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
 from h2o_chat.app import ui
-from h2o_chat.app.chat import ChatSession, make_prompt_session
-from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.interactive import ChatSession, make_prompt_session
 from h2o_chat.app.piped import RunOptions
 from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy
@@ -95,7 +95,7 @@ def test_the_history_file_keeps_a_long_paste_capped_and_the_session_keeps_it_who
     """Issue 48.13: a pasted ~4,900-token message landed whole in the history file, for every later session to
     load. The file keeps the first 4,096 characters of an entry, cut between words; Up in this session still
     brings the whole message back."""
-    from h2o_chat.app.chat import HISTORY_ENTRY_CHARS
+    from h2o_chat.app.chat.interactive import HISTORY_ENTRY_CHARS
 
     chat = session(embedded, tmp_path)
     with create_pipe_input() as pipe:
@@ -301,7 +301,7 @@ def test_undo_takes_back_the_last_exchange_and_the_cache_goes_back(embedded, tmp
     """/undo, as ollama's and llama-cli's users expect: the message and its reply go, and the cache is restored
     to before them (a small cache is copied before each turn), so the next reply is the one a session without
     the undone exchange gives. Without a copy, the conversation is re-read (said)."""
-    from h2o_chat.app import conversation
+    from h2o_chat.app.chat import conversation
 
     chat = session(embedded, tmp_path, budget=48, max_new_tokens=8)
     out = drive(chat, tmp_path, "Hello there.\rName a colour.\r/undo\rName a fruit.\r/exit\r")
@@ -550,7 +550,7 @@ def test_each_reply_draws_fresh_noise_unless_a_seed_asks_for_repetition(embedded
 
 def test_decode_that_collapses_on_a_busy_cpu_is_a_note_in_the_chat(embedded, tmp_path, monkeypatch):
     """Issue 48.14: the chat says it as it happens, once a session (the piped summary: test_cli_usage)."""
-    from h2o_chat.app import slowdown
+    from h2o_chat.app.chat import slowdown
 
     now = [0.0]
 

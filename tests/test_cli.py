@@ -581,7 +581,7 @@ def test_a_setup_notice_starts_its_own_line_on_the_terminal(embedded, monkeypatc
     import io
     import time
 
-    from h2o_chat.app.conversation import ChatSettings
+    from h2o_chat.app.chat.conversation import ChatSettings
     from h2o_chat.app.piped import RunOptions, run_piped
     from h2o_chat.engine.decode import Engine
     from h2o_chat.engine.policies import make_policy

@@ -236,7 +236,7 @@ def test_a_one_token_reply_times_no_decode_step(fast_load):
 def test_decode_that_collapses_on_a_busy_cpu_says_threads_1_may_help(fast_load, monkeypatch):
     """Issue 48.14: another process took a core and tok/s fell 40x with no hint. A piped run says it when it
     happens and in its summary (the chat's note: test_chat); here the clock and the load are the test's."""
-    from h2o_chat.app import slowdown
+    from h2o_chat.app.chat import slowdown
 
     now, calls = [0.0], [0]
 

@@ -7,9 +7,9 @@ import json
 
 from rich.console import Console
 
-from h2o_chat.app.chat_view import ChatView
-from h2o_chat.app.commands import SlashCommands
-from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.commands import SlashCommands
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.view import ChatView
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.sampling import Sampler
 
@@ -136,7 +136,7 @@ def test_a_turn_says_at_most_one_note_and_never_rounds_a_partial_share_up():
         'note: your message "What is my name?" is 7% cached: the model has mostly lost it; say again what matters; '
         "a larger /budget keeps more",
     ]
-    from h2o_chat.app.conversation import EvictionReport
+    from h2o_chat.app.chat.conversation import EvictionReport
     from h2o_chat.app.ui import eviction_table
 
     table = Console(file=io.StringIO(), width=120, no_color=True)

@@ -43,7 +43,7 @@ def test_a_base_model_gets_the_plain_template_in_batch_lines_too(tmp_path):
     """Issue 18: one way from messages to ids; a tokenizer without a chat template (OPT, Pythia) gets the plain
     one in batch lines as in the chat (batch lines of such a model were all skipped)."""
     from conftest import tiny_tokenizer
-    from h2o_chat.app.batch import Defaults, Summary, read_items
+    from h2o_chat.app.batch.run import Defaults, Summary, read_items
 
     tok = tiny_tokenizer()
     tok.chat_template = None

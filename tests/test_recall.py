@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
 from h2o_chat.app import cli
-from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.app.messages import chat_ids
 from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy

@@ -160,7 +160,7 @@ def test_a_seeded_batch_gives_each_row_its_prompts_text_alone_refills_included()
     count of draws), not its slot: six prompts through two rows -- four read into rows others left, the idle
     row leaving at the end -- give every prompt the text it gives alone with that seed."""
     from conftest import tiny_model, tiny_tokenizer
-    from h2o_chat.app.batch import Item, generate_batch
+    from h2o_chat.app.batch.run import Item, generate_batch
     from h2o_chat.engine.policies import make_policy
     from h2o_chat.models.loading import Loaded
     from h2o_chat.models.registry import ModelSpec

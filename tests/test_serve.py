@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 from serving import client, get, load_tiny, post, serving  # noqa: E402
 
-from h2o_chat.app.serve_api import Limits  # noqa: E402
+from h2o_chat.app.serve.api import Limits  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
@@ -239,10 +239,10 @@ def resident() -> int:
 
 def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thread):
     """16 streaming clients, 10 turns each, decode together: every reply is complete and each conversation's text
-    is what the chat path (app/conversation.py) gives it alone (greedy); once every conversation is open the
+    is what the chat path (app/chat/conversation.py) gives it alone (greedy); once every conversation is open the
     process's resident memory stays flat; clients killed mid-stream leave no busy row. Short messages keep the
     test quick: a turn then reads about a dozen tokens."""
-    from h2o_chat.app.conversation import ChatSettings, Conversation
+    from h2o_chat.app.chat.conversation import ChatSettings, Conversation
     from h2o_chat.engine.policies import make_policy
     from h2o_chat.engine.sampling import Sampler
 
@@ -310,8 +310,8 @@ def test_recall_conversations_continued_from_their_snapshots_equal_each_alone(em
     so three conversations decoding together, each put aside between turns and continued from its snapshot,
     give what the chat path gives each alone (greedy), with the store counted in the idle conversations' bytes
     and a store small enough that it fills and drops."""
-    from h2o_chat.app.conversation import ChatSettings, Conversation
-    from h2o_chat.app.sessions import snapshot_bytes
+    from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+    from h2o_chat.app.serve.sessions import snapshot_bytes
     from h2o_chat.engine.policies import make_policy
     from h2o_chat.engine.sampling import Sampler
 

@@ -19,8 +19,8 @@ openai = pytest.importorskip("openai")
 
 from serving import client, get, load_tiny, post, request, serving  # noqa: E402
 
-from h2o_chat.app.rows import Lane  # noqa: E402
-from h2o_chat.app.serve_api import Limits  # noqa: E402
+from h2o_chat.app.serve.api import Limits  # noqa: E402
+from h2o_chat.app.serve.rows import Lane  # noqa: E402
 
 WORDS = " ".join(f"w{4 + i % 250}" for i in range(200_000))  # 200,000 tokens of the tiny word-level tokenizer
 RUNS_ON = "w7 w8 w9"  # greedy, the tiny model's reply to this runs 400 tokens without its end of text
@@ -261,6 +261,7 @@ def test_replies_name_the_served_model_whatever_the_request_says(tiny):
 
 
 def test_the_command_and_the_server_default_to_one_prompt_limit():
-    from h2o_chat.app import serve_api, servecli
+    from h2o_chat.app.serve import api as serve_api
+    from h2o_chat.app.serve import command as servecli
 
     assert servecli.MAX_PROMPT_TOKENS == serve_api.MAX_PROMPT_TOKENS == Limits().max_prompt_tokens

@@ -16,7 +16,7 @@ pytest.importorskip("openai")
 
 from serving import client, get, load_tiny, serving  # noqa: E402
 
-from h2o_chat.app.serve_api import Limits  # noqa: E402
+from h2o_chat.app.serve.api import Limits  # noqa: E402
 
 LIMITS = Limits(policy="h2o", budget=24, max_tokens=5, temperature=0.0, repetition_penalty=1.0)
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_tokenizer
-from h2o_chat.app import resume, statefile
-from h2o_chat.app.conversation import ChatSettings, Conversation
-from h2o_chat.app.resume import load_conversation, save_conversation
+from h2o_chat.app import statefile
+from h2o_chat.app.chat import resume
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.resume import load_conversation, save_conversation
 from h2o_chat.engine.persist import StateError
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.sampling import Sampler

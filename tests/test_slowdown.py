@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from h2o_chat.app import slowdown
-from h2o_chat.app.slowdown import WINDOW, SlowdownWatch
+from h2o_chat.app.chat import slowdown
+from h2o_chat.app.chat.slowdown import WINDOW, SlowdownWatch
 
 
 def run(watch: SlowdownWatch, monkeypatch, seconds: list[float], setup: float = 0.0) -> list[str]:

@@ -14,7 +14,7 @@ from test_recall import talk, tiny_loaded, words
 
 from conftest import tiny_model
 from h2o_chat.app import ui
-from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.engine import recall_rank
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad

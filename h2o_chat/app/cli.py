@@ -204,7 +204,7 @@ def main_command(
             raise InputError("--stop needs some text to stop at")
         policy = _policy(cache, knobs, models)
         if resume is not None:  # the saved model and cache settings, where not given (one line for a bad file)
-            from h2o_chat.app.resume import given_options, resumed_settings
+            from h2o_chat.app.chat.resume import given_options, resumed_settings
 
             models, cache, policy = resumed_settings(resume, given_options(ctx), models, cache, policy)
         if argument is not None and not argument.strip():
@@ -222,7 +222,7 @@ def main_command(
             # fail fast, before loading weights; with a prompt argument, piped text follows it (as in ollama)
             piped = read_stdin_prompt(sys.stdin.buffer.read(), required=prompt is None)
             prompt = combine_prompt(prompt, piped)
-        from h2o_chat.app.conversation import ChatSettings
+        from h2o_chat.app.chat.conversation import ChatSettings
         from h2o_chat.app.piped import RunOptions
 
         options = RunOptions(
@@ -247,7 +247,7 @@ def main_command(
         )
         loaded = models.load(kv_tokens=policy.budget, kv_quant=cache.kv_quant, store_tokens=store_of(policy))
         if interactive:
-            from h2o_chat.app.chat import run_interactive
+            from h2o_chat.app.chat.interactive import run_interactive
 
             run_interactive(loaded, options, history, first)
         else:
@@ -317,10 +317,10 @@ def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
             console.print(table)
 
 
-from h2o_chat.app.batchcli import batch_command  # noqa: E402  (commands in their own modules)
+from h2o_chat.app.batch.command import batch_command  # noqa: E402  (commands in their own modules)
 from h2o_chat.app.benchcli import bench_command, soak_command  # noqa: E402
 from h2o_chat.app.evalcli import eval_app  # noqa: E402
-from h2o_chat.app.servecli import serve_command  # noqa: E402
+from h2o_chat.app.serve.command import serve_command  # noqa: E402
 
 app.command("list", cls=Command, help="The same as models (ollama's name for it).")(models_command)
 app.command("batch", cls=Command)(batch_command)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o_chat.app.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.resume import load_conversation
 from h2o_chat.app.prompt_cache import PromptCache, PromptCacheOptions, read_only_line
-from h2o_chat.app.resume import load_conversation
 from h2o_chat.app.ui import (
     ProgressBar,
     describe_weights,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.app import statefile
-from h2o_chat.app.conversation import SENTINEL, Conversation
+from h2o_chat.app.chat.conversation import SENTINEL, Conversation
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.ui import human_bytes, plural
 from h2o_chat.engine import persist

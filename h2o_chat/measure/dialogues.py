@@ -6,7 +6,7 @@ question for one of the facts. Replies are fixed, so every policy sees the same 
 FACT_REPLY, a passage turn "In short:" and the passage's first tokens, `reply_tokens` of them (every row of a
 batch then decodes its replies in step). The same conversation with the asked fact's statement replaced by a
 neutral one measures what the answer owes to the fact. A turn's ids are what the chat reads for it
-(`app/conversation.py`): the first turn's whole rendering, then what follows the previous reply.
+(`app/chat/conversation.py`): the first turn's whole rendering, then what follows the previous reply.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TITLES = {
     "alice.txt": "Alice's Adventures in Wonderland",
     "moby_dick.txt": "Moby-Dick",
 }
-SENTINEL = "\x00h2o-chat-reply\x00"  # as app/conversation.py: what follows the last reply is a turn's new text
+SENTINEL = "\x00h2o-chat-reply\x00"  # as app/chat/conversation.py: what follows the last reply is a turn's new text
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ def batch_command(
 ) -> None:
     """Generate for every line of a JSONL file; rerun to resume (finished ids are skipped)."""
     with reported():
-        from h2o_chat.app.batch import SKIPPED_EXIT, Defaults, run_batch
-        from h2o_chat.app.batch_output import check_output, finished_ids, is_stdout
+        from h2o_chat.app.batch.output import check_output, finished_ids, is_stdout
+        from h2o_chat.app.batch.run import SKIPPED_EXIT, Defaults, run_batch
         from h2o_chat.app.budget import within_context
         from h2o_chat.app.ui import plural
         from h2o_chat.errors import InputError

@@ -1,6 +1,6 @@
 """Rows of one engine for the server: a `Lane` is an engine whose batch rows are conversations decoding together.
 
-Built only on the engine's public verbs, as batch mode is (app/batch.py): storage for every row is allocated
+Built only on the engine's public verbs, as batch mode is (app/batch/run.py): storage for every row is allocated
 once by a one-token prefill, a conversation comes into a row from its snapshot (`H2OCache.row(r)` views the
 row; `restore`, then the new tokens are read into that view and `absorb` takes its bookkeeping back), a step
 decodes every row at once, and a finished reply's row is copied out (`snapshot`) before the next step. Rows

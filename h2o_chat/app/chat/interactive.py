@@ -1,7 +1,7 @@
 """The interactive chat: the turn loop wires input, slash commands, the conversation and the view together.
 
-Each part is small and testable on its own: `SlashCommands` (app/commands.py) runs /commands, `ChatView`
-(app/chat_view.py) renders, `Conversation` holds the turns and the cache. The loop reads a line and hands it on.
+Each part is small and testable on its own: `SlashCommands` (app/chat/commands.py) runs /commands, `ChatView`
+(app/chat/view.py) renders, `Conversation` holds the turns and the cache. The loop reads a line and hands it on.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from h2o_chat.app.chat_view import ChatView
-from h2o_chat.app.commands import SlashCommands
-from h2o_chat.app.conversation import Conversation
+from h2o_chat.app.chat.commands import SlashCommands
+from h2o_chat.app.chat.conversation import Conversation
+from h2o_chat.app.chat.resume import load_conversation, loaded_line
+from h2o_chat.app.chat.view import ChatView
 from h2o_chat.app.piped import ReadingForecast, RunOptions
-from h2o_chat.app.resume import load_conversation, loaded_line
 from h2o_chat.app.ui import PanelView, describe_device, make_console, plural
 from h2o_chat.engine.decode import PrefillInterrupted
 from h2o_chat.errors import H2OChatError, out_of_memory

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from h2o_chat.app.chat.slowdown import SlowdownWatch
 from h2o_chat.app.messages import (
     PLAIN_STOP,
     encode,
@@ -24,7 +25,6 @@ from h2o_chat.app.messages import (
     use_chat_template,
     write_conversation,
 )
-from h2o_chat.app.slowdown import SlowdownWatch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
@@ -138,7 +138,8 @@ class Conversation:
 
     def _restart(self, policy: Policy | None = None, new_cache: bool = True) -> None:
         """Forget the cache; the next turn prefills the whole conversation (in chunks, within the budget).
-        `new_cache` False: the cache and engine stay, for a saved state to be restored into them (`app/resume.py`)."""
+        `new_cache` False: the cache and engine stay, for a saved state to be restored into them
+        (`app/chat/resume.py`)."""
         if new_cache:
             self.cache = self._new_cache(policy or self.cache.policy)
         self.fed = 0  # tokens the cache has seen

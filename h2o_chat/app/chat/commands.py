@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from h2o_chat.app.chat_view import ChatView
-from h2o_chat.app.conversation import Conversation
-from h2o_chat.app.resume import load_conversation, loaded_line, save_conversation, saved_line
+from h2o_chat.app.chat.conversation import Conversation
+from h2o_chat.app.chat.resume import load_conversation, loaded_line, save_conversation, saved_line
+from h2o_chat.app.chat.view import ChatView
 from h2o_chat.app.ui import describe_device, plural, quote
 from h2o_chat.engine.policies import DEFAULT_POLICY
 from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory

@@ -99,7 +99,7 @@ def serve_command(
         if not 0 <= port <= 65535:
             raise H2OChatError(f"--port must be between 0 and 65535, got {port}")
         from h2o_chat.app.budget import parse_size
-        from h2o_chat.app.serve_api import SERVED_POLICIES, Limits
+        from h2o_chat.app.serve.api import SERVED_POLICIES, Limits
 
         if cache.policy not in SERVED_POLICIES:
             raise H2OChatError(
@@ -113,7 +113,7 @@ def serve_command(
             raise H2OChatError(f"--budget {budget} is above --max-budget {max_budget}")
         limit = parse_size("--memory-limit", memory_limit) if memory_limit else None
         if session_dir is not None:  # one line now, before the weights load
-            from h2o_chat.app.session_disk import session_folder
+            from h2o_chat.app.serve.session_disk import session_folder
 
             session_folder(session_dir)
         keys = tuple(api_key or ())
@@ -128,8 +128,8 @@ def serve_command(
             from h2o_chat.models.memory import available_memory
 
             limit = available_memory() // 4
-        from h2o_chat.app.rows import EngineSettings
-        from h2o_chat.app.serve import ServeOptions, Server
+        from h2o_chat.app.serve.rows import EngineSettings
+        from h2o_chat.app.serve.server import ServeOptions, Server
 
         options = ServeOptions(
             host=host,

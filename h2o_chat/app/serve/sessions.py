@@ -6,7 +6,7 @@ A `Session` is a conversation's cache row as its last reply left it, copied out 
 
 - a chat request continues the idle session whose messages are its first messages, ending with the reply that
   session generated; it reads only what follows that reply, rendered as the chat reads a new turn
-  (app/conversation.py's sentinel), so the reply's tokens are never re-tokenized from its text;
+  (app/chat/conversation.py's sentinel), so the reply's tokens are never re-tokenized from its text;
 - a completion request continues the idle session whose fed token ids are a prefix of its prompt's ids;
 - anything else starts a new session, read from the start (`Turn.read_again` when it carried earlier replies: the
   conversation was evicted, or asked for another budget or policy).
@@ -14,7 +14,7 @@ A `Session` is a conversation's cache row as its last reply left it, copied out 
 A session belongs to the scope that made it (the API key shown, the request's `user` and `cache_salt`): only a
 request of that scope may continue it, so a client never learns whether another's conversation exists (nor its
 id, which is random). Idle sessions live in a `SessionStore`, least recently used first out, within a count and a
-memory limit; with --session-dir the ones those limits would drop go to disk instead (app/session_disk.py) and
+memory limit; with --session-dir the ones those limits would drop go to disk instead (app/serve/session_disk.py) and
 come back on their next turn. Requests are planned (matched, tokenized, checked against --max-prompt-tokens)
 outside the engine thread, so the store takes a lock; a session taken out of it belongs to that request alone.
 """
@@ -27,9 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.app.conversation import SENTINEL
+from h2o_chat.app.chat.conversation import SENTINEL
 from h2o_chat.app.messages import encode, render
-from h2o_chat.app.serve_api import ApiError
+from h2o_chat.app.serve.api import ApiError
 from h2o_chat.engine.persist import StateError
 
 # A prompt with more characters to read than this many per token allowed is refused before it is tokenized (no

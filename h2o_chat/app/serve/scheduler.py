@@ -1,7 +1,7 @@
 """The server's engine thread: requests in, text events out, every conversation a row of one engine.
 
-One thread owns the model and the lanes (app/rows.py); the HTTP side plans a request (the conversation it
-continues, its tokens: app/sessions.py, whose store takes a lock) and submits it, then reads its events. Each turn
+One thread owns the model and the lanes (app/serve/rows.py); the HTTP side plans a request (the conversation it
+continues, its tokens: app/serve/sessions.py, whose store takes a lock) and submits it, then reads its events. Each turn
 of the loop:
 
 1. take the jobs submitted since the last turn (a cancelled one is dropped; a client gone mid-reply frees its row
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_chat.app.messages import PLAIN_STOP, use_chat_template
-from h2o_chat.app.rows import Lane, LaneKey, ReadingStopped
-from h2o_chat.app.serve_api import ApiError, GenRequest
-from h2o_chat.app.sessions import SessionStore, Turn, end_turn, snapshot_bytes
+from h2o_chat.app.serve.api import ApiError, GenRequest
+from h2o_chat.app.serve.rows import Lane, LaneKey, ReadingStopped
+from h2o_chat.app.serve.sessions import SessionStore, Turn, end_turn, snapshot_bytes
 from h2o_chat.engine.generate import TextStream, stop_token_ids
 from h2o_chat.errors import H2OChatError, out_of_memory
 

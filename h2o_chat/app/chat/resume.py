@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from h2o_chat.app import statefile
-from h2o_chat.app.conversation import Conversation, Span
+from h2o_chat.app.chat.conversation import Conversation, Span
 from h2o_chat.app.messages import messages_problem, read_conversation
 from h2o_chat.app.ui import human_bytes, plural
 from h2o_chat.engine import persist

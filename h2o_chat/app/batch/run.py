@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.app.batch_output import appending, finished_ids
+from h2o_chat.app.batch.output import appending, finished_ids
 from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad

@@ -1,8 +1,8 @@
 """`h2o-chat serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over the engine thread.
 
-The HTTP side checks requests (app/serve_api.py), plans them in a thread of its own (app/sessions.py: the
+The HTTP side checks requests (app/serve/api.py), plans them in a thread of its own (app/serve/sessions.py: the
 conversation they continue, their tokens, --max-prompt-tokens; so a huge prompt never reaches the engine thread),
-submits them to the engine thread (app/scheduler.py) and turns its events into replies: one JSON object, or
+submits them to the engine thread (app/serve/scheduler.py) and turns its events into replies: one JSON object, or
 server-sent events as tokens come. A request that cannot start (no memory for its prompt, the server draining)
 gets its status before a streamed reply begins. A client that goes away marks its job cancelled; the engine thread
 frees its row before the next step. SIGINT / SIGTERM stop taking requests and reading prompts, let the replies
@@ -31,9 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from h2o_chat.app.rows import EngineSettings
-from h2o_chat.app.scheduler import SHUTTING_DOWN, Job, Scheduler
-from h2o_chat.app.serve_api import (
+from h2o_chat.app.serve.api import (
     ApiError,
     GenRequest,
     Limits,
@@ -44,8 +42,10 @@ from h2o_chat.app.serve_api import (
     reply,
     usage,
 )
-from h2o_chat.app.session_disk import SessionDisk, session_folder
-from h2o_chat.app.sessions import SessionStore, plan_turn
+from h2o_chat.app.serve.rows import EngineSettings
+from h2o_chat.app.serve.scheduler import SHUTTING_DOWN, Job, Scheduler
+from h2o_chat.app.serve.session_disk import SessionDisk, session_folder
+from h2o_chat.app.serve.sessions import SessionStore, plan_turn
 
 MAX_BODY = 8 * 2**20  # bytes of one request body; a larger one is a 413 (a prompt of ~2M tokens fits)
 DRAIN_SECONDS = 60  # on SIGINT/SIGTERM, how long replies under way may take before they are cut

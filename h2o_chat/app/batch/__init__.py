@@ -1,0 +1,1 @@
+"""`h2o-chat batch`: JSONL in, results appended as each row finishes."""
