@@ -318,7 +318,13 @@ def recall_command(
             "all (room for everything evicted), or default (8x the budget). Default: default."
         ),
     ] = None,
-    drop: Annotated[str, typer.Option(help="What a full recall store drops first: score | age | recalls.")] = "score",
+    drop: Annotated[
+        str,
+        typer.Option(
+            help="What a full recall store drops first: score (the lowest attention) | age (the oldest) | recalls "
+            "(the least recalled) | first (the newest: it keeps what was evicted first)."
+        ),
+    ] = "score",
     compared: Compared = Compared(),
     models: ModelOptions = ModelOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),

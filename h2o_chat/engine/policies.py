@@ -32,7 +32,7 @@ STORE_TIMES = 8
 STORE_MIN_TIMES = 4
 # what a full store drops first (lower loses): "score", the attention mass the token had received when it was
 # evicted; "age", the oldest position; "recalls", the least recalled (then the lowest score)
-DROP_RULES = ("score", "age", "recalls")
+DROP_RULES = ("score", "age", "recalls", "first")
 
 
 @dataclass(frozen=True)

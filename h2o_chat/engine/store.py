@@ -236,8 +236,10 @@ class Store(Table):
         first); stored entries past a row's capacity +inf (never filled, never dropped: the first `capacity`
         are stored ones, the rest new). Which rule drops first is the policy's (`Recall.drop`), measured on
         `eval recall` with the store capped (docs/policies.md)."""
-        if self.drop == "age":
+        if self.drop == "age":  # the oldest first
             prio = pos.float()
+        elif self.drop == "first":  # the newest first: the store keeps what was evicted first (a chat's opening)
+            prio = -pos.float()
         elif self.drop == "recalls":
             prio = marks.float() * 1e6 + score  # the least recalled first; among them the lowest score
         else:
