@@ -19,7 +19,7 @@ from h2o_chat.engine import recall_rank
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.generate import Sampler
-from h2o_chat.engine.policies import make_policy, with_budget
+from h2o_chat.engine.policies import DROP_RULES, make_policy, with_budget
 from h2o_chat.engine.quant import dequantize
 from h2o_chat.engine.store import RANK_DIM, Store, store_bytes
 from h2o_chat.errors import ConfigError
@@ -111,13 +111,15 @@ def test_the_store_holds_exactly_the_evicted_tokens_at_their_true_positions(sing
                 torch.testing.assert_close(got, want, atol=want.abs().max() / 100, rtol=0)
 
 
-def test_a_full_store_drops_its_lowest_entries_stays_its_size_and_never_brings_one_back(single_thread):
-    """A store of 32 entries and a long run: the store's tensors stay where and what they were allocated (no
-    growth, the same memory), it holds at most its capacity, it counts what it dropped, and a position once
-    dropped is never held, stored or recalled again."""
+@pytest.mark.parametrize("rule", DROP_RULES)
+def test_a_full_store_drops_its_lowest_entries_stays_its_size_and_never_brings_one_back(single_thread, rule):
+    """A store of 32 entries and a long run, under every drop rule: the store's tensors stay where and what they
+    were allocated (no growth, the same memory), it holds at most its capacity, it counts what it dropped, and a
+    position once dropped is never held, stored or recalled again. `first` keeps the earliest positions of what was
+    evicted (a chat's opening): any position it dropped is later than every one it holds."""
     model = tiny_model("llama", seed=6)
     ids = torch.randint(4, 200, (1, 30), generator=torch.Generator().manual_seed(6))
-    policy = make_policy("recall", 16, recalled=4, store=32)
+    policy = make_policy("recall", 16, recalled=4, store=32, drop=rule)
     seen = {"places": None, "stored": {}, "dropped": set()}
 
     def check(cache):
@@ -129,6 +131,8 @@ def test_a_full_store_drops_its_lowest_entries_stays_its_size_and_never_brings_o
         for where, positions in now.items():
             assert len(positions) <= 32
             gone = seen["stored"].get(where, set()) - positions
+            if rule == "first" and positions:  # it holds the earliest positions evicted: any dropped one is later
+                assert all(p > max(positions) for w, p in seen["dropped"] | {(where, p) for p in gone} if w == where)
             seen["dropped"] |= {(where, p) for p in gone}
             assert not {(where, p) for p in positions} & seen["dropped"]  # never stored again
             held = cache.slots.pos[where[0], 0, where[1]]

@@ -322,7 +322,7 @@ def recall_command(
         str,
         typer.Option(
             help="What a full recall store drops first: score (the lowest attention) | age (the oldest) | recalls "
-            "(the least recalled) | first (the newest: it keeps what was evicted first)."
+            "(the least recalled) | first (the latest positions: it keeps the conversation's opening)."
         ),
     ] = "score",
     compared: Compared = Compared(),

@@ -238,7 +238,7 @@ class Store(Table):
         `eval recall` with the store capped (docs/policies.md)."""
         if self.drop == "age":  # the oldest first
             prio = pos.float()
-        elif self.drop == "first":  # the newest first: the store keeps what was evicted first (a chat's opening)
+        elif self.drop == "first":  # the latest positions first: the store keeps the earliest (a chat's opening)
             prio = -pos.float()
         elif self.drop == "recalls":
             prio = marks.float() * 1e6 + score  # the least recalled first; among them the lowest score
