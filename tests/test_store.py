@@ -408,3 +408,26 @@ def test_on_cuda_the_store_lives_on_the_gpu_and_its_steps_are_one_captured_graph
         runs[mode] = (torch.stack(out).cpu(), engine)
     assert runs["graph"][1].mode == "graph" and runs["graph"][1].captures == 1
     assert torch.equal(runs["graph"][0], runs["eager"][0])
+
+
+def test_counting_recalls_for_the_chat_keeps_the_marks_the_drop_rule_ranks_by(single_thread):
+    """The chat asks each turn which messages were recalled (`take_counts`). That used to zero the marks, so the
+    default drop rule (the least recalled first) only ever saw one turn's recalls; now each call reports what is
+    new since the last one and the marks keep counting."""
+    model = tiny_model("llama", seed=5)
+    cache = H2OCache.for_model(model, make_policy("recall", 24, recalled=4, store=64))
+    engine = Engine(model, cache, "eager")
+    tokens = engine.first_tokens(
+        engine.prefill(torch.randint(4, 200, (1, 60), generator=torch.Generator().manual_seed(5)))
+    )
+    for _ in range(8):
+        tokens = engine.decode(tokens)[1]
+    store, n = cache.store, cache.store.capacity
+    before = store.marks[..., :n].clone()
+    assert int(store.take_counts().sum()) == int(before.sum()) > 0
+    assert torch.equal(store.marks[..., :n], before) and int(store.take_counts().sum()) == 0  # kept; nothing new
+    for _ in range(4):
+        tokens = engine.decode(tokens)[1]
+    assert float(store.dropped()[0]) == 0  # no entry replaced: the marks only grew
+    grown = int(store.marks[..., :n].sum()) - int(before.sum())
+    assert int(store.take_counts().sum()) == grown > 0

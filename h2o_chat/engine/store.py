@@ -48,7 +48,7 @@ STORE_FIELDS = (
     Field("pos", -1, torch.int32),  # the token's true position, -1 = empty
     Field("rot", -1, torch.int32),  # the position its key is rotated at
     Field("score", 0, torch.float32),  # its accumulated attention mass when it was evicted
-    Field("marks", 0, torch.int32),  # times recalled (`take_counts` resets them)
+    Field("marks", 0, torch.int32),  # times recalled since it was stored (`take_counts` reports the new ones)
 )
 
 
@@ -105,7 +105,8 @@ class Store(Table):
         self.dtype = dtype  # the model's: what keys and values are read back in
         for name, values in zip(self.HOST_FIELDS, host or ([0] * len(recalled),) * len(self.HOST_FIELDS), strict=True):
             setattr(self, name, list(values))
-        self.drop = "score"  # what a full store drops first (`policies.Recall.drop`)
+        self.drop = "recalls"  # what a full store drops first (`policies.Recall.drop`)
+        self._reported: tuple[torch.Tensor, torch.Tensor] | None = None  # (marks, pos) at the last `take_counts`
         self.set_recalled(recalled, capacities)
 
     def host(self, rows: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
@@ -358,11 +359,16 @@ class Store(Table):
     @torch.inference_mode()
     def take_counts(self) -> torch.Tensor:
         """How often each true position was recalled (by any layer, head and step) since the last call, per row:
-        (B, positions) float over [0, max position recalled] (empty when nothing was); the counts are reset."""
+        (B, positions) float over [0, max position recalled] (empty when nothing was). The marks themselves are
+        kept (the `recalls` drop rule ranks by them): what is new is what an entry holding the same position had
+        then."""
         n = self.capacity
-        counts = self.marks[..., :n].masked_fill(self.pos[..., :n] < 0, 0).cpu()
-        pos = self.pos[..., :n].cpu().long()
-        self.marks.zero_()
+        marks, pos = self.marks[..., :n].cpu(), self.pos[..., :n].cpu().long()
+        before = self._reported
+        self._reported = (marks.clone(), pos.clone())
+        if before is not None and before[0].shape == marks.shape:
+            marks = marks - torch.where(before[1] == pos, before[0], 0)
+        counts = marks.masked_fill(pos < 0, 0).clamp(min=0)
         hit = counts > 0
         if not bool(hit.any()):
             return torch.zeros(self.batch, 0)
