@@ -324,7 +324,7 @@ def recall_command(
             help="What a full recall store drops first: score (the lowest attention) | age (the oldest) | recalls "
             "(the least recalled) | first (the latest positions: it keeps the conversation's opening)."
         ),
-    ] = "recalls",
+    ] = "first",
     compared: Compared = Compared(),
     models: ModelOptions = ModelOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),

@@ -178,7 +178,7 @@ RecallMemory = Annotated[
         metavar="SIZE|TOKENS|Nx",
         help="recall: how many evicted tokens its store keeps, allocated once beside the KV cache: a memory (64MB), "
         "tokens per layer and head (4096) or a multiple of the budget (8x, the default); once full it drops the "
-        "tokens recalled least (among them, those least attended to when they were evicted).",
+        "latest of them: it keeps the earliest positions evicted (the conversation's opening).",
     ),
 ]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]

@@ -30,9 +30,10 @@ DEFAULT_POLICY = "snap"
 # `STORE_MIN_TIMES` times what a step recalls (the first ranking pass chooses 4 candidates per recalled token)
 STORE_TIMES = 8
 STORE_MIN_TIMES = 4
-# what a full store drops first (lower loses): "recalls" (the default), the least recalled, then the lowest score;
-# "score", the attention mass the token had received when it was evicted; "age", the oldest position; "first", the
-# latest position (it keeps a conversation's opening). Measured with the store capped: docs/policies.md
+# what a full store drops first (lower loses): "first" (the default), the latest position, so that it keeps the
+# earliest evicted positions (a conversation's opening); "recalls", the least recalled, then the lowest score;
+# "score", the attention mass the token had received when it was evicted; "age", the oldest position. Measured
+# with the store capped at a quarter of what conversations evict: docs/policies.md
 DROP_RULES = ("score", "age", "recalls", "first")
 
 
@@ -209,7 +210,7 @@ class Recall(Snap):
     brings_back: ClassVar[bool] = True
     recalled: int = -1  # -1: a quarter of the budget
     store: int = -1  # evicted tokens kept per layer, row and KV head; -1: `STORE_TIMES` x the budget
-    drop: str = "recalls"  # what a full store drops first (`store.DROP_RULES`): measured, docs/policies.md
+    drop: str = "first"  # what a full store drops first (`store.DROP_RULES`): measured, docs/policies.md
     # each decode step multiplies the held slots' accumulated scores by `decay` before adding its mass, so old
     # mass counts less than recent (the plain sum favours old tokens). 0.99 from the tuning text (alice.txt, 2,048
     # tokens, 10% budget: perplexity 1.016x the full cache's with the plain sum, 1.012x with 0.99 or 0.95)

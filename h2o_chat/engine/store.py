@@ -105,7 +105,7 @@ class Store(Table):
         self.dtype = dtype  # the model's: what keys and values are read back in
         for name, values in zip(self.HOST_FIELDS, host or ([0] * len(recalled),) * len(self.HOST_FIELDS), strict=True):
             setattr(self, name, list(values))
-        self.drop = "recalls"  # what a full store drops first (`policies.Recall.drop`)
+        self.drop = "first"  # what a full store drops first (`policies.Recall.drop`)
         self._reported: tuple[torch.Tensor, torch.Tensor] | None = None  # (marks, pos) at the last `take_counts`
         self.set_recalled(recalled, capacities)
 
