@@ -336,13 +336,12 @@ def test_show_clear_and_help_name_the_new_commands(embedded, tmp_path):
     assert embedded.tokenizer.chat_template != custom.conv.tokenizer.chat_template
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
-def test_a_prompt_file_is_the_chats_first_message(tmp_path):
-    """-f FILE on a terminal: the chat opens with the file's text sent as its first message, then goes on."""
+def _first_message_in_a_pty(args: list[str], tmp_path) -> str:
+    """Run the installed command on a pseudo-terminal until it answered (Paris) and shows the prompt again, then
+    /exit: the screen as plain text."""
     env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
     env.pop("NO_COLOR", None)
-    (tmp_path / "first.txt").write_text("What is the capital of France?", encoding="utf-8")
-    term = Pty(["-f", str(tmp_path / "first.txt"), "--temperature", "0", "--max-new-tokens", "12"], env, 40, 120)
+    term = Pty(args, env, 40, 120)
     try:
         assert term.read_until(b"Paris", 300), term.screen[-2000:]
         assert term.read_until(b"\x1b[?2004h", 60), term.screen[-2000:]  # then the prompt, for the next message
@@ -350,7 +349,15 @@ def test_a_prompt_file_is_the_chats_first_message(tmp_path):
         term.read_until(b"\x00never", 3)
     finally:
         term.close()
-    drawn = plain(term.screen.decode(errors="replace"))
+    return plain(term.screen.decode(errors="replace"))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_a_prompt_file_is_the_chats_first_message(tmp_path):
+    """-f FILE on a terminal: the chat opens with the file's text sent as its first message, then goes on."""
+    (tmp_path / "first.txt").write_text("What is the capital of France?", encoding="utf-8")
+    args = ["-f", str(tmp_path / "first.txt"), "--temperature", "0", "--max-new-tokens", "12"]
+    drawn = _first_message_in_a_pty(args, tmp_path)
     assert "> What is the capital of France?" in drawn  # echoed as the first message, before the reply
     assert drawn.index("> What is the capital of France?") < drawn.index("Paris")
 
@@ -359,18 +366,8 @@ def test_a_prompt_file_is_the_chats_first_message(tmp_path):
 def test_chat_by_name_opens_the_chat_with_its_words_as_the_first_message(tmp_path):
     """Issue 48.8: `h2o-chat chat` replied once to the prompt "chat"; it opens the chat (as ollama's and llm's
     habits expect), the words after it sent as the first message."""
-    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", XDG_DATA_HOME=str(tmp_path))
-    env.pop("NO_COLOR", None)
     words = ["What", "is", "the", "capital", "of", "France?"]
-    term = Pty(["chat", "--temperature", "0", "-n", "12", *words], env, 40, 120)
-    try:
-        assert term.read_until(b"Paris", 300), term.screen[-2000:]
-        assert term.read_until(b"\x1b[?2004h", 60), term.screen[-2000:]  # then the prompt, for the next message
-        term.write(b"/exit\r")
-        term.read_until(b"\x00never", 3)
-    finally:
-        term.close()
-    drawn = plain(term.screen.decode(errors="replace"))
+    drawn = _first_message_in_a_pty(["chat", "--temperature", "0", "-n", "12", *words], tmp_path)
     assert "> What is the capital of France?" in drawn and "/help for commands" in drawn  # the chat's banner
 
 
