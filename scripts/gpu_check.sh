@@ -8,7 +8,7 @@
 #                                      tokenizer into .gpu/tokenizer/ (both git-ignored, carried to the machine)
 #   scripts/gpu_check.sh               there, from the repository root: OUT=<folder> keeps the logs (default
 #                                      /tmp/gpu_check); SHAPE=llama-tiny NO_CUDA=1 CONFIGS=full,h2o dry-run
-#                                      it on a CPU
+#                                      it on a CPU; SKIP=batch,piped-4bit leaves steps out
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +17,8 @@ if [ "${1:-}" = "--prepare" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
   mkdir -p .whl .gpu/tokenizer
-  for pkg in bitsandbytes gguf prompt-toolkit wcwidth; do
+  for pkg in bitsandbytes gguf prompt-toolkit wcwidth starlette uvicorn pydantic==2.14.4 pydantic-core==2.50.5 \
+      annotated-types typing-inspection typing-extensions; do  # what the image lacks (serve needs the web ones)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       --platform any -d .whl "$pkg"
@@ -56,6 +57,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record rc and seconds
   local name=$1 limit=$2 t
   shift 2
+  case ",${SKIP:-}," in *",$name,"*) echo "== $name: skipped (SKIP)" >&2; return ;; esac
   t=$(date +%s)
   echo "== $name" >&2
   timeout "$limit" "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
@@ -65,6 +67,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record rc and seconds
 if [ -z "${NO_CUDA:-}" ]; then
   step tests 240 python3 -m pytest -q -x -p no:cacheprovider -m cuda tests/
 fi
+step kernels 120 python3 scripts/kernel_count.py --shape "$SHAPE"
 step decode 240 $H2O bench --shape "$SHAPE" --lengths 512,4096 --steps 24 --budget 512 \
   --configs "${CONFIGS:-static-compiled,full,h2o,snap,recall,h2o-8bit}" --json
 # recall's target (issue 46): within 1.2x of h2o's captured step at 4,096 and 16,384 seen, with a store of 16,384
@@ -112,9 +115,12 @@ def note(name):
     if name == "tests":
         lines = (out / "tests.out").read_text().strip().splitlines() if (out / "tests.out").exists() else []
         return lines[-1] if lines else ""
-    if name == "decode":
+    if name in ("decode", "recall"):
         return "; ".join(f"{r['config']} {r['seen']}: {r['ms_per_token']:.1f} ms ({r['decode']})"
                          for r in records(name) if r["config"] != "h2o@first")
+    if name == "kernels":
+        return "; ".join(f"{r['config']}: step {r['step_per_layer']:.0f}/layer + {r['step_once']:.0f}, chunk "
+                         f"{r['chunk_per_layer']:.0f}/layer + {r['chunk_once']:.0f}" for r in records(name))
     if name == "prefill":
         return "; ".join(f"{r['config']}: {r['tokens_per_second']:,.0f} tok/s" for r in records(name))
     if name == "throughput":

@@ -41,6 +41,8 @@ class ThroughputRecord:
     device: str
     decode: str = "eager"  # how decode steps ran (the same engine for both configurations)
     setup_seconds: float = 0.0  # graph capture or compilation, not counted in tokens_per_second
+    held_before: int = 0  # (CUDA) bytes allocated when this configuration started: the weights alone, if freed
+    prefill_peak: int = 0  # (CUDA) the peak while the cache was allocated and the prompt read, before decoding
 
 
 def largest_batch(
@@ -119,12 +121,17 @@ def run_throughput(
                 report(total, total)
             continue
         ids = torch.randint(3, vocab, (batch, prompt_tokens), device=device)
+        held_before = prefill_peak = 0
         if device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            held_before = torch.cuda.memory_allocated(device)
         held: list = []
         start = functools.partial(_start, held, model, policy, total, decode, ids, chunk_used, warmup, report)
         tracked = start() if device.type == "cuda" else cpu_peak_bytes(start)  # (CPU) the weights are held throughout
+        if device.type == "cuda":
+            prefill_peak = torch.cuda.max_memory_allocated(device)
         cache, engine = held
         t = time.perf_counter()
         for i in range(generated_tokens - 1 - warmup):
@@ -150,9 +157,11 @@ def run_throughput(
                 device.type,
                 engine.mode,
                 round(engine.setup_seconds, 2),
+                held_before,
+                prefill_peak,
             )
         )
-        del cache, engine, held
+        del cache, engine, held, start  # the partial holds `held` too
         gc.collect()  # a cache refers to itself through its layers: freed only by the collector, before the next
     return out
 

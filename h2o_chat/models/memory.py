@@ -322,6 +322,7 @@ def prefill_bytes(
     mass: bool = True,
     recall: int = 0,
     stored: int | None = None,
+    rank_block: int = recall_rank.RANK_BLOCK,
 ) -> int:
     """Peak bytes beyond the weights while a prompt is read in chunks of `chunk` columns: the storage, every
     layer's keys and values of the chunk (placed together when the forward ends), one layer's attention
@@ -333,7 +334,7 @@ def prefill_bytes(
     `recall`: tokens a chunk brings back from the recall policy's store (per row and KV head), attended before
     the slots with a mask per KV head (repeated per query head for the fused kernel). `stored`: the store's
     entries per row (it is allocated beside the slots, on their device): the store itself, and its ranking's
-    transients (one block of first-pass logits, the candidates' keys in fp32)."""
+    transients (one block of first-pass logits, `rank_block` of them: the device's, the candidates' keys in fp32)."""
     B, T, N = rows, chunk, capacity + chunk + recall
     L, H, Hq, D = shape.layers, shape.kv_heads, shape.heads, shape.head_dim
     stash = L * B * H * T * (2 * D * elem + 4)
@@ -349,8 +350,8 @@ def prefill_bytes(
     if stored:
         n, cand = stored + 1, min(stored, recall_rank.CANDIDATES * recall)
         rank = recall_store.rank_dim_for(D)  # a block of logits; the coordinates read as fp32; the best so far
-        ranking = min(B * Hq * T * n, recall_rank.RANK_BLOCK) * 4 + B * H * n * (rank * 4 + 4 + 8 + 16)
-        ranking += B * H * cand * (D * 4 + 8) + min(B * Hq * T * cand, recall_rank.RANK_BLOCK) * 4  # candidates
+        ranking = min(B * Hq * T * n, rank_block) * 4 + B * H * n * (rank * 4 + 4 + 8 + 16)
+        ranking += B * H * cand * (D * 4 + 8) + min(B * Hq * T * cand, rank_block) * 4  # candidates
         total += store_bytes(shape, B, stored) + ranking
     if snap:
         G = Hq // H
@@ -403,6 +404,7 @@ def fitting_chunk(
     smallest: int = SMALLEST_CHUNK,
     recall: int = 0,
     stored: int | None = None,
+    rank_block: int = recall_rank.RANK_BLOCK,
 ) -> int:
     """The largest chunk, `chunk` or a smaller power of two, whose prefill fits in `available` bytes (plus the
     `held` bytes the cache's storage already occupies, which the estimate counts); DeviceError when even
@@ -413,11 +415,15 @@ def fitting_chunk(
         sizes.append(sizes[-1] // 2)
     if sizes[-1] != smallest:  # halving 300 ends at 18: the fit checks promise that 16 can be read
         sizes.append(smallest)
+
+    def need(size: int) -> float:
+        knobs = dict(snap=snap, window=window, mass=mass, recall=recall, stored=stored, rank_block=rank_block)
+        return OVERHEAD * prefill_bytes(shape, elem, rows, capacity, size, **knobs)
+
     for size in sizes:
-        need = prefill_bytes(shape, elem, rows, capacity, size, snap, window, mass, recall, stored)
-        if OVERHEAD * need <= available + held:
+        if need(size) <= available + held:
             return size
-    need = OVERHEAD * prefill_bytes(shape, elem, rows, capacity, smallest, snap, window, mass, recall, stored)
+    need = need(smallest)
     lower = "--budget (or /budget), --recall-memory" if stored else "--budget (or /budget)"
     raise DeviceError(
         f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {smallest} tokens, "
@@ -456,6 +462,7 @@ def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int
         mass=any(p.by_score for p in policies),
         recall=recall_rank.CHUNK_TIMES * recalled,
         stored=stored,
+        rank_block=recall_rank.rank_block(device),
     )
     if size >= min(chunk, tokens):
         return chunk, None
