@@ -185,10 +185,10 @@ Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Decode = Annotated[
     str,
     typer.Option(
-        help="How decode steps run: auto (graph on CUDA; on CPU compile for a generation, or a chat's replies, of "
-        "1,000 tokens or more, else eager, or $H2O_CHAT_DECODE) | eager | graph (one CUDA graph per step, "
-        "captured in seconds) | compile (CPU: the step compiled by inductor, ~2x faster; the first compilation on "
-        "a machine ~45 s, later starts ~10 s: for long generations)."
+        help="How decode steps run: auto (graph on CUDA; compile on CPU, eager while its package is built, or "
+        "$H2O_CHAT_DECODE) | eager | graph (the step captured as one CUDA graph, in seconds) | compile (the step "
+        "compiled ahead of time by inductor, once per machine and model, about a minute; on CUDA captured in the "
+        "graph)."
     ),
 ]
 RepetitionPenalty = Annotated[
