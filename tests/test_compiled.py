@@ -1,5 +1,4 @@
-"""The decode step compiled ahead of time (`--decode compile`, what `auto` runs on a CPU; captured in a graph on
-CUDA): the same tokens and
+"""The CPU's decode step compiled ahead of time (`--decode compile`, what `auto` runs on a CPU): the same tokens and
 the same kept positions, per layer and head, as eager steps, recall's store included; one program per kind of
 step, shared by every engine of a model and any budget, batch or store size; a package that is missing, damaged
 or being built leaves the steps eager, and the user is told why."""
@@ -65,21 +64,6 @@ def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positi
     assert cache.stats().seen == 40 + STEPS - 1
     if policy == "recall":
         assert cache.stats().store_dropped > 0 and cache.stats().store_tokens == 32
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("policy, knobs", [("h2o", {}), ("recall", {"recalled": 4, "store": 32})])
-def test_on_cuda_the_compiled_step_is_captured_as_one_graph_and_keeps_what_the_eager_step_keeps(policy, knobs):
-    """On a GPU `--decode compile` runs the same program (built for CUDA: inductor's kernels), captured with the
-    eviction after it as one graph: the tokens and kept positions of the eager step, one capture for every step."""
-    model = tiny_model("llama", seed=41, max_positions=128).cuda()
-    prompts = _prompts(2)
-    want, want_pos, _, _ = _run(model, "eager", policy, "auto", prompts, **knobs)
-    got, got_pos, engine, cache = _run(model, "compile", policy, "auto", prompts, **knobs)
-    assert engine.mode == "compile" and engine._program is not None and engine.captures == 1, cache.pop_notices()
-    assert got == want
-    assert all(torch.equal(a, b) for a, b in zip(got_pos, want_pos, strict=True))
 
 
 def test_one_program_serves_every_budget_batch_and_engine_and_old_storage_is_freed(model):

@@ -186,9 +186,8 @@ Decode = Annotated[
     str,
     typer.Option(
         help="How decode steps run: auto (graph on CUDA; compile on CPU, eager while its package is built, or "
-        "$H2O_CHAT_DECODE) | eager | graph (the step captured as one CUDA graph, in seconds) | compile (the step "
-        "compiled ahead of time by inductor, once per machine and model, about a minute; on CUDA captured in the "
-        "graph)."
+        "$H2O_CHAT_DECODE) | eager | graph (the step captured as one CUDA graph, in seconds) | compile (CPU: the "
+        "step compiled ahead of time by inductor, once per machine and model, about a minute)."
     ),
 ]
 RepetitionPenalty = Annotated[

@@ -1,5 +1,4 @@
-"""The decode step compiled ahead of time (`--decode compile`; what `auto` runs on a CPU; on a CUDA GPU the
-program is captured in the step's CUDA graph, with the eviction after it).
+"""The CPU's decode step compiled ahead of time (`--decode compile`; what `auto` runs on a CPU).
 
 What is compiled: the model's forward over the cache's storage, which a decode step only reads (each layer
 attends to the new token in the spare slot's place, `attention_over_slots(new=...)`), recall's ranking of its
@@ -70,14 +69,12 @@ class StepKind:
     recalls: bool = False
     uniform: bool = True
     sampler: tuple[bool, bool, bool, bool] | None = None
-    device: str = "cpu"  # the kernels' device type: a CPU's C++ or a GPU's
 
     @classmethod
     def of(cls, cache, sampler) -> StepKind:
         store = cache.store
         drawn = None if sampler is None else (sampler.hot, sampler.penalized, sampler.nucleus, sampler.filtered)
-        device = cache.slots.keys.device.type
-        return cls(cache.slots.quantized, store is not None, store is None or store.uniform, drawn, device)
+        return cls(cache.slots.quantized, store is not None, store is None or store.uniform, drawn)
 
     def describe(self) -> str:
         parts = ["8-bit slots" if self.quantized else "slots"]
@@ -320,11 +317,8 @@ class Program:
 
     def __init__(self, path: Path, model):
         self.path = path
-        device = next(model.parameters()).device
-        with _quiet():  # on CUDA single-threaded: no pool of model copies, whose events a graph capture forbids
-            cuda = device.type == "cuda"
-            index = device.index if cuda and device.index is not None else -1
-            self._runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=cuda, device_index=index)
+        with _quiet():
+            self._runner = torch._inductor.aoti_load_package(str(path))
         with zipfile.ZipFile(path) as z:
             extras = next(n for n in z.namelist() if n.endswith("h2o_extras.pt"))
             constants = torch.load(io.BytesIO(z.read(extras)), weights_only=True)
@@ -363,8 +357,7 @@ def program(model, cache, sampler, cache_keyword: str, status=None) -> Program:
                 status(f"the compiled decode step in {path.name} could not be loaded ({reason}): building it again")
             path.unlink(missing_ok=True)
     if status is not None:
-        where = "GPU" if cache.slots.keys.device.type == "cuda" else "CPU"
-        status(f"compiling the decode step for this {where} ({kind.describe()}; once per machine, about a minute)")
+        status(f"compiling the decode step for this CPU ({kind.describe()}; once per machine, about a minute)")
     build(model, cache, sampler, cache_keyword, path)
     mine[key] = Program(path, model)
     return mine[key]

@@ -7,10 +7,8 @@ on the device -- so it can run three ways (`--decode`):
 
 - graph: the whole step (model forward, cache update, eviction, sampling) captured once as a CUDA graph and
   replayed; capturing takes a second or two (the CUDA default).
-- compile: the model's forward and sampling as one program compiled ahead of time by inductor, eviction eagerly
-  after it (`compiled.py` says why); compiled once per machine and model, kept in a cache directory. On a CPU
-  the program runs as it is (the CPU default); on a GPU the program and the eviction after it are captured
-  together as one CUDA graph (inductor's fused kernels in place of the eager step's many small ones).
+- compile: the model's forward and sampling as one program compiled by inductor, eviction eagerly after it
+  (`compiled.py` says why); compiled once per machine and model, kept in a cache directory.
 - eager: plain PyTorch (the CPU default, and the fallback of the other two).
 
 Host bookkeeping (`cache.before_forward`) runs before each step, outside the captured or compiled region;
@@ -65,8 +63,10 @@ def resolve_decode(mode: str, device: torch.device) -> str:
         raise SettingError(
             "decode", "captures CUDA graphs and needs a CUDA GPU; use compile or eager here", mode, got=False
         )
-    if mode == "compile" and device.type not in ("cpu", "cuda"):
-        raise SettingError("decode", f"builds the step for a CPU or a CUDA GPU, not {device.type}", mode, got=False)
+    if mode == "compile" and device.type != "cpu":
+        raise SettingError(
+            "decode", "builds the CPU's decode step; on a GPU the step is a CUDA graph (graph)", mode, got=False
+        )
     if mode == "compile" and (why := compiled.unavailable()):
         raise SettingError("decode", f"is not possible here: {why}; use eager", mode, got=False)
     return mode
@@ -284,26 +284,23 @@ class Engine:
 
     def _compile_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A compiled step: the package for this step's kind, loaded (or built) when the step changed; while it
-        is not ready and the engine does not wait, an eager step (the builder asked once per kind). On CUDA the
-        program and the eviction after it are captured as one graph."""
-        cuda = self.device.type == "cuda"
+        is not ready and the engine does not wait, an eager step (the builder asked once per kind)."""
         if self._program is None and not self.waits and not compiled.ready(self.model, self.cache, self.sampler):
             kind = compiled.StepKind.of(self.cache, self.sampler)
             if kind not in self._asked:
                 self._asked.add(kind)
                 if self.builder is not None:
                     self.builder(kind)
-            return self._graph_step() if cuda else self._body()
+            return self._body()
         if self._program is None:
             t = time.perf_counter()
             try:
                 self._program = compiled.program(self.model, self.cache, self.sampler, self._cache_kw, self.on_setup)
             except Exception as e:  # noqa: BLE001 -- export's and inductor's failures have many types
                 return self._fall_back(e, "compiling one")
-            if not cuda:  # (on CUDA the capture that follows is counted)
-                self.captures += 1
+            self.captures += 1
             self.setup_seconds += time.perf_counter() - t
-        return self._graph_step() if cuda else self._body()
+        return self._body()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,10 +322,10 @@ class Engine:
             self._key, self._warmups, self._graph, self._out, self._program = key, 0, None, None, None
         if self.mode == "eager":
             return self._body()
-        if self.mode == "compile" and self.device.type != "cuda":
+        if self.mode == "compile":
             return self._compile_step()
         with torch.cuda.device(self.device):  # captured on the model's GPU's stream, not the current GPU's
-            return self._compile_step() if self.mode == "compile" else self._graph_step()
+            return self._graph_step()
 
     def _graph_step(self):
         if self._graph is not None:
@@ -362,13 +359,8 @@ class Engine:
         """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.cache.abort()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
-        self._graph, self._program = None, None
-        if self.device.type == "cuda" and self.mode == "compile" and what == "compiling one":
-            self.cache.notices.append(f"decode steps are captured uncompiled: {what} failed ({reason[:160]})")
-            self.mode = "graph"  # the eager step, captured: still one graph
-            return self._graph_step()
         self.cache.notices.append(f"decode steps run eagerly: {what} failed ({reason[:160]})")
-        self.mode = "eager"
+        self.mode, self._graph, self._program = "eager", None, None
         sync(self.device)
         return self._body()
 
