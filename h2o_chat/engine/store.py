@@ -314,21 +314,29 @@ class Store(Table):
         """Fit the basis of `rows` -- per layer and KV head, the top eigenvectors of the uncentred second moment
         of the row's held keys (in `slots`) and stored keys -- and write every stored key's coordinates in it. In
         place (a captured step keeps reading the same memory); one layer at a time."""
-        r = self.low.shape[-1]
+        r, c = self.low.shape[-1], self.capacity
         index = torch.tensor(rows, device=self.keys.device)
         n = slots.capacity
-        for i in range(self.keys.shape[0]):
-            c = self.capacity
+
+        def stored_keys(i: int) -> torch.Tensor:
             mine = (self.keys[i, :, :, :c].index_select(0, index), self.kscale[i, :, :, :c].index_select(0, index))
             stored = dequantize(*mine, torch.float32)
-            stored = stored * (self.pos[i, :, :, :c].index_select(0, index) >= 0)[..., None]
+            return stored * (self.pos[i, :, :, :c].index_select(0, index) >= 0)[..., None]
+
+        grams = []
+        for i in range(self.keys.shape[0]):
+            stored = stored_keys(i)
             held = slots.read("keys", (i, slice(None), slice(None), slice(0, n))).index_select(0, index).float()
             held = held * (slots.pos[i, :, :, :n].index_select(0, index) >= 0)[..., None]
-            gram = stored.mT @ stored + held.mT @ held  # (b, H, D, D)
-            vectors = torch.linalg.eigh(gram).eigenvectors  # eigenvalues ascend
-            basis = vectors[..., -r:].contiguous()
-            self.basis[i, index] = basis
-            low, lscale = quantize(stored @ basis)
+            grams.append(stored.mT @ stored + held.mT @ held)  # (b, H, D, D)
+        # every layer's eigenvectors in one call, on the host: CUDA's eigh of matrices this size solves one matrix
+        # at a time, each with a host synchronisation (32 layers x 32 heads per fit for Llama-2-7B)
+        gram = torch.stack(grams)
+        vectors = torch.linalg.eigh(gram.cpu()).eigenvectors.to(gram.device)  # eigenvalues ascend
+        bases = vectors[..., -r:].contiguous()
+        for i in range(self.keys.shape[0]):
+            self.basis[i, index] = bases[i]
+            low, lscale = quantize(stored_keys(i) @ bases[i])
             self.low[i, index, :, :c], self.lscale[i, index, :, :c] = low, lscale
         for row in rows:
             self.fitted[row] = max(1, self.evicted[row])
