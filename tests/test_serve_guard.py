@@ -265,3 +265,37 @@ def test_the_command_and_the_server_default_to_one_prompt_limit():
     from h2o_chat.app.serve import command as servecli
 
     assert servecli.MAX_PROMPT_TOKENS == serve_api.MAX_PROMPT_TOKENS == Limits().max_prompt_tokens
+
+
+# -- issue 49.4: a long prompt is read between the other rows' steps ------------------------------------------------
+def test_a_long_prompt_is_read_a_chunk_at_a_time_while_the_other_rows_keep_decoding(tiny):
+    """A reply under way keeps streaming while another client's long prompt is read: the prompt is read a chunk
+    (of --chunk-size tokens) per turn of the engine's loop, with a step of the other rows between chunks. Before,
+    the whole prompt was read at once and the reply under way got no token until it was read (0 here). The long
+    prompt's own reply is the one it gets read alone, and the row it used serves the next client."""
+    from h2o_chat.app.serve.rows import EngineSettings
+
+    prompt = " ".join(f"w{4 + (7 * i) % 250}" for i in range(1500))
+    with serving(tiny, ends=False, engine=EngineSettings(decode="eager", chunk_size=16)) as (server, port):
+        alone = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})[1]
+        arrivals: list[float] = []
+
+        def stream_one() -> None:
+            for _ in client(port).completions.create(model="m", prompt=RUNS_ON, max_tokens=3000, stream=True):
+                arrivals.append(time.monotonic())
+
+        streaming = threading.Thread(target=stream_one, daemon=True)
+        streaming.start()
+        deadline = time.monotonic() + 30
+        while len(arrivals) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        status, read = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+        t1 = t0 + read["h2o"]["time_to_first_token"]
+        during = sum(t0 < t < t1 for t in arrivals)
+        stats = get(port, "/v1/stats")[1]
+        streaming.join(60)
+    assert status == 200 and read["h2o"]["read_tokens"] == alone["h2o"]["read_tokens"] > 1000
+    assert read["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert during >= 1500 // 16 // 2, (during, read["h2o"]["time_to_first_token"])
+    assert stats["rows_busy"] == 1 and len(arrivals) > 1000

@@ -253,9 +253,10 @@ class H2OCache(CacheProtocol):
         return rowviews.snapshot(self)
 
     @inference
-    def restore(self, state: dict) -> None:
-        """Back to a snapshot; storage of the same shape is overwritten in place (captured steps stay valid)."""
-        rowviews.restore(self, state)
+    def restore(self, state: dict, device: torch.device | str | None = None) -> None:
+        """Back to a snapshot; storage of the same shape is overwritten in place (captured steps stay valid).
+        A cache without storage yet takes a copy on `device` (default: where the snapshot is)."""
+        rowviews.restore(self, state, device)
 
     # -- a forward ----------------------------------------------------------------------------------
     @inference

@@ -28,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -220,18 +220,36 @@ class Engine:
         self.sampler.start_row(row, ids)
         return self.sampler.first_of_row(row, logits)
 
+    @torch.inference_mode()
+    def prefill_steps(
+        self, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, progress: Progress = None
+    ) -> Generator[tuple[int, int], None, torch.Tensor]:
+        """`prefill` one prompt (1, L) a chunk at a time: a generator that yields (columns read, of all the
+        passes) after each chunk and returns the last position's logits (1, V), so that its caller can do other
+        work between chunks (the server decodes its other rows). No sampler observes the prompt."""
+        ids = ids.to(self.device)
+        return (yield from self._read_steps(self.cache, ids, torch.ones_like(ids), chunk_size, progress, None))
+
     def _read(self, cache, ids, mask, chunk_size, progress) -> torch.Tensor:
-        done = [0]  # prompt columns read so far, over every pass
         with deferred_interrupt() as interrupted:
+            steps = self._read_steps(cache, ids, mask, chunk_size, progress, interrupted)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as end:
+                    return end.value
 
-            def feed(target, total: int | None = None) -> torch.Tensor:
-                """Read the prompt into `target`; `total`: columns read over every pass."""
-                total = ids.shape[1] if total is None else total
-                return self._chunks(target, ids, mask, chunk_size, progress, done, total, interrupted)
+    def _read_steps(self, cache, ids, mask, chunk_size, progress, interrupted) -> Generator:
+        done = [0]  # prompt columns read so far, over every pass
 
-            return compress_prompt(cache, mask, feed)
+        def feed(target, total: int | None = None) -> Generator:
+            """Read the prompt into `target`; `total`: columns read over every pass."""
+            total = ids.shape[1] if total is None else total
+            return self._chunks(target, ids, mask, chunk_size, progress, done, total, interrupted)
 
-    def _chunks(self, cache, ids, mask, chunk_size, progress, done, total, interrupted) -> torch.Tensor:
+        return (yield from compress_prompt(cache, mask, feed))
+
+    def _chunks(self, cache, ids, mask, chunk_size, progress, done, total, interrupted) -> Generator:
         B, L = ids.shape
         logits = None
         cache.host_managed = True
@@ -254,8 +272,9 @@ class Engine:
             done[0] += e - s
             if progress is not None:
                 progress(done[0], total)
-            if interrupted():
+            if interrupted is not None and interrupted():
                 raise PrefillInterrupted(done[0], total)
+            yield done[0], total
         return logits
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:

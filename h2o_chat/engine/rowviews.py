@@ -108,7 +108,9 @@ def snapshot(cache) -> dict:
     return state
 
 
-def restore(cache, state: dict) -> None:
+def restore(cache, state: dict, device: torch.device | str | None = None) -> None:
+    if cache.slots is not None:
+        device = cache.slots.keys.device
     cache.forward = None
     for name in SNAPSHOT:
         setattr(cache, name, state[name])
@@ -121,7 +123,6 @@ def restore(cache, state: dict) -> None:
         cache.store.load(stored)  # in place: a captured step keeps reading it
         cache.store.absorb_all(stored)
     else:
-        device = cache.slots.keys.device if cache.slots is not None else None
         cache.store = stored.copy(device)
         cache.version += 1
     saved = state["slots"]
@@ -131,7 +132,7 @@ def restore(cache, state: dict) -> None:
     elif cache.slots is not None and cache.slots.keys.shape == saved.keys.shape:
         cache.slots.load(saved)
     else:
-        cache.install(saved.copy(cache.slots.keys.device if cache.slots is not None else None))
+        cache.install(saved.copy(device))
 
 
 def set_policy(cache, policy) -> None:

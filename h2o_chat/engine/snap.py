@@ -27,7 +27,7 @@ queries the full prompt would give; the cost is a second prefill of the prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -173,15 +173,16 @@ def columns_read(cache, tokens: int) -> int:
 
 
 @torch.inference_mode()
-def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tensor]) -> torch.Tensor:
+def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., Iterator]) -> Generator:
     """Prefill a prompt with question-aware selection for the rows whose policy compresses prompts and whose
-    own tokens overflow the budget; returns the last logits. `mask` (B, L) marks the prompt's real tokens;
-    `prefill(cache, total)` is the plain chunked prefill of the prompt into a cache (the probe's copy or the real
-    one), `total` the columns read over every pass (for progress)."""
+    own tokens overflow the budget; a generator that yields after each chunk read (over both passes) and returns
+    the last logits. `mask` (B, L) marks the prompt's real tokens; `prefill(cache, total)` is the plain chunked
+    prefill of the prompt into a cache (the probe's copy or the real one), a generator likewise, `total` the
+    columns read over every pass (for progress)."""
     L = mask.shape[1]
     rows = _overflowing_rows(cache, mask.sum(-1))
     if not bool(rows.any()):  # it all fits: nothing to choose (one host sync per prompt)
-        return prefill(cache, L)
+        return (yield from prefill(cache, L))
     groups = cache.row_groups(mask.shape[0])
     snaps = [g.policy for g in groups if isinstance(g.policy, Snap)]
     kernels = {p.kernel for p in snaps}
@@ -192,14 +193,14 @@ def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., torch.Tens
     # every row's probe reads its whole prompt, evicting as h2o does at its own budget, as it would alone
     probe_cache = cache.fork()
     probe_cache.probe = Probe(probe_cache, window, cache.columns + L)
-    prefill(probe_cache, 2 * L)
+    yield from prefill(probe_cache, 2 * L)
     probe = probe_cache.probe
     del probe_cache
 
     plain = [not r and g.policy.by_score for g, r in zip(groups, rows.tolist(), strict=True)]
     cache.observation = Observation(probe, cache, rows, windows, kernels.pop(), track_mass=any(plain))
     try:
-        return prefill(cache, 2 * L)
+        return (yield from prefill(cache, 2 * L))
     finally:
         cache.observation.finish()
         cache.observation = None

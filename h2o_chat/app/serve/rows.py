@@ -1,10 +1,12 @@
 """Rows of one engine for the server: a `Lane` is an engine whose batch rows are conversations decoding together.
 
 Built only on the engine's public verbs, as batch mode is (app/batch/run.py): storage for every row is allocated
-once by a one-token prefill, a conversation comes into a row from its snapshot (`H2OCache.row(r)` views the
-row; `restore`, then the new tokens are read into that view and `absorb` takes its bookkeeping back), a step
-decodes every row at once, and a finished reply's row is copied out (`snapshot`) before the next step. Rows
-grow and shrink in powers of two (`Engine.select_rows`), so a captured step is reused while the load is steady.
+once by a one-token prefill; a conversation's new tokens are read into a one-row cache of its own (`Reading`:
+from its snapshot, a chunk at a time, while the lane's other rows keep decoding), which then moves into a free
+row in place (`H2OCache.row(r)` views the row, `restore` copies it in, `absorb` takes its bookkeeping back); a
+step decodes every row at once, and a finished reply's row is copied out (`snapshot`) before the next step.
+Rows grow and shrink in powers of two (`Engine.select_rows`), so a captured step is reused while the load is
+steady.
 
 A lane serves one cache key (policy, budget) and one sampler shape (top-p, whether candidates are cut): those
 are fixed for a batch's step. Each row has its own temperature, penalty, top-k, min-p and seed.
@@ -20,6 +22,7 @@ import torch
 
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine
+from h2o_chat.engine.rowviews import SNAPSHOT
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
@@ -53,6 +56,67 @@ class ReadingStopped(Exception):
     """A prompt's reading was stopped between two chunks (the server drains); its row is free again."""
 
 
+class Reading:
+    """A conversation's new tokens read into a one-row cache of its own (from the conversation's snapshot), a
+    chunk at a time (`advance`, `Engine.prefill_steps`), so that the lane's other rows decode between its chunks;
+    `Lane.enter` then moves it into its row. The fit check comes first: a DeviceError means nothing was read.
+    `stop()` is asked after each chunk: True raises ReadingStopped."""
+
+    def __init__(self, lane: Lane, state: dict | None, ids: list[int], stop: Callable[[], bool]):
+        loaded, settings = lane.loaded, lane.settings
+        model = loaded.model
+        self.lane, self.stop = lane, stop
+        self.cache = lane.spare  # the last reading's cache, emptied (its storage is not allocated again)
+        lane.spare = None
+        if self.cache is None:
+            self.cache = H2OCache.for_model(
+                model, lane.policy, settings.positions, loaded.context, kv_quant=settings.kv_quant
+            )
+        if state is not None:
+            self.cache.restore(state, lane.device)
+        chunk, _ = prefill_chunk(model, self.cache, 1, len(ids), settings.chunk_size)
+        self.prompt = torch.tensor([ids], dtype=torch.long)
+        self.total, self.read, self.seconds = len(ids), 0, 0.0
+        self.logits: torch.Tensor | None = None
+        self._steps = Engine(model, self.cache, "eager").prefill_steps(self.prompt, chunk)
+
+    def advance(self) -> bool:
+        """Read the next chunk: whether the prompt is read (then `logits` are its last position's)."""
+        t = time.perf_counter()
+        try:
+            self.read, total = next(self._steps)
+        except StopIteration as end:
+            self.logits = end.value[0]  # (V,)
+            return True
+        finally:
+            self.seconds += time.perf_counter() - t
+        if self.stop():
+            raise ReadingStopped(f"stopped after {self.read} of {total} tokens")
+        return False
+
+    def cancel(self) -> None:
+        """Stop where it is (between two chunks); its cache goes back to the lane."""
+        self._steps.close()
+        self.release()
+
+    def abandon(self) -> None:
+        """It failed: its generator ends, and its cache is not reused."""
+        self._steps.close()
+        self.cache = None
+
+    def release(self) -> None:
+        """Its cache, emptied, for the lane's next reading."""
+        if self.cache is not None and self.cache.slots is not None and self.cache.slots.batch == 1:
+            self.cache.clear()
+            self.lane.spare = self.cache
+        self.cache = None
+
+    def state(self) -> dict:
+        """What `restore` takes, without a copy to the host (the row's storage takes it in place)."""
+        c = self.cache
+        return {**{n: getattr(c, n) for n in SNAPSHOT}, "rows": c.rows, "slots": c.slots, "store": c.store}
+
+
 class Lane:
     """One engine and its rows; `jobs[r]` is the request generating in row r (None: the row is free)."""
 
@@ -71,6 +135,7 @@ class Lane:
         self.closing = False  # takes no new rows: a waiting job needs this lane's place
         self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's next input token
         self.steps = 0
+        self.spare = None  # a reading's one-row cache, emptied for the next (`Reading.release`)
 
     def _sampler(self, rows: int) -> tuple:
         """A sampler whose step can serve any row's settings (sampling, a penalty, the key's cut): each row's
@@ -90,7 +155,12 @@ class Lane:
 
     @property
     def active(self) -> int:
+        """Rows taken: decoding, or waiting for their prompt's reading."""
         return sum(j is not None for j in self.jobs)
+
+    @property
+    def decoding(self) -> int:
+        return sum(j is not None and j.reading is None for j in self.jobs)
 
     def free_row(self) -> int | None:
         return next((r for r, j in enumerate(self.jobs) if j is None), None)
@@ -110,40 +180,27 @@ class Lane:
             self.cache.clear_row(r)
 
     # -- a conversation into a row and out of it ------------------------------------------------------------
-    def start(
-        self, r: int, state: dict | None, ids: list[int], req, stop: Callable[[], bool] = lambda: False
-    ) -> tuple[int, float]:
-        """Bring a conversation into row r (its snapshot, or an empty row) and read `ids` into it alone, the
-        other rows untouched; returns (the reply's first token, seconds reading). The fit check comes first: a
-        DeviceError leaves the row free. `stop()` is asked after each chunk read: True raises ReadingStopped."""
-        t0 = time.perf_counter()
-        if state is None:
-            self.cache.clear_row(r)
+    def read(self, state: dict | None, ids: list[int], stop: Callable[[], bool] = lambda: False) -> Reading:
+        """Start reading a conversation's new tokens (`Reading.advance` reads them), beside the rows."""
+        return Reading(self, state, ids, stop)
+
+    def enter(self, r: int, reading: Reading, req) -> int:
+        """Move a finished reading into row r (free), in place: the other rows are untouched. Returns the reply's
+        first token, drawn with the request's sampling settings."""
+        self.cache.clear_row(r)
         view = self.cache.row(r)
-        if state is not None:
-            view.restore(state)
-        chunk, _ = prefill_chunk(self.loaded.model, view, 1, len(ids), self.settings.chunk_size)
-        prompt = torch.tensor([ids], dtype=torch.long)
-
-        def between_chunks(done: int, total: int) -> None:
-            if stop():
-                raise ReadingStopped(f"stopped after {done} of {total} tokens")
-
-        try:
-            logits = Engine(self.loaded.model, view, "eager").prefill(prompt, chunk_size=chunk, progress=between_chunks)
-            logits = logits[0]  # (V,)
-        except BaseException:
-            self.cache.clear_row(r)  # half a prompt: the row is free again, its conversation is dropped
-            raise
+        view.restore(reading.state())
         self.cache.absorb(view, r)
+        prompt, logits = reading.prompt, reading.logits
+        reading.release()
         sampler = self.engine.sampler
         sampler.set_row(r, req.temperature, req.repetition_penalty, req.top_k, req.min_p)
         sampler.start_row(r, prompt)
         if req.seed is not None:  # the row samples as the conversation would alone with this seed
             sampler.seeds[r] = req.seed & 0x7FFFFFFF
-        first = sampler.first_of_row(r, logits)
+        first = sampler.first_of_row(r, logits.to(self.device))
         self.tokens[r] = first
-        return int(first), time.perf_counter() - t0
+        return int(first)
 
     def stop(self, r: int, keep: bool) -> tuple[dict, dict | None]:
         """Row r's reply is over: (its cache stats, its snapshot when `keep`); the row is emptied and free."""
@@ -175,7 +232,11 @@ class Lane:
                 {
                     "row": r,
                     "generated": len(j.stream.tokens),
-                    **self.cache.row_stats(r),
+                    **(
+                        {"reading": f"{j.reading.read} of {j.reading.total}"}
+                        if j.reading is not None
+                        else self.cache.row_stats(r)
+                    ),
                 }
                 for r, j in enumerate(self.jobs)
                 if j is not None

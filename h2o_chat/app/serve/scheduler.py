@@ -6,12 +6,15 @@ of the loop:
 
 1. take the jobs submitted since the last turn (a cancelled one is dropped; a client gone mid-reply frees its row
    here, at the next step);
-2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows): bring their
-   conversation into a row and read only its new tokens; a prompt that cannot fit is a 503 for that job alone. A
-   job that needs a fifth lane closes the least busy one to new rows, so it waits for that lane's replies, never
-   for ever;
-3. decode one step of every lane with busy rows, and hand each row's text to its job; a finished reply's row is
-   copied out as an idle conversation before the next step.
+2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows): a row is
+   theirs, and their conversation's new tokens are read beside it (`rows.Reading`); a prompt that cannot fit is a
+   503 for that job alone. A job that needs a fifth lane closes the least busy one to new rows, so it waits for
+   that lane's replies, never for ever;
+3. read prompts for one chunk's worth of tokens (the oldest first: a long prompt a chunk per turn, several short
+   ones at once); a prompt read moves into its row, and its first token goes out at once;
+4. decode one step of every lane with rows decoding, and hand each row's text to its job; a finished reply's row
+   is copied out as an idle conversation before the next step. A long prompt never holds the other rows' replies
+   back for more than a chunk.
 
 Draining (SIGTERM) refuses every job not yet decoding and stops a prompt being read at its next chunk; a dead
 engine thread answers everything, queued or new, with a 500 at once.
@@ -34,7 +37,7 @@ import torch
 
 from h2o_chat.app.messages import PLAIN_STOP, use_chat_template
 from h2o_chat.app.serve.api import ApiError, GenRequest
-from h2o_chat.app.serve.rows import Lane, LaneKey, ReadingStopped
+from h2o_chat.app.serve.rows import Lane, LaneKey, Reading, ReadingStopped
 from h2o_chat.app.serve.sessions import SessionStore, Turn, end_turn, snapshot_bytes
 from h2o_chat.engine.generate import TextStream, stop_token_ids
 from h2o_chat.errors import H2OChatError, out_of_memory
@@ -63,6 +66,7 @@ class Job:
     stream: TextStream | None = None
     first_at: float | None = None
     read_seconds: float = 0.0
+    reading: Reading | None = None  # its prompt being read (its row waits, fed nothing of its own)
     text: list[str] = field(default_factory=list)  # the reply so far, as sent
 
 
@@ -75,6 +79,7 @@ class Scheduler:
         self.plain = use_chat_template(loaded.tokenizer)  # a base model's plain template: replies end at "\nUser:"
         self.lanes: list[Lane] = []
         self.waiting: list[Job] = []
+        self.readings: list[tuple[Job, Lane, int]] = []  # prompts being read, the oldest first
         self.inbox: queue.Queue = queue.Queue()
         self.draining = False
         self.served = 0
@@ -149,8 +154,10 @@ class Scheduler:
                         return
                     self._take(block=idle and not self.waiting)
                     self._admit()
+                    self._read_some()
                     for lane in list(self.lanes):
-                        if lane.active:
+                        self._drop_cancelled(lane)
+                        if lane.decoding:
                             self._step(lane)
                     self._tidy()
                     self._flush()
@@ -166,6 +173,9 @@ class Scheduler:
 
     def _end(self, error: ApiError) -> None:
         """The thread ends: whatever is left, and whatever comes later (under the gate), gets `error`."""
+        for job, _, _ in self.readings:
+            job.reading.cancel()
+        self.readings = []
         with self._gate:
             self.closed = True
             jobs = [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]
@@ -232,7 +242,6 @@ class Scheduler:
                     continue  # no row yet: it waits for one (jobs behind it with another key may go first)
                 self.waiting.remove(job)
                 self._start(job, *place)
-                self._flush()  # its first token, before the next job's prompt is read
             except _WaitForLane:
                 reserved = 1
             except ApiError as e:
@@ -256,7 +265,7 @@ class Scheduler:
                         min(self.lanes, key=lambda la: la.active).closing = True
                     raise _WaitForLane
                 self.lanes.remove(empty)
-            self._fits(policy, 1)
+            self._fits(policy, 2)  # its first row, and the one-row cache its prompts are read into
             lane = Lane(self.loaded, key, policy, self.settings)
             self.lanes.append(lane)
         r = lane.free_row()
@@ -278,22 +287,59 @@ class Scheduler:
             raise ApiError(503, f"no memory for this conversation's cache: {e}") from None
 
     def _start(self, job: Job, lane: Lane, r: int) -> None:
+        """Row r is the job's; its prompt's reading begins (`_read_some` reads it)."""
         req, turn = job.req, job.turn
         stops = (*((PLAIN_STOP,) if self.plain and req.kind == "chat" else ()), *req.stop)
         job.stream = TextStream(self.loaded.tokenizer, req.max_tokens, self.stop_ids, stops)
-        lane.jobs[r] = job
         try:
-            first, job.read_seconds = lane.start(r, turn.session.state, turn.ids, req, self._reading_stops)
+            job.reading = lane.read(turn.session.state, turn.ids, self._reading_stops)
         except Exception as e:
-            lane.jobs[r] = None
-            self.release(job)  # a conversation that was idle stays as it was
-            if isinstance(e, ReadingStopped):
-                raise ApiError(503, SHUTTING_DOWN) from None
-            if isinstance(e, H2OChatError):
-                raise ApiError(503, f"this prompt cannot be read here: {e}") from None
-            if out_of_memory(e):
-                raise ApiError(503, f"out of memory while reading this prompt ({str(e).splitlines()[0]})") from None
-            raise
+            self.release(job)
+            raise self._reading_error(e) from None
+        lane.jobs[r] = job
+        self.readings.append((job, lane, r))
+
+    def _reading_error(self, e: Exception) -> Exception:
+        """What a job whose prompt could not be read is told (the conversation it continues stays as it was)."""
+        if isinstance(e, ReadingStopped):
+            return ApiError(503, SHUTTING_DOWN)
+        if isinstance(e, H2OChatError):
+            return ApiError(503, f"this prompt cannot be read here: {e}")
+        if out_of_memory(e):
+            return ApiError(503, f"out of memory while reading this prompt ({str(e).splitlines()[0]})")
+        return e
+
+    def _read_some(self) -> None:
+        """Read prompts, the oldest first, until a chunk's worth of tokens (`--chunk-size`) is read this turn or
+        none is left; each prompt read moves into its row and its first token goes out at once."""
+        quantum = self.settings.chunk_size
+        while self.readings and quantum > 0:
+            job, lane, r = self.readings[0]
+            reading = job.reading
+            before = reading.read
+            try:
+                done = reading.advance()
+            except Exception as e:
+                self.readings.pop(0)
+                reading.abandon()
+                lane.jobs[r], job.reading = None, None
+                self.release(job)
+                error = self._reading_error(e)
+                if not isinstance(error, ApiError):
+                    raise error from e
+                self._send(job, ("error", error))
+                continue
+            quantum -= max(1, reading.read - before)
+            if not done:
+                continue
+            self.readings.pop(0)
+            self._enter(job, lane, r)
+            self._flush()  # its first token, before the next prompt is read
+
+    def _enter(self, job: Job, lane: Lane, r: int) -> None:
+        reading, turn = job.reading, job.turn
+        first = lane.enter(r, reading, job.req)
+        job.reading, job.read_seconds = None, reading.seconds
         turn.session.state, turn.session.nbytes = None, 0  # the conversation is in the row now
         self._send(job, ("started", None))
         self._consume(lane, r, first)
@@ -302,12 +348,21 @@ class Scheduler:
         """Checked after each chunk of a prompt: a drain stops the reading at once, not at the prompt's end."""
         return self.draining
 
-    def _step(self, lane: Lane) -> None:
-        for r, job in enumerate(lane.jobs):  # a client gone: its row is free before this step
-            if job is not None and job.cancelled:
+    def _drop_cancelled(self, lane: Lane) -> None:
+        """A client gone: its row is free before the next step (a prompt being read stops where it is, and the
+        conversation it continued stays as it was)."""
+        for r, job in enumerate(lane.jobs):
+            if job is None or not job.cancelled:
+                continue
+            if job.reading is not None:
+                job.reading.cancel()
+                self.readings = [x for x in self.readings if x[0] is not job]
+                lane.jobs[r], job.reading = None, None
+                self.release(job)
+            else:
                 lane.stop(r, keep=False)
-        if not lane.active:
-            return
+
+    def _step(self, lane: Lane) -> None:
         try:
             tokens = lane.step()
         except Exception as e:
@@ -316,7 +371,7 @@ class Scheduler:
             self._fail_lane(lane, ApiError(503, f"out of memory in a decode step ({str(e).splitlines()[0]})"))
             return
         for r, job in enumerate(lane.jobs):
-            if job is not None:
+            if job is not None and job.reading is None:
                 self._consume(lane, r, tokens[r])
 
     def _consume(self, lane: Lane, r: int, token: int) -> None:
@@ -375,7 +430,10 @@ class Scheduler:
     def _fail_lane(self, lane: Lane, error: ApiError) -> None:
         for job in lane.jobs:
             if job is not None:
+                if job.reading is not None:
+                    job.reading.cancel()
                 self._send(job, ("error", error))
+        self.readings = [x for x in self.readings if x[1] is not lane]
         self.lanes.remove(lane)
 
     def _tidy(self) -> None:
