@@ -144,3 +144,47 @@ def test_auto_compiles_on_cpu_and_decodes_eagerly_while_a_package_is_built(model
     monkeypatch.setattr(compiled, "ready", lambda *a: True)  # built: the next step runs it
     list(engine.tokens(engine.prefill(torch.tensor([[5, 6, 7]])), 3))
     assert engine._program is not None and engine.describe().startswith("compiled")
+
+
+def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model, monkeypatch):
+    """Issue 49.4: a server lane's rows come and go (a prompt read beside the rows and moved into a free one, the
+    lane grown to 2 and 4 rows, rows stopped, the lane shrunk): every step runs the one loaded program, built at
+    most once (before the first step) and never again."""
+    from types import SimpleNamespace
+
+    from h2o_chat.app.serve.rows import EngineSettings, Lane, LaneKey
+
+    builds: list[int] = []
+    real_build = compiled.build
+    monkeypatch.setattr(compiled, "build", lambda *a, **k: (builds.append(1), real_build(*a, **k))[1])
+    loaded = SimpleNamespace(model=model, tokenizer=SimpleNamespace(pad_token_id=0), context=128, device=model.device)
+    lane = Lane(loaded, LaneKey("h2o", 24, 0.9, True), make_policy("h2o", 24), EngineSettings(decode="compile"))
+    request = SimpleNamespace(temperature=0.7, repetition_penalty=1.1, top_k=0, min_p=0.0, seed=1)
+    programs = set()
+
+    def join(r: int, n: int) -> None:
+        reading = lane.read(None, [(5 + 3 * i) % 250 + 1 for i in range(n)])
+        while not reading.advance():
+            pass
+        lane.jobs[r] = SimpleNamespace(reading=None)
+        lane.enter(r, reading, request)
+
+    def steps() -> None:
+        for _ in range(6):
+            lane.step()
+            programs.add(id(lane.engine._program))
+
+    join(0, 30)
+    steps()
+    built = len(builds)
+    for rows, new in ((2, [1]), (4, [2, 3])):
+        lane.resize(rows)
+        for r in new:
+            join(r, 20 + r)
+        steps()
+    for r in (1, 3):
+        lane.stop(r, keep=False)
+    lane.resize(2)
+    steps()
+    assert lane.engine.mode == "compile" and len(programs) == 1 and None not in programs
+    assert built <= 1 and len(builds) == built, builds
