@@ -188,3 +188,36 @@ def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model
     steps()
     assert lane.engine.mode == "compile" and len(programs) == 1 and None not in programs
     assert built <= 1 and len(builds) == built, builds
+
+
+def test_a_step_asked_for_by_many_engines_is_built_by_one_process(model, tmp_path, monkeypatch):
+    """Three lanes of a server (or two servers) asking for one kind of step started three builds of one package
+    side by side; now the first claims it (a marker beside the packages, removed when the build ends) and the
+    others leave it to that one, unless its marker is stale (a build that died)."""
+    import os
+    import subprocess
+    from types import SimpleNamespace
+
+    from h2o_chat.models import prebuild
+    from h2o_chat.models.registry import ModelSpec
+
+    started: list = []
+    monkeypatch.setattr(compiled, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    loaded = SimpleNamespace(
+        model=model, device=torch.device("cpu"), spec=ModelSpec(name="tiny", source="x"), dtype=torch.float32,
+        quantize="none",
+    )  # fmt: skip
+    build = prebuild.builder_for(loaded)
+    kind = compiled.StepKind()
+    for _ in range(3):
+        build(kind)
+    assert len(started) == 1
+    marker = tmp_path / f".building-{compiled.package_key(model, kind)}"
+    assert marker.exists()
+    old = marker.stat().st_mtime - prebuild.BUILDING_STALE - 1
+    os.utime(marker, (old, old))  # its build died long ago
+    build(kind)
+    assert len(started) == 2
+    build(compiled.StepKind(quantized=True))  # another package: built beside it
+    assert len(started) == 3

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,23 +36,47 @@ def default_kinds() -> list[dict]:
     return [{**k, "recalls": DEFAULT_POLICY == "recall"} for k in DEFAULT_KINDS]
 
 
+BUILDING_STALE = 15 * 60  # seconds: a build's marker older than this belongs to a build that died
+
+
+def _claim(marker: Path) -> bool:
+    """Whether this process may start the build `marker` names: no other process is building that package (its
+    marker is absent, or stale). The builder removes it when done."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - marker.stat().st_mtime < BUILDING_STALE:
+                return False
+        except FileNotFoundError:  # it has just finished
+            return False
+        marker.touch()
+        return True
+
+
 def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable | None:
     """A builder for `Engine.builder`: starts a build of the asked step kind in a process of its own (niced, its
-    output in a log beside the packages); None where the model is not on the CPU."""
+    output in a log beside the packages), unless one is under way (three lanes of one server, or two servers,
+    started three builds of one package); None where the model is not on the CPU."""
     if loaded.device.type != "cpu":
         return None
 
     def start(kind) -> None:
         from h2o_chat.engine import compiled
 
+        folder = compiled.cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f".building-{compiled.package_key(loaded.model, kind)}"
+        if not _claim(marker):
+            return
         job = {
+            "marker": str(marker),
             "spec": dataclasses.asdict(loaded.spec),
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "quantize": loaded.quantize,
             "kinds": [dataclasses.asdict(kind)],
         }
-        folder = compiled.cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(dir=folder, prefix=".job-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(job, f)
@@ -77,12 +102,16 @@ def run_job(job: dict) -> list[Path]:
     from h2o_chat.models.registry import ModelSpec
 
     torch.set_num_threads(1)  # beside a process that decodes
-    loaded = load(ModelSpec(**job["spec"]), device="cpu", dtype=job.get("dtype"), quantize=job.get("quantize"))
     paths = []
-    for fields in job["kinds"]:
-        sampler = fields.get("sampler")
-        kind = compiled.StepKind(**{**fields, "sampler": None if sampler is None else tuple(sampler)})
-        paths.append(_build_kind(loaded.model, kind))
+    try:
+        loaded = load(ModelSpec(**job["spec"]), device="cpu", dtype=job.get("dtype"), quantize=job.get("quantize"))
+        for fields in job["kinds"]:
+            sampler = fields.get("sampler")
+            kind = compiled.StepKind(**{**fields, "sampler": None if sampler is None else tuple(sampler)})
+            paths.append(_build_kind(loaded.model, kind))
+    finally:
+        if job.get("marker"):
+            Path(job["marker"]).unlink(missing_ok=True)
     return paths
 
 
