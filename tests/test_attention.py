@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from h2o_chat.engine import attention
 from h2o_chat.engine.attention import attention_with_mass, causal_sdpa
-from h2o_chat.engine.forward import Forward
+from h2o_chat.engine.forward import Chunk
 
 
 def reference(q, k, v, scale, allowed):
@@ -24,7 +24,7 @@ def reference(q, k, v, scale, allowed):
 
 def chunk_mask(real: torch.Tensor, stored_valid: torch.Tensor | None) -> torch.Tensor:
     """The additive mask the cache builds once per chunk."""
-    fwd = Forward("chunk", real.shape[1], real=real, attend_from=0 if stored_valid is None else stored_valid.shape[1])
+    fwd = Chunk(real.shape[1], real=real, attend_from=0 if stored_valid is None else stored_valid.shape[1])
     fwd.stored_valid = stored_valid
     return fwd.mask(torch.float32)
 

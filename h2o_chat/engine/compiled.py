@@ -128,7 +128,7 @@ class StepModule(torch.nn.Module):
         sampler = None
         if drawn_names:
             sampler = self._sampler.with_tensors({n: next(it) for n in drawn_names})
-        twin_cache.forward = fw.Forward("step", 1, layers=len(twin_cache.layers))
+        twin_cache.forward = fw.Step(layers=len(twin_cache.layers))
         out = self.model(input_ids=tokens[:, None], position_ids=positions, use_cache=True, logits_to_keep=1,
                          **{self._kw: twin_cache})  # fmt: skip
         logits = out.logits[:, -1]

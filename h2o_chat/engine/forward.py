@@ -4,7 +4,8 @@
    chunk numbers its tokens and builds its attention mask, once for every layer. Both return the model's
    position ids.
 2. The model runs; each layer's attention (`H2OLayer.attend`) reads the storage and gives its new keys, values
-   and the mass its slots received to the `Forward` (a chunk that fits is written into its slots at once).
+   and the mass its slots received to the forward (a `Step` or a `Chunk`; a chunk that fits is written into its
+   slots at once).
 3. `end`: a step's new tokens go into the spare slot (every layer in one write) and its mass into the scores;
    then `evict.step` or `evict.chunk` places the new tokens for every layer at once; rows advance.
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -22,40 +24,25 @@ from h2o_chat.errors import CacheUsageError
 
 
 @dataclass
-class Forward:
-    """The forward now running: what kind it is and, for a prompt chunk, what it leaves for `end()`."""
+class Step:
+    """A decode step now running: one column; each layer keeps its new key and value (B, H, 1, D), the mass its
+    slots received (B, H, S: the new token's own at the spare's index) and the store entries it recalled
+    (B, H, k) for `end()`, which writes every layer's at once."""
 
-    kind: str  # "step" | "chunk"
-    columns: int  # T
-    valid: torch.Tensor | None = None  # step: (B, 1, S) slots holding a token
-    real: torch.Tensor | None = None  # chunk: (B, T) real (non-padding) tokens
-    pos_new: torch.Tensor | None = None  # chunk: (B, T) true positions, -1 = padding
-    rot_new: torch.Tensor | None = None  # chunk: (B, T) positions the new keys are rotated at
-    attend_from: int = 0  # chunk: stored slots that can hold tokens (the chunk's keys follow them)
-    fits: bool = False  # chunk: every row has room for all its tokens (no selection needed)
-    track_mass: bool = True  # chunk: some row's policy needs the attention mass
-    fused: bool = False  # chunk: output from the fused kernel (see attention.attention_with_mass)
-    keys: torch.Tensor | None = None  # chunk: (L, B, H, T, D), filled layer by layer
-    values: torch.Tensor | None = None
-    score: torch.Tensor | None = None  # chunk: (L, B, H, T) fp32 mass the new tokens received
-    probe: object | None = None  # snap pass 1 (`snap.Probe`)
-    observation: object | None = None  # snap pass 2 (`snap.Observation`)
-    stored_valid: torch.Tensor | None = None  # chunk: (B, attend_from) stored slots holding a token
-    target: torch.Tensor | None = None  # chunk that fits: (B, T) the slots its tokens are written into
     layers: int = 0
-    _mask: torch.Tensor | None = field(default=None, repr=False)
-    # step: each layer's new key and value (B, H, 1, D), the mass its slots received (B, H, S), the new token's
-    # own at the spare's index, and the store entries it recalled (B, H, k); `take` stacks them for every layer
+    valid: torch.Tensor | None = None  # (B, 1, S) slots holding a token
     new: list[tuple] = field(default_factory=list, repr=False)
     kept: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
+    kind: ClassVar[str] = "step"
+    columns: ClassVar[int] = 1
 
     def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor, picked: torch.Tensor | None) -> None:
         self.new.append((key, value, mass) if picked is None else (key, value, mass, picked))
 
     def slots_valid(self, slots: Slots) -> torch.Tensor:
-        """step: (B, 1, S) the slots holding a token, found once per step from the slots' positions (inside the
-        step, so that a compiled step reads nothing made outside it but the storage). A compiled step keeps no
-        state of its own (`compiled.py`): it finds them again in each layer, a few fused comparisons."""
+        """(B, 1, S) the slots holding a token, found once per step from the slots' positions (inside the step,
+        so that a compiled step reads nothing made outside it but the storage). A compiled step keeps no state of
+        its own (`compiled.py`): it finds them again in each layer, a few fused comparisons."""
         if torch.compiler.is_compiling():
             return slots.valid()[:, None, :]
         if self.valid is None:
@@ -68,6 +55,31 @@ class Forward:
         parts = list(zip(*self.new, strict=True))
         self.new.clear()
         return (torch.stack(parts[0])[..., 0, :], torch.stack(parts[1])[..., 0, :], *map(torch.stack, parts[2:]))
+
+
+@dataclass
+class Chunk:
+    """A prompt chunk now running, and what it leaves for `end()`: its tokens' keys, values and mass, every
+    layer's, when they must wait for the eviction (a chunk that fits is written into its slots at once)."""
+
+    columns: int  # T
+    real: torch.Tensor  # (B, T) real (non-padding) tokens
+    pos_new: torch.Tensor | None = None  # (B, T) true positions, -1 = padding
+    rot_new: torch.Tensor | None = None  # (B, T) positions the new keys are rotated at
+    attend_from: int = 0  # stored slots that can hold tokens (the chunk's keys follow them)
+    fits: bool = False  # every row has room for all its tokens (no selection needed)
+    track_mass: bool = True  # some row's policy needs the attention mass
+    fused: bool = False  # output from the fused kernel (see attention.attention_with_mass)
+    keys: torch.Tensor | None = None  # (L, B, H, T, D), filled layer by layer
+    values: torch.Tensor | None = None
+    score: torch.Tensor | None = None  # (L, B, H, T) fp32 mass the new tokens received
+    probe: object | None = None  # snap pass 1 (`snap.Probe`)
+    observation: object | None = None  # snap pass 2 (`snap.Observation`)
+    stored_valid: torch.Tensor | None = None  # (B, attend_from) stored slots holding a token
+    target: torch.Tensor | None = None  # a chunk that fits: (B, T) the slots its tokens are written into
+    layers: int = 0
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+    kind: ClassVar[str] = "chunk"
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, 1, T, n + T) additive, built once per chunk for every layer and head: a real query sees the
@@ -145,7 +157,7 @@ def begin_step(cache) -> torch.Tensor:
     spare = s.capacity
     s.pos[..., spare] = s.seen[None, :, None]
     s.rot[..., spare] = s.next_rot[None, :, None]
-    cache.forward = Forward("step", 1, layers=len(cache.layers))
+    cache.forward = Step(layers=len(cache.layers))
     return s.next_rot[:, None]
 
 
@@ -167,8 +179,7 @@ def begin_chunk(cache, mask: torch.Tensor | None, T: int, batch: int | None) -> 
     before = cache.columns - T
     capacity = s.capacity if s is not None else cache.capacity_for(0)
     limits = [g.policy.capacity or capacity for g in cache.groups]
-    fwd = Forward(
-        "chunk",
+    fwd = Chunk(
         T,
         real=real,
         pos_new=(seen[:, None] + steps).masked_fill(~real, -1),
@@ -186,6 +197,9 @@ def begin_chunk(cache, mask: torch.Tensor | None, T: int, batch: int | None) -> 
         fwd.stored_valid = s.valid()[:, : fwd.attend_from]
     cache.forward = fwd
     return fwd.rot_new.clamp(min=0)
+
+
+Forward = Step | Chunk
 
 
 def end(cache, fwd: Forward) -> None:
