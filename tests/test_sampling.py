@@ -12,7 +12,7 @@ P = torch.tensor([0.5, 0.3, 0.2])
 
 
 def draws(sampler: Sampler, logits: torch.Tensor, n: int) -> torch.Tensor:
-    rows = sampler.rows(logits.shape[0], logits.device, logits.shape[-1])
+    rows = sampler.for_batch(logits.shape[0], logits.device, logits.shape[-1])
     return torch.stack([rows(logits) for _ in range(n)])  # (n, B)
 
 
@@ -42,7 +42,7 @@ def test_the_penalty_reaches_back_256_tokens():
     repeated 9.6% of their first 500 tokens' 4-grams; 256 looped never and repeated 1.4%. A token 200 draws ago
     is still held back; one 256 draws ago is free again."""
     assert PENALTY_WINDOW == 256
-    rows = Sampler(repetition_penalty=2.0).rows(1, torch.device("cpu"), 4)
+    rows = Sampler(repetition_penalty=2.0).for_batch(1, torch.device("cpu"), 4)
     rows.observe(torch.tensor([[0]]))
     for _ in range(200):
         rows(torch.tensor([[0.0, 0.0, 9.0, 0.0]]))  # token 2, over and over
@@ -54,24 +54,24 @@ def test_the_penalty_reaches_back_256_tokens():
 
 def test_greedy_and_sampling_rows_side_by_side():
     logits = torch.tensor([[0.0, 0.1, 0.0], [0.0, 0.1, 0.0]])
-    rows = Sampler(temperature=1.0, seed=5).rows(2, torch.device("cpu"), 3, temperature=[0.0, 1.0])
+    rows = Sampler(temperature=1.0, seed=5).for_batch(2, torch.device("cpu"), 3, temperature=[0.0, 1.0])
     got = torch.stack([rows(logits) for _ in range(200)])
     assert (got[:, 0] == 1).all() and len(set(got[:, 1].tolist())) == 3
 
 
 def test_repetition_penalty_steers_away_from_recent_tokens():
-    rows = Sampler(repetition_penalty=2.0).rows(1, torch.device("cpu"), 4)
+    rows = Sampler(repetition_penalty=2.0).for_batch(1, torch.device("cpu"), 4)
     rows.observe(torch.tensor([[0, 3]]))  # the prompt's tokens count as recent
     logits = torch.tensor([[2.0, 1.5, -1.0, 1.8]])
     assert rows(logits).item() == 1  # 2.0 / 2 and 1.8 / 2 fall below 1.5
     assert rows(torch.tensor([[1.0, 1.9, 1.0, 1.0]])).item() == 2  # the sampled 1 is recent now: 0.95 < 1.0
-    fresh = Sampler(repetition_penalty=2.0).rows(1, torch.device("cpu"), 4)
+    fresh = Sampler(repetition_penalty=2.0).for_batch(1, torch.device("cpu"), 4)
     fresh.observe(torch.tensor([[0, 3]]))
     assert fresh(torch.tensor([[-1.0, -1.2, -3.0, -9.0]])).item() == 1  # negative logits are multiplied: -2 < -1.2
     for _ in range(PENALTY_WINDOW):  # the window moves on: old tokens are free again
         rows(torch.tensor([[0.0, 0.0, 9.0, 0.0]]))
     assert rows(logits).item() == 0
-    plain = Sampler().rows(1, torch.device("cpu"), 4)
+    plain = Sampler().for_batch(1, torch.device("cpu"), 4)
     plain.observe(torch.tensor([[0, 3]]))
     assert plain(logits).item() == 0  # penalty 1: nothing changes
 
@@ -93,7 +93,7 @@ def test_min_p_drops_tokens_far_below_the_most_likely():
 
 def test_filters_are_per_row_and_combine_with_top_p():
     logits = torch.zeros(2, 8)  # uniform: every filter decides alone
-    rows = Sampler(temperature=1.0, top_p=0.99, seed=4).rows(2, torch.device("cpu"), 8, top_k=[3, 0])
+    rows = Sampler(temperature=1.0, top_p=0.99, seed=4).for_batch(2, torch.device("cpu"), 8, top_k=[3, 0])
     got = torch.stack([rows(logits) for _ in range(300)])
     assert len(set(got[:, 0].tolist())) == 3  # ties: any three, always the same three
     assert len(set(got[:, 1].tolist())) == 8  # the other row keeps every token
@@ -103,7 +103,7 @@ def test_filters_are_per_row_and_combine_with_top_p():
 def test_a_top_k_above_the_nucleus_cap_ranks_that_many():
     from h2o_chat.engine.sampling import NUCLEUS_CAP
 
-    rows = Sampler(temperature=1.0, top_k=NUCLEUS_CAP + 100, seed=1).rows(1, torch.device("cpu"), 2000)
+    rows = Sampler(temperature=1.0, top_k=NUCLEUS_CAP + 100, seed=1).for_batch(1, torch.device("cpu"), 2000)
     assert rows.cut == NUCLEUS_CAP + 100
     assert rows(torch.zeros(1, 2000)).shape == (1,)
 
@@ -146,7 +146,7 @@ def test_a_refilled_rows_first_token_and_its_next_step_draw_different_noise():
     flat = torch.zeros(2, V)
     same = 0
     for seed in range(trials):
-        rows = Sampler(temperature=1.0, seed=seed).rows(2, torch.device("cpu"), V)
+        rows = Sampler(temperature=1.0, seed=seed).for_batch(2, torch.device("cpu"), V)
         rows.observe(torch.ones(2, 3, dtype=torch.long))
         rows(flat)  # a step of the whole batch, then row 1 takes a new prompt
         rows.start_row(1, torch.ones(1, 5, dtype=torch.long))

@@ -205,7 +205,7 @@ def test_the_panel_at_80_columns_never_cuts_a_word():
     for width in (80, 90, 100):
         lines = draw(view.render(stats()), width=width).splitlines()
         assert len(lines) == 10 and all(len(line) == width for line in lines)
-        rows = {label: value for label, value in view.rows(stats(), {"rss": 0}, width)}
+        rows = {label: value for label, value in view.entries(stats(), {"rss": 0}, width)}
         for label, full in (("model", f"smollm2-135m on {device}"), ("speed", view.turn.speed())):
             line = next(line for line in lines if line.startswith(f"│ {label}"))
             shown = line.strip("│ ").removeprefix(label).strip()

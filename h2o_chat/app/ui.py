@@ -281,7 +281,7 @@ class PanelView:
     def render(self, stats) -> _Panel:
         return _Panel(self, stats, self.memory())
 
-    def rows(self, stats, mem: dict, width: int = 200) -> list[tuple[str, str]]:
+    def entries(self, stats, mem: dict, width: int = 200) -> list[tuple[str, str]]:
         """The boxed panel's (label, value) rows for a panel `width` columns wide."""
         memory = f"RSS {human_bytes(mem['rss'])}"
         if "gpu_allocated" in mem:
@@ -359,7 +359,7 @@ class _Panel:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold", no_wrap=True, min_width=len("positions"))
         grid.add_column(no_wrap=True, overflow="ellipsis")
-        for label, value in self.view.rows(self.stats, self.mem, options.max_width):
+        for label, value in self.view.entries(self.stats, self.mem, options.max_width):
             grid.add_row(label, value)
         yield Panel(grid, title="h2o-chat", title_align="left", border_style="dim")
 

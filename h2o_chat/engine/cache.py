@@ -10,7 +10,7 @@ eviction (`evict.py`), the storage itself (`slots.py`). What one sequence holds 
 `_start`: a new cache starts with it and `reset` returns to it.
 
 A forward is begun and ended explicitly -- by the decode engine, or for `model.generate` by hooks on the
-model's base module -- and says what it is: `before_forward(T, real)` (host only, never inside a captured
+model's base module -- and says what it is: `before_forward(T, counts)` (host only, never inside a captured
 step: context checks, renumbering, room in a full cache), `begin(kind, mask)`, the model, `end()`.
 """
 
@@ -260,12 +260,12 @@ class H2OCache(CacheProtocol):
 
     # -- a forward ----------------------------------------------------------------------------------
     @inference
-    def before_forward(self, new_tokens: int, real: list[int] | None = None) -> None:
+    def before_forward(self, new_tokens: int, counts: list[int] | None = None) -> None:
         """Host bookkeeping before a forward of `new_tokens` columns (never inside a captured step): stop models
         that cannot go on, warn once, renumber rows whose positions would pass their window, make room in a
-        full cache; then count the columns. `real`: each row's own tokens among them, host ints (a left-padded
+        full cache; then count the columns. `counts`: each row's own tokens among them, host ints (a left-padded
         row has fewer); None: every column of every row (a decode step, an unpadded prompt)."""
-        fw.before(self, new_tokens, real)
+        fw.before(self, new_tokens, counts)
 
     def begin(self, kind: str, mask: torch.Tensor | None = None, columns: int = 1, batch: int | None = None):
         """Begin a forward of `columns` new columns: kind "step" (one token per row, every row real) or

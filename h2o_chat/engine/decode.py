@@ -173,7 +173,7 @@ class Engine:
         if sampler is None:
             self.sampler = None
             return
-        new = sampler.rows(batch, self.device, self.vocab, **per_row)
+        new = sampler.for_batch(batch, self.device, self.vocab, **per_row)
         old = self.sampler
         if old is not None and old.shape_key == new.shape_key:
             old.load(new)
@@ -288,7 +288,7 @@ class Engine:
         cache = self.cache
         positions = cache.begin("step")
         if self._program is not None:
-            logits, tokens, *cache.forward.kept = self._program(self._tokens, positions, cache, self.sampler)
+            logits, tokens, *cache.forward.returned = self._program(self._tokens, positions, cache, self.sampler)
         else:
             logits, tokens = self._produce(self._tokens, positions)
         cache.end()  # new tokens into their slots, eviction for every layer, rows advance

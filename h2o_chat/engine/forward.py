@@ -32,9 +32,8 @@ class Step:
     layers: int = 0
     valid: torch.Tensor | None = None  # (B, 1, S) slots holding a token
     new: list[tuple] = field(default_factory=list, repr=False)
-    kept: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
+    returned: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
     kind: ClassVar[str] = "step"
-    columns: ClassVar[int] = 1
 
     def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor, picked: torch.Tensor | None) -> None:
         self.new.append((key, value, mass) if picked is None else (key, value, mass, picked))
@@ -62,7 +61,7 @@ class Chunk:
     """A prompt chunk now running, and what it leaves for `end()`: its tokens' keys, values and mass, every
     layer's, when they must wait for the eviction (a chunk that fits is written into its slots at once)."""
 
-    columns: int  # T
+    width: int  # T, the chunk's columns
     real: torch.Tensor  # (B, T) real (non-padding) tokens
     pos_new: torch.Tensor | None = None  # (B, T) true positions, -1 = padding
     rot_new: torch.Tensor | None = None  # (B, T) positions the new keys are rotated at
@@ -97,7 +96,7 @@ class Chunk:
         return torch.cat((front, mask.expand(-1, H, -1, -1)), dim=-1)
 
     def _build_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        real, T = self.real, self.columns
+        real, T = self.real, self.width
         dev = real.device
         new = torch.ones(T, T, dtype=torch.bool, device=dev).tril() & real[:, None, None, :]  # (B, 1, T, T)
         new = (new & real[:, None, :, None]) | torch.eye(T, dtype=torch.bool, device=dev)
@@ -126,24 +125,24 @@ class Chunk:
         self.values[i] = value
 
 
-def before(cache, new_tokens: int, real: list[int] | None) -> None:
+def before(cache, new_tokens: int, counts: list[int] | None) -> None:
     """`H2OCache.before_forward`: context checks and renumbering (`Numbering.check`), room in a full cache, then
     the columns counted, per row too."""
-    if real is None:
-        real = [new_tokens] * len(cache.rows)
+    if counts is None:
+        counts = [new_tokens] * len(cache.rows)
     elif not cache.rows:  # the first rows' counts, before storage exists (allocate keeps them)
-        cache.rows = [RowState(g, cache.columns, cache.columns) for g in cache.row_groups(len(real))]
-    cache.numbering.check(cache, new_tokens, real)
+        cache.rows = [RowState(g, cache.columns, cache.columns) for g in cache.row_groups(len(counts))]
+    cache.numbering.check(cache, new_tokens, counts)
     allocation.grow(cache, new_tokens)
     store = cache.store
     if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
         rows = cache.rows
-        store.counted(real, [cache.limit(r) for r in range(len(rows))], [row.seen for row in rows])
+        store.counted(counts, [cache.limit(r) for r in range(len(rows))], [row.seen for row in rows])
         due = store.due()
         if due:
             store.fit(due, cache.slots)
     cache.columns += new_tokens
-    for row, n in zip(cache.rows, real, strict=True):
+    for row, n in zip(cache.rows, counts, strict=True):
         row.bound += n
         row.seen += n
         row.columns += new_tokens
@@ -206,7 +205,7 @@ def end(cache, fwd: Forward) -> None:
     """Place the forward's new tokens, evict, advance the rows."""
     s = cache.slots
     if fwd.kind == "step":
-        keys, values, mass, *picked = fwd.kept if fwd.kept is not None else fwd.take()
+        keys, values, mass, *picked = fwd.returned if fwd.returned is not None else fwd.take()
         s.write((slice(None), slice(None), slice(None), s.capacity), keys, values)
         if picked:
             cache.store.mark(picked[0])

@@ -306,7 +306,8 @@ class Rules:
             any_decay=any(d != 1.0 for d in decays),
         )
 
-    def rows(self, index: torch.Tensor) -> Rules:
+    def of_rows(self, index: torch.Tensor) -> Rules:
+        """The rules of batch rows `index` (a row's view)."""
         pick = [t.index_select(0, index) for t in (self.by_score, self.recent, self.sinks, self.limit, self.decay)]
         return Rules(*pick, self.uniform, self.all_by_score, self.any_protected_sinks, self.any_decay)
 

@@ -86,14 +86,14 @@ class Numbering:
         window = self.context if group.positions == "auto" else min(self.context, 2 * limit)
         return max(window, limit + new)
 
-    def check(self, cache, new_tokens: int, real: list[int]) -> None:
-        """Before a forward of `new_tokens` columns (`real`: each row's own tokens among them; empty before
+    def check(self, cache, new_tokens: int, counts: list[int]) -> None:
+        """Before a forward of `new_tokens` columns (`counts`: each row's own tokens among them; empty before
         storage exists): stop a model that cannot go on, warn once, renumber the rows that would pass their
         window."""
         if self.context is None:
             return
         rows = cache.rows
-        ends = [r.bound + n for r, n in zip(rows, real, strict=True)] or [cache.columns + new_tokens]
+        ends = [r.bound + n for r, n in zip(rows, counts, strict=True)] or [cache.columns + new_tokens]
         if max(ends) > self.context and (self.rope is None and self.rope_problem is None):
             raise ContextLimitError(self.context)
         if not rows or cache.slots is None:  # nothing stored yet: the first chunk starts at position 0
@@ -102,7 +102,7 @@ class Numbering:
             return
         renumber = []
         for r, row in enumerate(rows):
-            window = self.window(row.group, cache.limit(r), real[r])
+            window = self.window(row.group, cache.limit(r), counts[r])
             if window is None:
                 if ends[r] > self.context:
                     self._past_context(cache)
@@ -110,7 +110,7 @@ class Numbering:
                 renumber.append(r)
         if renumber:
             self.renumber(cache, renumber)
-            over = max(rows[r].bound + real[r] for r in renumber)
+            over = max(rows[r].bound + counts[r] for r in renumber)
             if over > self.context:
                 cache.warn_once(
                     "window",

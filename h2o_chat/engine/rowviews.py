@@ -49,7 +49,7 @@ def row(cache, r: int):
     and what the prompt evicted into the store when the row recalls (the view keeps its own while it reads: its
     chunks recall only what this prompt evicted)."""
     view = twin(cache, cache.slots.row(r))
-    view.rules = cache.rules.rows(torch.tensor([r], device=cache.slots.seen.device))
+    view.rules = cache.rules.of_rows(torch.tensor([r], device=cache.slots.seen.device))
     view.rows = [cache.rows[r].copy()]
     view.columns = view.rows[0].columns
     view.groups = [Group(view.rows[0].group.policy, None, view.rows[0].group.positions)]

@@ -71,7 +71,7 @@ class Sampler:
     def effective_seed(self) -> int:
         return (self.seed if self.seed is not None else self._auto_seed) & 0x7FFFFFFF
 
-    def rows(self, batch: int, device: torch.device, vocab: int, **overrides) -> RowSampler:
+    def for_batch(self, batch: int, device: torch.device, vocab: int, **overrides) -> RowSampler:
         """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty / top_k / min_p to
         per-row lists."""
         per_row = {

@@ -199,10 +199,10 @@ class Store(Table):
             self.clear_row(r)
 
     # -- host bookkeeping ------------------------------------------------------------------------------
-    def counted(self, real: list[int], held_cap: list[int], seen: list[int]) -> None:
-        """Before a forward that reads `real` tokens into each row, which holds at most `held_cap` and has seen
+    def counted(self, counts: list[int], held_cap: list[int], seen: list[int]) -> None:
+        """Before a forward that reads `counts` tokens into each row, which holds at most `held_cap` and has seen
         `seen` (before them): what each row will have evicted once it has read them."""
-        for r, (n, cap, s) in enumerate(zip(real, held_cap, seen, strict=True)):
+        for r, (n, cap, s) in enumerate(zip(counts, held_cap, seen, strict=True)):
             self.held_cap[r] = cap
             if self.recalled[r]:
                 self.evicted[r] = max(0, s + n - cap)

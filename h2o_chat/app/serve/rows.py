@@ -150,7 +150,8 @@ class Lane:
         return Sampler(top_p=self.key.top_p), per_row
 
     @property
-    def rows(self) -> int:
+    def size(self) -> int:
+        """Rows of its batch, taken or free."""
         return len(self.jobs)
 
     @property
@@ -225,7 +226,7 @@ class Lane:
             "policy": self.key.policy,
             "budget": self.key.budget,
             "top_p": self.key.top_p,
-            "rows": self.rows,
+            "rows": self.size,
             "decode": self.engine.describe(),
             "closing": self.closing,
             "active": [  # no conversation ids: a client must not learn of others' conversations

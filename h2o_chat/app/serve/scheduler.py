@@ -270,10 +270,10 @@ class Scheduler:
             self.lanes.append(lane)
         r = lane.free_row()
         if r is None:
-            rows = min(2 * lane.rows, self.max_rows)
-            if rows == lane.rows:
+            rows = min(2 * lane.size, self.max_rows)
+            if rows == lane.size:
                 return None
-            self._fits(policy, rows - lane.rows)
+            self._fits(policy, rows - lane.size)
             lane.resize(rows)
             r = lane.free_row()
         return lane, r
@@ -442,8 +442,8 @@ class Scheduler:
         for lane in list(self.lanes):
             if not lane.active and (len(self.lanes) > 1 or self.waiting or lane.closing):
                 self.lanes.remove(lane)
-            elif lane.rows > 1 and lane.active <= lane.rows // 4:
-                lane.resize(max(1, lane.rows // 2))
+            elif lane.size > 1 and lane.active <= lane.size // 4:
+                lane.resize(max(1, lane.size // 2))
 
     # -- what /v1/stats shows ----------------------------------------------------------------------------
     def stats(self) -> dict:
