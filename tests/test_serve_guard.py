@@ -299,3 +299,25 @@ def test_a_long_prompt_is_read_a_chunk_at_a_time_while_the_other_rows_keep_decod
     assert read["choices"][0]["text"] == alone["choices"][0]["text"]
     assert during >= 1500 // 16 // 2, (during, read["h2o"]["time_to_first_token"])
     assert stats["rows_busy"] == 1 and len(arrivals) > 1000
+
+
+def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkeypatch, capfd):
+    """A lane whose step cannot be compiled (or captured) decodes eagerly and says why. The server used to drop
+    its engines' notices: on the H200 its lanes ran eagerly and nothing said why."""
+    from h2o_chat.app.serve.rows import EngineSettings
+    from h2o_chat.engine import compiled
+
+    if compiled.unavailable():
+        pytest.skip(compiled.unavailable())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the compiler is missing")
+
+    monkeypatch.setattr(compiled, "program", broken)
+    with serving(tiny, engine=EngineSettings(decode="compile")) as (server, port):
+        status, _ = post(port, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 4})
+        stats = get(port, "/v1/stats")[1]
+    assert status == 200
+    said = "decode steps run eagerly: compiling one failed (the compiler is missing)"
+    assert any(said in n for lane in stats["lanes"] for n in lane["notices"]), stats["lanes"]
+    assert f"h2o-chat: {said}" in capfd.readouterr().err

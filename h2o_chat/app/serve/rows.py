@@ -27,6 +27,7 @@ from h2o_chat.engine.sampling import Sampler
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
 
+NOTES_KEPT = 8  # a lane's last notices, in /v1/stats
 CLEAR_FREE_EVERY = 256  # steps: free rows are fed filler tokens; emptying them keeps their positions small
 
 
@@ -136,6 +137,7 @@ class Lane:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's next input token
         self.steps = 0
         self.spare = None  # a reading's one-row cache, emptied for the next (`Reading.release`)
+        self.notes: list[str] = []  # what its engine had to say (a step that could not be captured), newest last
 
     def _sampler(self, rows: int) -> tuple:
         """A sampler whose step can serve any row's settings (sampling, a penalty, the key's cut): each row's
@@ -211,6 +213,12 @@ class Lane:
         self.jobs[r] = None
         return stats, state
 
+    def take_notices(self) -> list[str]:
+        """Its engine's new notices (`/v1/stats` keeps the last few)."""
+        new = self.cache.pop_notices()
+        self.notes = (self.notes + new)[-NOTES_KEPT:]
+        return new
+
     def step(self) -> list[int]:
         """One decode step of every row (free rows are fed filler tokens): each row's next token."""
         self.steps += 1
@@ -229,6 +237,7 @@ class Lane:
             "rows": self.size,
             "decode": self.engine.describe(),
             "closing": self.closing,
+            "notices": list(self.notes),
             "active": [  # no conversation ids: a client must not learn of others' conversations
                 {
                     "row": r,

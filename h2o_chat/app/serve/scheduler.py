@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import gc
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -370,6 +371,8 @@ class Scheduler:
                 raise
             self._fail_lane(lane, ApiError(503, f"out of memory in a decode step ({str(e).splitlines()[0]})"))
             return
+        for notice in lane.take_notices():  # e.g. a step that could not be captured: said, never swallowed
+            print(f"h2o-chat: {notice}", file=sys.stderr, flush=True)
         for r, job in enumerate(lane.jobs):
             if job is not None and job.reading is None:
                 self._consume(lane, r, tokens[r])
