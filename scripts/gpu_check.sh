@@ -19,7 +19,8 @@ if [ "${1:-}" = "--prepare" ]; then
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
   mkdir -p .whl .gpu/tokenizer
   for pkg in bitsandbytes gguf prompt-toolkit wcwidth starlette uvicorn pydantic==2.14.4 pydantic-core==2.50.5 \
-      annotated-types typing-inspection typing-extensions; do  # what the image lacks (serve needs the web ones)
+      annotated-types typing-inspection typing-extensions openai==3.57.0 jiter distro sniffio; do  # what the image
+    # lacks: serve needs the web ones, its CUDA-marked tests the openai client
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       --platform any -d .whl "$pkg"
