@@ -321,3 +321,34 @@ def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkey
     said = "decode steps run eagerly: compiling one failed (the compiler is missing)"
     assert any(said in n for lane in stats["lanes"] for n in lane["notices"]), stats["lanes"]
     assert f"h2o-chat: {said}" in capfd.readouterr().err
+
+
+def test_a_prompt_read_while_its_lane_shrinks_enters_the_row_it_moved_to(tiny):
+    """Rows move when a lane is resized (its busy rows go to the front). A prompt still being read when the lane
+    shrank entered the row number it was given, which no longer existed (or was another's): it must follow its
+    row. Three short replies take rows 0-2 and a long prompt row 3; the replies end while it is read, the lane
+    shrinks from 4 rows to 2, and the prompt's reply is still the one it gets alone."""
+    from h2o_chat.app.serve.rows import EngineSettings
+
+    prompt = " ".join(f"w{4 + (11 * i) % 250}" for i in range(2000))
+    with serving(tiny, ends=False, rows=4, engine=EngineSettings(decode="eager", chunk_size=16)) as (server, port):
+        alone = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})[1]
+        firsts = [threading.Event() for _ in range(3)]
+
+        def short(i: int) -> None:
+            body = {"model": "m", "prompt": f"w{5 + i} w9", "max_tokens": 30, "stream": True}
+            for _ in client(port).completions.create(**body):
+                firsts[i].set()
+
+        threads = []
+        for i in range(3):  # one at a time: rows 0, 1 and 2, the lane grown to 4
+            threads.append(threading.Thread(target=short, args=(i,), daemon=True))
+            threads[-1].start()
+            assert firsts[i].wait(30)
+        status, read = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        for th in threads:
+            th.join(30)
+        lanes = get(port, "/v1/stats")[1]["lanes"]
+    assert status == 200, read
+    assert read["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert [lane["rows"] for lane in lanes] == [1]

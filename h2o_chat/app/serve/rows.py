@@ -165,6 +165,10 @@ class Lane:
     def decoding(self) -> int:
         return sum(j is not None and j.reading is None for j in self.jobs)
 
+    def row_of(self, job) -> int:
+        """The row `job` holds now (a resize moves the busy rows to the front)."""
+        return next(r for r, j in enumerate(self.jobs) if j is job)
+
     def free_row(self) -> int | None:
         return next((r for r, j in enumerate(self.jobs) if j is None), None)
 

@@ -80,7 +80,8 @@ class Scheduler:
         self.plain = use_chat_template(loaded.tokenizer)  # a base model's plain template: replies end at "\nUser:"
         self.lanes: list[Lane] = []
         self.waiting: list[Job] = []
-        self.readings: list[tuple[Job, Lane, int]] = []  # prompts being read, the oldest first
+        # prompts being read, the oldest first (their rows are looked up when used: a resize moves rows)
+        self.readings: list[tuple[Job, Lane]] = []
         self.inbox: queue.Queue = queue.Queue()
         self.draining = False
         self.served = 0
@@ -174,7 +175,7 @@ class Scheduler:
 
     def _end(self, error: ApiError) -> None:
         """The thread ends: whatever is left, and whatever comes later (under the gate), gets `error`."""
-        for job, _, _ in self.readings:
+        for job, _ in self.readings:
             job.reading.cancel()
         self.readings = []
         with self._gate:
@@ -298,7 +299,7 @@ class Scheduler:
             self.release(job)
             raise self._reading_error(e) from None
         lane.jobs[r] = job
-        self.readings.append((job, lane, r))
+        self.readings.append((job, lane))
 
     def _reading_error(self, e: Exception) -> Exception:
         """What a job whose prompt could not be read is told (the conversation it continues stays as it was)."""
@@ -315,30 +316,34 @@ class Scheduler:
         none is left; each prompt read moves into its row and its first token goes out at once."""
         quantum = self.settings.chunk_size
         while self.readings and quantum > 0:
-            job, lane, r = self.readings[0]
+            job, lane = self.readings[0]
             reading = job.reading
             before = reading.read
             try:
                 done = reading.advance()
             except Exception as e:
-                self.readings.pop(0)
-                reading.abandon()
-                lane.jobs[r], job.reading = None, None
-                self.release(job)
+                self._unread(job, lane, reading.abandon)
                 error = self._reading_error(e)
                 if not isinstance(error, ApiError):
                     raise error from e
                 self._send(job, ("error", error))
                 continue
             quantum -= max(1, reading.read - before)
-            if not done:
-                continue
-            self.readings.pop(0)
-            self._enter(job, lane, r)
-            self._flush()  # its first token, before the next prompt is read
+            if done:
+                self.readings.pop(0)
+                self._enter(job, lane)
+                self._flush()  # its first token, before the next prompt is read
 
-    def _enter(self, job: Job, lane: Lane, r: int) -> None:
-        reading, turn = job.reading, job.turn
+    def _unread(self, job: Job, lane: Lane, end: Callable[[], None]) -> None:
+        """A prompt that will not be read to its end: its reading ends (`end`), its row is free, and the
+        conversation it continues stays as it was."""
+        end()
+        self.readings = [x for x in self.readings if x[0] is not job]
+        lane.jobs[lane.row_of(job)], job.reading = None, None
+        self.release(job)
+
+    def _enter(self, job: Job, lane: Lane) -> None:
+        reading, turn, r = job.reading, job.turn, lane.row_of(job)
         first = lane.enter(r, reading, job.req)
         job.reading, job.read_seconds = None, reading.seconds
         turn.session.state, turn.session.nbytes = None, 0  # the conversation is in the row now
@@ -356,10 +361,7 @@ class Scheduler:
             if job is None or not job.cancelled:
                 continue
             if job.reading is not None:
-                job.reading.cancel()
-                self.readings = [x for x in self.readings if x[0] is not job]
-                lane.jobs[r], job.reading = None, None
-                self.release(job)
+                self._unread(job, lane, job.reading.cancel)
             else:
                 lane.stop(r, keep=False)
 
