@@ -107,7 +107,7 @@ class Reading:
 
     def release(self) -> None:
         """Its cache, emptied, for the lane's next reading."""
-        if self.cache is not None and self.cache.slots is not None and self.cache.slots.batch == 1:
+        if self.cache is not None and self.cache.slots is not None:
             self.cache.clear()
             self.lane.spare = self.cache
         self.cache = None
@@ -194,9 +194,8 @@ class Lane:
     def enter(self, r: int, reading: Reading, req) -> int:
         """Move a finished reading into row r (free), in place: the other rows are untouched. Returns the reply's
         first token, drawn with the request's sampling settings."""
-        self.cache.clear_row(r)
         view = self.cache.row(r)
-        view.restore(reading.state())
+        view.restore(reading.state())  # slots, store and bookkeeping, whole: nothing of the row before stays
         self.cache.absorb(view, r)
         prompt, logits = reading.prompt, reading.logits
         reading.release()
