@@ -17,32 +17,22 @@ import json
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_chat.engine.attention import prepare_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.measure.bench import storage_of
+from h2o_chat.measure.prefill import OperatorCount
 from h2o_chat.models.shapes import SHAPES
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count(fn, device: torch.device) -> int:
     sync(device)
     if device.type != "cuda":
-        with _Ops() as ops:
+        with OperatorCount() as ops:
             fn()
-        return ops.count
+        return ops.total
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -14,6 +14,7 @@ from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.errors import ConfigError
 from h2o_chat.measure.bench import attention
+from h2o_chat.measure.prefill import OperatorCount
 
 BUDGET = 16
 POLICIES = {
@@ -422,16 +423,6 @@ def test_a_row_refilled_mid_stream_decodes_as_its_prompt_alone(policy):
     assert refilled[1] == expected
 
 
-class _Operators(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("layers", [2, 8])
 def test_a_prefill_chunk_runs_about_as_many_operators_as_transformers(layers):
     """Issue 17: the host's cost of reading a prompt is its operator count. A chunk that attends over a full
@@ -447,17 +438,17 @@ def test_a_prefill_chunk_runs_about_as_many_operators_as_transformers(layers):
     with attention(model, "sdpa"), torch.inference_mode():
         reference = DynamicCache(config=model.config)
         model(input_ids=ids[:, : 2 * T], **cached(model, reference), use_cache=True, logits_to_keep=1)
-        with _Operators() as ops:
+        with OperatorCount() as ops:
             model(input_ids=ids[:, 2 * T :], **cached(model, reference), use_cache=True, logits_to_keep=1)
-    base = ops.count
+    base = ops.total
     for name, bound in (("full", 1.15), ("recent", 1.15), ("h2o", 1.5), ("snap", 1.5)):
         engine = Engine(model, H2OCache.for_model(model, make_policy(name, T)))
         counts, forward = [], engine._forward
 
         def counted(*args, _forward=forward, _counts=counts, **kwargs):
-            with _Operators() as ops:
+            with OperatorCount() as ops:
                 out = _forward(*args, **kwargs)
-            _counts.append(ops.count)
+            _counts.append(ops.total)
             return out
 
         engine._forward = counted

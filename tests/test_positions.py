@@ -167,18 +167,7 @@ def test_a_message_taken_back_across_a_renumbering_restores_the_store_as_it_was(
 
 def test_a_rolling_decode_step_costs_what_an_absolute_one_costs():
     """No per-step ranking, gathering or rotating: the same operators run in every positions mode."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
+    from h2o_chat.measure.prefill import OperatorCount
 
     model = tiny_model("llama", seed=13, max_positions=64)
     counts = {}
@@ -187,7 +176,7 @@ def test_a_rolling_decode_step_costs_what_an_absolute_one_costs():
         engine = Engine(model, cache, "eager")
         engine.prefill(torch.randint(0, 256, (1, 70)))  # past the context: rolling and auto have renumbered
         engine.decode(torch.tensor([3]))
-        with Count() as c:
+        with OperatorCount() as c:
             engine.decode()
         counts[positions] = c.ops
         assert cache.renumbered == (positions != "absolute")

@@ -55,10 +55,16 @@ class PrefillRecord:
     dtype: str
 
 
-class _Count(torch.utils._python_dispatch.TorchDispatchMode):
+class OperatorCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Within the block, the ATen operators run, by name (`ops`), and in all (`total`)."""
+
     def __init__(self):
         super().__init__()
         self.ops = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
@@ -130,7 +136,7 @@ class _Reader:
                 calls[0] += 1
                 if calls[0] - 1 != count_chunk:
                     return forward(*args, **kwargs)
-                with _Count() as c:
+                with OperatorCount() as c:
                     out = forward(*args, **kwargs)
                 counted.update(c.ops)
                 return out
@@ -147,7 +153,7 @@ class _Reader:
         counted = Counter()
         with attention(self.model, "sdpa"):
             for i, s in enumerate(range(0, L, step)):
-                ctx = _Count() if i == count_chunk else contextlib.nullcontext()
+                ctx = OperatorCount() if i == count_chunk else contextlib.nullcontext()
                 with ctx as c:
                     self.model(
                         input_ids=self.ids[:, s : s + step], use_cache=True, logits_to_keep=1, **{keyword: cache}
