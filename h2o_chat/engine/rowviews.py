@@ -98,10 +98,17 @@ def clear(cache) -> None:
     cache.columns = 0
 
 
+def state_of(cache) -> dict:
+    """The sequence as `restore` takes it, the cache's own rows and tensors (no copy: for a restore into other
+    storage before this cache changes)."""
+    return {**{name: getattr(cache, name) for name in SNAPSHOT}, "rows": cache.rows, "slots": cache.slots,
+            "store": cache.store}  # fmt: skip
+
+
 def snapshot(cache) -> dict:
     """The sequence, copied to the host (e.g. when the user stops the reading of a long message, the
     conversation continues from before it)."""
-    state = {name: getattr(cache, name) for name in SNAPSHOT}
+    state = state_of(cache)
     state["rows"] = [r.copy() for r in cache.rows]
     state["slots"] = None if cache.slots is None else cache.slots.copy("cpu")
     state["store"] = None if cache.store is None else cache.store.copy("cpu")  # bounded: a copy costs its size

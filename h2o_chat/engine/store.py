@@ -334,7 +334,7 @@ class Store(Table):
         gram = torch.stack(grams)
         vectors = torch.linalg.eigh(gram.cpu()).eigenvectors.to(gram.device)  # eigenvalues ascend
         bases = vectors[..., -r:].contiguous()
-        for i in range(self.keys.shape[0]):
+        for i in range(self.keys.shape[0]):  # dequantized again: every layer's at once would be the store in fp32
             self.basis[i, index] = bases[i]
             low, lscale = quantize(stored_keys(i) @ bases[i])
             self.low[i, index, :, :c], self.lscale[i, index, :, :c] = low, lscale

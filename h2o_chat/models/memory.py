@@ -423,10 +423,9 @@ def fitting_chunk(
     for size in sizes:
         if need(size) <= available + held:
             return size
-    need = need(smallest)
     lower = "--budget (or /budget), --recall-memory" if stored else "--budget (or /budget)"
     raise DeviceError(
-        f"reading this prompt needs ~{gb(need)} for its KV cache and a chunk of {smallest} tokens, "
+        f"reading this prompt needs ~{gb(need(smallest))} for its KV cache and a chunk of {smallest} tokens, "
         f"but {gb(available + held)} is available; lower {lower} or the number of rows"
     )
 

@@ -22,7 +22,7 @@ import torch
 
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine
-from h2o_chat.engine.rowviews import SNAPSHOT
+from h2o_chat.engine.rowviews import state_of
 from h2o_chat.engine.sampling import Sampler
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
@@ -114,8 +114,7 @@ class Reading:
 
     def state(self) -> dict:
         """What `restore` takes, without a copy to the host (the row's storage takes it in place)."""
-        c = self.cache
-        return {**{n: getattr(c, n) for n in SNAPSHOT}, "rows": c.rows, "slots": c.slots, "store": c.store}
+        return state_of(self.cache)
 
 
 class Lane:
