@@ -210,7 +210,7 @@ class Recall(Snap):
     brings_back: ClassVar[bool] = True
     recalled: int = -1  # -1: a quarter of the budget
     store: int = -1  # evicted tokens kept per layer, row and KV head; -1: `STORE_TIMES` x the budget
-    drop: str = "first"  # what a full store drops first (`store.DROP_RULES`): measured, docs/policies.md
+    drop: str = "first"  # what a full store drops first (`DROP_RULES`): measured, docs/policies.md
     # each decode step multiplies the held slots' accumulated scores by `decay` before adding its mass, so old
     # mass counts less than recent (the plain sum favours old tokens). 0.99 from the tuning text (alice.txt, 2,048
     # tokens, 10% budget: perplexity 1.016x the full cache's with the plain sum, 1.012x with 0.99 or 0.95)

@@ -1,6 +1,6 @@
 """`h2o-chat batch`: a JSONL file of prompts in, a JSONL file of results out (or stdout), resumable.
 
-Options in, calls out: the work is in `batch.py`, the output file's checks and repairs in `batch_output.py`.
+Options in, calls out: the work is in `run.py`, the output file's checks and repairs in `output.py`.
 No torch import at module level (start-up stays fast for --help).
 """
 

@@ -27,7 +27,7 @@ MAX_TOP_K = 512  # the sampler ranks at most this many candidates per step (engi
 MAX_STOPS = 16
 MAX_STOP_CHARS = 64
 MAX_DEPTH = 32  # JSON nesting; a valid body nests 5 deep (messages, a message, its parts, a part)
-MAX_PROMPT_TOKENS = 8192  # --max-prompt-tokens' default: servecli.MAX_PROMPT_TOKENS says why (the CLI must not
+MAX_PROMPT_TOKENS = 8192  # --max-prompt-tokens' default: serve.command.MAX_PROMPT_TOKENS says why (the CLI must not
 # import this module at start: pydantic would slow --help; a test checks the two agree)
 
 

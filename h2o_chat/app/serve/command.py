@@ -1,6 +1,6 @@
 """`h2o-chat serve`: an OpenAI-compatible server whose every conversation holds a bounded cache.
 
-Options in, calls out: the work is in `serve.py` (HTTP), `scheduler.py` (the engine thread), `rows.py` and
+Options in, calls out: the work is in `server.py` (HTTP), `scheduler.py` (the engine thread), `rows.py` and
 `sessions.py`. No torch, uvicorn or starlette import at module level (start-up stays fast for --help).
 """
 
@@ -25,7 +25,7 @@ from h2o_chat.app.options import (
 from h2o_chat.errors import H2OChatError
 
 # --max-prompt-tokens' default: the embedded model's trained context; ~30 s of reading on a 2-core CPU (~300 tok/s),
-# the longest one request may hold every other row's next token (prompts are read between decode steps)
+# read a chunk at a time between the other rows' steps: how long such a request waits for its first token
 MAX_PROMPT_TOKENS = 8192
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -74,7 +74,7 @@ def serve_command(
         int,
         typer.Option(
             help="The most prompt tokens one request may read (what its conversation's cache has not seen); more "
-            "is a 400. Prompts are read between decode steps: this bounds how long one holds the others."
+            "is a 400. A prompt is read a chunk at a time between the other replies' steps."
         ),
     ] = MAX_PROMPT_TOKENS,
     verbose: Annotated[
