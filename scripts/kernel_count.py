@@ -18,10 +18,10 @@ import sys
 
 import torch
 
-from h2o_chat.engine.attention import prepare_model
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.attention import prepare_model
+from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure.bench import storage_of
 from h2o_chat.measure.prefill import OperatorCount
 from h2o_chat.models.shapes import SHAPES

@@ -25,9 +25,8 @@ from collections import defaultdict
 
 import torch
 
-from h2o_chat.engine import snap
-from h2o_chat.engine.decode import Engine
-from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.policies import make_policy, snap
+from h2o_chat.engine.step.decode import Engine
 from h2o_chat.measure import evaluate as ev
 from h2o_chat.measure import tasks
 from h2o_chat.models.loading import load

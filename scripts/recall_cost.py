@@ -18,7 +18,7 @@ import torch
 
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.sampling import Sampler
 from h2o_chat.measure import dialogues as dl
 from h2o_chat.measure import evaluate as ev
 from h2o_chat.models.loading import load

@@ -19,11 +19,11 @@ import time
 import torch
 
 from h2o_chat.app.messages import chat_ids
-from h2o_chat.engine import sampling
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad
-from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step import sampling
+from h2o_chat.engine.step.decode import Engine, left_pad
+from h2o_chat.engine.step.generate import stop_token_ids
 from h2o_chat.models.loading import load
 from h2o_chat.models.registry import load_registry
 

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 def cached(model, cache) -> dict:
     """The keyword arguments that hand `cache` to `model`'s forward or generate: `cache` in transformers >= 5.2x,
     `past_key_values` before (the old name is deprecated there and goes in 5.40), as the engine passes it."""
-    from h2o_chat.engine.attention import cache_keyword
+    from h2o_chat.engine.step.attention import cache_keyword
 
     return {cache_keyword(model): cache}
 
@@ -63,7 +63,7 @@ def tiny_config(family: str, layers: int = 2, max_positions: int = 8192):
 def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    from h2o_chat.engine.attention import prepare_model
+    from h2o_chat.engine.step.attention import prepare_model
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), attn_implementation="sdpa").eval()

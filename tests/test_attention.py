@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h2o_chat.engine import attention
-from h2o_chat.engine.attention import attention_with_mass, causal_sdpa
 from h2o_chat.engine.forward import Chunk
+from h2o_chat.engine.step import attention
+from h2o_chat.engine.step.attention import attention_with_mass, causal_sdpa
 
 
 def reference(q, k, v, scale, allowed):

@@ -9,9 +9,9 @@ from transformers import AttentionInterface, DynamicCache
 from conftest import FAMILIES, cached, tiny_model
 from h2o_chat.engine import layer as layer_module
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.policies import POLICIES, make_policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.decode import Engine, left_pad
+from h2o_chat.engine.step.sampling import Sampler
 from h2o_chat.errors import CacheUsageError
 
 
@@ -319,8 +319,8 @@ def test_a_field_added_to_the_storage_declaration_is_carried_everywhere(monkeypa
     """The storage's buffers are declared once (`slots.FIELDS`): a new one is allocated, moved by eviction and
     budget changes, selected with its rows, viewed, snapshotted, restored, cleared and counted without another
     edit. Here it holds a copy of each slot's position: wherever tokens go, it must go with them."""
-    from h2o_chat.engine import slots as slots_module
-    from h2o_chat.engine.decode import Engine
+    from h2o_chat.engine.step.decode import Engine
+    from h2o_chat.engine.storage import slots as slots_module
     from h2o_chat.models.memory import footprint
 
     mark = slots_module.Field("mark", -7, torch.int32)

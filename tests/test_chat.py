@@ -23,8 +23,8 @@ from h2o_chat.app import ui
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.app.chat.interactive import ChatSession, make_prompt_session
 from h2o_chat.app.piped import RunOptions
-from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.generate import Sampler
 
 
 def session(
@@ -151,7 +151,7 @@ def test_a_chat_on_cpu_runs_the_compiled_step_from_the_first_reply_it_is_ready_f
     on disk (the install builds the default kinds); a kind not built yet is asked of the builder (a process of its
     own) once, and its replies decode eagerly until it is there, then compiled -- the same tokens either way.
     (The program here is the exported module run as it is, so that the suite compiles nothing.)"""
-    from h2o_chat.engine import compiled
+    from h2o_chat.engine.step import compiled
 
     monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
     built = {"now": False}
@@ -414,7 +414,7 @@ def test_an_impossible_budget_is_refused_and_the_session_goes_on(embedded, tmp_p
 
 def test_out_of_memory_in_a_turn_keeps_the_session_and_the_conversation(embedded, tmp_path, monkeypatch):
     """Issue 22.1: an out-of-memory during a turn is told, the turn is taken back, the rest stays."""
-    from h2o_chat.engine.decode import Engine
+    from h2o_chat.engine.step.decode import Engine
 
     real, calls = Engine.prefill, []
 
@@ -523,7 +523,7 @@ def test_each_reply_draws_fresh_noise_unless_a_seed_asks_for_repetition(embedded
     """Issue 48.5: an unseeded chat kept one automatic seed for every turn and each prompt restarted the draw
     count, so every reply's k-th draw had the same noise as the first reply's. Now each reply draws anew; with
     --seed (or /set seed) the noise repeats, turn after turn, as a seed promises."""
-    from h2o_chat.engine.sampling import RowSampler
+    from h2o_chat.engine.step.sampling import RowSampler
 
     noise, real = [], RowSampler._exponential
 
@@ -614,7 +614,7 @@ def test_a_new_engine_is_wired_to_the_view_at_once(embedded, tmp_path):
 
 def test_a_setup_notice_never_glues_to_the_reply(embedded, tmp_path, monkeypatch):
     """Issue 22.11: a capture (or compilation) announced mid-reply starts a line of its own."""
-    from h2o_chat.engine.decode import Engine
+    from h2o_chat.engine.step.decode import Engine
 
     real = Engine.decode
 
@@ -768,7 +768,7 @@ def test_installed_command_in_a_pty(tmp_path):
 def ctrl_c_at_chunk(monkeypatch, n: int):
     """Send a real Ctrl-C (SIGINT to this process) during the n-th prompt chunk's forward (a forward of more than
     one token); returns the chunk counter (reset it to count again) and the engine's real forward."""
-    from h2o_chat.engine import decode
+    from h2o_chat.engine.step import decode
 
     chunks = {"n": 0}
     real = decode.Engine._forward
@@ -792,7 +792,7 @@ def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_sessio
     """Issue 17.5: a real Ctrl-C after the second chunk of a long message: reading stops after that chunk,
     the message is taken back (the cache exactly as before it), the user is told, and the next message gets
     the reply it gets in a session where the long message never was."""
-    from h2o_chat.engine import decode
+    from h2o_chat.engine.step import decode
 
     chunks, real = ctrl_c_at_chunk(monkeypatch, 2)  # a real Ctrl-C, during the second chunk's forward
     long = " ".join(["The river ran past the old mill and on towards the sea."] * 40)  # ~500 tokens
@@ -836,7 +836,7 @@ def test_a_stopped_reading_counts_the_messages_tokens_and_the_panel_shows_the_re
 def test_the_one_step_ahead_bookkeeping_holds_on_cpu(embedded, tmp_path, monkeypatch):
     """On CUDA the engine feeds a token before the host has read it (`fed_last`); forced on here, a chat's
     replies, token accounting and cache are what they are without it."""
-    from h2o_chat.engine import decode
+    from h2o_chat.engine.step import decode
 
     def run(lookahead: bool):
         real_init = decode.Engine.__init__

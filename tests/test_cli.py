@@ -429,7 +429,7 @@ def test_piped_text_follows_a_prompt_argument(fast_load, embedded):
 
 def test_ctrl_c_during_json_writes_a_partial_record(fast_load, monkeypatch):
     """Issue 22.10: Ctrl-C in --json mode still writes the record, with finish_reason "interrupted"."""
-    from h2o_chat.engine import generate
+    from h2o_chat.engine.step import generate
 
     real, seen = generate.StreamingDetokenizer.add, []
 
@@ -583,9 +583,9 @@ def test_a_setup_notice_starts_its_own_line_on_the_terminal(embedded, monkeypatc
 
     from h2o_chat.app.chat.conversation import ChatSettings
     from h2o_chat.app.piped import RunOptions, run_piped
-    from h2o_chat.engine.decode import Engine
     from h2o_chat.engine.policies import make_policy
-    from h2o_chat.engine.sampling import Sampler
+    from h2o_chat.engine.step.decode import Engine
+    from h2o_chat.engine.step.sampling import Sampler
 
     class Screen(io.StringIO):
         def isatty(self):

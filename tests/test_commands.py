@@ -11,7 +11,7 @@ from h2o_chat.app.chat.commands import SlashCommands
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.app.chat.view import ChatView
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.sampling import Sampler
 
 
 class RecordingView:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from h2o_chat.engine import compiled
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad, resolve_decode
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step import compiled
+from h2o_chat.engine.step.decode import Engine, left_pad, resolve_decode
+from h2o_chat.engine.step.sampling import Sampler
 
 pytestmark = pytest.mark.skipif(compiled.unavailable() is not None, reason="no C++ compiler for the compiled step")
 STEPS = 240

@@ -6,8 +6,8 @@ from transformers import DynamicCache
 
 from conftest import cached
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.generate import stream_generate
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.generate import stream_generate
 
 
 def test_greedy_generation_is_token_identical_to_dynamic_cache(embedded, prompt_ids):

@@ -9,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import cached, tiny_model
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad, resolve_decode
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.decode import Engine, left_pad, resolve_decode
+from h2o_chat.engine.step.sampling import Sampler
 from h2o_chat.errors import ConfigError
 from h2o_chat.measure.bench import attention
 from h2o_chat.measure.prefill import OperatorCount

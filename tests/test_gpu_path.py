@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from conftest import cached, tiny_model
 from h2o_chat.app import cli
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.decode import Engine
 from h2o_chat.errors import DeviceError
 from h2o_chat.measure.throughput import run_throughput
 from h2o_chat.models.memory import check_fits, footprint

@@ -11,8 +11,8 @@ import torch
 
 from conftest import tiny_model
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.decode import Engine, left_pad
 from h2o_chat.errors import DeviceError
 from h2o_chat.measure.prefill import cpu_peak_bytes
 from h2o_chat.models import memory

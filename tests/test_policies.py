@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from h2o_chat.engine.policies import H2O, Full, Recent, Rules, Sink, make_policy
-from h2o_chat.engine.slots import order, tie
+from h2o_chat.engine.storage.slots import order, tie
 from h2o_chat.errors import ConfigError
 
 

@@ -8,11 +8,11 @@ import torch
 
 from conftest import cached, tiny_model
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.quant import dequantize
 from h2o_chat.engine.rope import Rope
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.decode import Engine, left_pad
+from h2o_chat.engine.step.sampling import Sampler
+from h2o_chat.engine.storage.quant import dequantize
 from h2o_chat.errors import ConfigError, ContextLimitError
 
 
@@ -94,7 +94,7 @@ def test_recalled_tokens_are_renumbered_by_their_rank_among_the_held_ones(positi
     import itertools
     from bisect import bisect_left
 
-    from h2o_chat.engine.store import Store
+    from h2o_chat.engine.storage.store import Store
 
     model = tiny_model("llama", seed=16, max_positions=48)
     # 12 held, 4 recalled per step, a store for every evicted token
@@ -302,7 +302,7 @@ def test_model_generate_with_the_cache_equals_the_engine(positions):
 def test_sliding_window_models_are_refused():
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-    from h2o_chat.engine.attention import prepare_model
+    from h2o_chat.engine.step.attention import prepare_model
 
     small = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     mistral = prepare_model(AutoModelForCausalLM.from_config(MistralConfig(**small, sliding_window=8)))
@@ -341,7 +341,7 @@ def test_scaled_rotary_embeddings_renumber_exactly():
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_config
-    from h2o_chat.engine.attention import prepare_model
+    from h2o_chat.engine.step.attention import prepare_model
 
     config = tiny_config("llama", max_positions=48)
     config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}

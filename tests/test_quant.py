@@ -8,11 +8,11 @@ import torch
 
 from conftest import FAMILIES, tiny_model
 from h2o_chat.app import ui
-from h2o_chat.engine.attention import attention_over_slots
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.quant import dequantize, quantize
+from h2o_chat.engine.step.attention import attention_over_slots
+from h2o_chat.engine.step.decode import Engine
+from h2o_chat.engine.storage.quant import dequantize, quantize
 from h2o_chat.errors import ConfigError
 
 

@@ -15,8 +15,8 @@ from conftest import tiny_model, tiny_tokenizer
 from h2o_chat.app import cli
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.app.messages import chat_ids
-from h2o_chat.engine.generate import Sampler
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.generate import Sampler
 from h2o_chat.measure import dialogues as dl
 from h2o_chat.measure import evaluate as ev
 from h2o_chat.measure import plots

@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_model
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.decode import Engine
 
 
 def teacher_force(model, cache, ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_chat.engine.sampling import PENALTY_WINDOW, Sampler
+from h2o_chat.engine.step.sampling import PENALTY_WINDOW, Sampler
 from h2o_chat.errors import ConfigError, SettingError
 
 P = torch.tensor([0.5, 0.3, 0.2])
@@ -101,7 +101,7 @@ def test_filters_are_per_row_and_combine_with_top_p():
 
 
 def test_a_top_k_above_the_nucleus_cap_ranks_that_many():
-    from h2o_chat.engine.sampling import NUCLEUS_CAP
+    from h2o_chat.engine.step.sampling import NUCLEUS_CAP
 
     rows = Sampler(temperature=1.0, top_k=NUCLEUS_CAP + 100, seed=1).for_batch(1, torch.device("cpu"), 2000)
     assert rows.cut == NUCLEUS_CAP + 100

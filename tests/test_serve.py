@@ -244,7 +244,7 @@ def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thre
     test quick: a turn then reads about a dozen tokens."""
     from h2o_chat.app.chat.conversation import ChatSettings, Conversation
     from h2o_chat.engine.policies import make_policy
-    from h2o_chat.engine.sampling import Sampler
+    from h2o_chat.engine.step.sampling import Sampler
 
     clients, turns, budget, max_tokens = 16, 10, 64, 3
     limits = Limits(policy="h2o", budget=budget, max_tokens=max_tokens, temperature=0.0, repetition_penalty=1.1)
@@ -313,7 +313,7 @@ def test_recall_conversations_continued_from_their_snapshots_equal_each_alone(em
     from h2o_chat.app.chat.conversation import ChatSettings, Conversation
     from h2o_chat.app.serve.sessions import snapshot_bytes
     from h2o_chat.engine.policies import make_policy
-    from h2o_chat.engine.sampling import Sampler
+    from h2o_chat.engine.step.sampling import Sampler
 
     clients, turns, budget, store, max_tokens = 3, 5, 32, 32, 6
     limits = Limits(policy="recall", budget=budget, max_tokens=max_tokens, temperature=0.0, store=store)

@@ -305,7 +305,7 @@ def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkey
     """A lane whose step cannot be compiled (or captured) decodes eagerly and says why. The server used to drop
     its engines' notices: on the H200 its lanes ran eagerly and nothing said why."""
     from h2o_chat.app.serve.rows import EngineSettings
-    from h2o_chat.engine import compiled
+    from h2o_chat.engine.step import compiled
 
     if compiled.unavailable():
         pytest.skip(compiled.unavailable())

@@ -18,9 +18,9 @@ from h2o_chat.app import statefile
 from h2o_chat.app.chat import resume
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
 from h2o_chat.app.chat.resume import load_conversation, save_conversation
-from h2o_chat.engine.persist import StateError
 from h2o_chat.engine.policies import make_policy
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.sampling import Sampler
+from h2o_chat.engine.storage.persist import StateError
 from h2o_chat.errors import H2OChatError
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.registry import ModelSpec
@@ -134,7 +134,7 @@ def test_everything_restart_sets_is_saved_or_said_to_belong_to_one_turn():
 def test_a_field_added_to_the_declarations_is_saved_and_an_older_file_refused(monkeypatch, tmp_path):
     """What a file holds derives from the declarations: a slot field added to `slots.FIELDS` is saved and
     restored without another edit, and a file saved before it was declared is refused, naming the field."""
-    from h2o_chat.engine import slots as slots_module
+    from h2o_chat.engine.storage import slots as slots_module
 
     loaded = tiny_loaded()
     before, _ = save_conversation(talked(loaded, turns=1), tmp_path / "before.h2o")

@@ -8,10 +8,10 @@ from transformers import AttentionInterface, DynamicCache
 
 from conftest import cached, tiny_model
 from h2o_chat.engine import layer as layer_module
-from h2o_chat.engine import snap as snap_module
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine
 from h2o_chat.engine.policies import make_policy, pool_logits
+from h2o_chat.engine.policies import snap as snap_module
+from h2o_chat.engine.step.decode import Engine
 from h2o_chat.errors import ConfigError
 
 

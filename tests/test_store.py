@@ -15,13 +15,12 @@ from test_recall import talk, tiny_loaded, words
 from conftest import tiny_model
 from h2o_chat.app import ui
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
-from h2o_chat.engine import recall_rank
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, left_pad
-from h2o_chat.engine.generate import Sampler
-from h2o_chat.engine.policies import DROP_RULES, make_policy, with_budget
-from h2o_chat.engine.quant import dequantize
-from h2o_chat.engine.store import RANK_DIM, Store, store_bytes
+from h2o_chat.engine.policies import DROP_RULES, make_policy, recall_rank, with_budget
+from h2o_chat.engine.step.decode import Engine, left_pad
+from h2o_chat.engine.step.generate import Sampler
+from h2o_chat.engine.storage.quant import dequantize
+from h2o_chat.engine.storage.store import RANK_DIM, Store, store_bytes
 from h2o_chat.errors import ConfigError
 
 
@@ -397,7 +396,7 @@ def _wide_heads_model(seed: int):
     ranking between near-equal entries flips, after which the two runs hold different tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from h2o_chat.engine.attention import prepare_model
+    from h2o_chat.engine.step.attention import prepare_model
 
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -256,7 +256,7 @@ class ModelOptions:
     threads: Threads = None
 
     def check(self) -> None:
-        from h2o_chat.engine.decode import resolve_decode
+        from h2o_chat.engine.step.decode import resolve_decode
         from h2o_chat.models.loading import resolve_device
 
         check_positive("--threads", self.threads)
@@ -303,7 +303,7 @@ class ModelOptions:
         model's config: nothing loads)."""
         from transformers import AutoConfig
 
-        from h2o_chat.engine.store import store_bytes, store_entry_bytes
+        from h2o_chat.engine.storage.store import store_bytes, store_entry_bytes
         from h2o_chat.models.loading import weights_location
         from h2o_chat.models.memory import _kv_shape
 
@@ -437,7 +437,7 @@ class SamplingOptions:
         return None if self.seed == -1 else self.seed
 
     def sampler(self):
-        from h2o_chat.engine.sampling import Sampler
+        from h2o_chat.engine.step.sampling import Sampler
 
         return Sampler(
             self.temperature, self.top_p, self.given_seed, self.repetition_penalty, top_k=self.top_k, min_p=self.min_p
@@ -631,7 +631,7 @@ def build_policy(policy: str, budget: int, knobs: dict):
 
 
 def check_kv_quant(value: str) -> str:
-    from h2o_chat.engine.quant import check_mode  # torch: only once a command runs, never for --help
+    from h2o_chat.engine.storage.quant import check_mode  # torch: only once a command runs, never for --help
 
     return check_mode(value)
 

@@ -35,7 +35,7 @@ from h2o_chat.app import statefile
 from h2o_chat.app.chat.conversation import SENTINEL, Conversation
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.ui import human_bytes, plural
-from h2o_chat.engine import persist
+from h2o_chat.engine.storage import persist
 from h2o_chat.errors import InputError
 from h2o_chat.models.memory import prefill_chunk
 

@@ -1,4 +1,4 @@
-"""h2o-chat's state files: a cache's sequence (`engine/persist.py`) with what it belongs to -- a saved conversation,
+"""h2o-chat's state files: a sequence (`engine/storage/persist`) with what it belongs to -- a saved conversation,
 a prompt cache, an idle server conversation -- as one safetensors file.
 
 The tensors are the state's (`persist.pack`: "slots.keys", ..., "store.basis"), as stored, whatever the device
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.engine import persist
-from h2o_chat.engine.persist import StateError
+from h2o_chat.engine.storage import persist
+from h2o_chat.engine.storage.persist import StateError
 
 FORMAT = "h2o-chat-state"
 VERSION = 1

@@ -11,12 +11,12 @@ from __future__ import annotations
 _LAZY = {
     "H2OCache": "h2o_chat.engine.cache",
     "CacheStats": "h2o_chat.engine.stats",
-    "Engine": "h2o_chat.engine.decode",
+    "Engine": "h2o_chat.engine.step.decode",
     "make_policy": "h2o_chat.engine.policies",
-    "prepare_model": "h2o_chat.engine.attention",
-    "Sampler": "h2o_chat.engine.sampling",
-    "stream_generate": "h2o_chat.engine.generate",
-    "generate": "h2o_chat.engine.generate",
+    "prepare_model": "h2o_chat.engine.step.attention",
+    "Sampler": "h2o_chat.engine.step.sampling",
+    "stream_generate": "h2o_chat.engine.step.generate",
+    "generate": "h2o_chat.engine.step.generate",
 }
 
 

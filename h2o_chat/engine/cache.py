@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from h2o_chat.engine import allocation, rowviews, stats
 from h2o_chat.engine import forward as fw
+from h2o_chat.engine import stats
 from h2o_chat.engine.layer import H2OLayer
 from h2o_chat.engine.policies import Policy, Rules
 from h2o_chat.engine.positions import POSITIONS, Group, Numbering, RowState, check_positions
 from h2o_chat.engine.protocol import CacheProtocol
-from h2o_chat.engine.quant import check_mode
 from h2o_chat.engine.rope import Rope, RopeUnsupported
-from h2o_chat.engine.slots import Slots, inference
-from h2o_chat.engine.store import Store
+from h2o_chat.engine.storage import allocation, rowviews
+from h2o_chat.engine.storage.quant import check_mode
+from h2o_chat.engine.storage.slots import Slots, inference
+from h2o_chat.engine.storage.store import Store
 from h2o_chat.errors import CacheUsageError, ConfigError
 
 __all__ = ["POSITIONS", "H2OCache", "check_positions", "model_facts", "unsupported"]
@@ -107,7 +108,7 @@ class H2OCache(CacheProtocol):
         count)."""
         self.slots: Slots | None = None
         self.rules: Rules | None = None
-        self.store: Store | None = None  # evicted tokens of rows that recall (`engine/store.py`)
+        self.store: Store | None = None  # evicted tokens of rows that recall (`engine/storage/store.py`)
         self.columns = 0  # token columns fed, padding included: what the model calls "seen"
         self.rows: list[RowState] = []  # per batch row, set when storage is allocated (before: counts only)
         self.renumbered = False  # some row's keys are rotated at other than their true positions

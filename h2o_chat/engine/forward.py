@@ -17,9 +17,10 @@ from typing import ClassVar
 
 import torch
 
-from h2o_chat.engine import allocation, evict
+from h2o_chat.engine.policies import evict
 from h2o_chat.engine.positions import RowState
-from h2o_chat.engine.slots import Slots, inference
+from h2o_chat.engine.storage import allocation
+from h2o_chat.engine.storage.slots import Slots, inference
 from h2o_chat.errors import CacheUsageError
 
 

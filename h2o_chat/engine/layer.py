@@ -11,7 +11,7 @@ the hooks `prepare_model` puts on the model for `model.generate`), never inferre
   that is faster, see `attention.attention_with_mass`); the stored slots' mass is added to their scores and the
   chunk's tokens wait in the cache until the forward ends, when `evict.chunk` places every layer's at once.
 
-With the recall policy both also attend to the evicted tokens their queries want back (`engine/store.py`),
+With the recall policy both also attend to the evicted tokens their queries want back (`engine/storage/store.py`),
 placed after the slots in a step and before them in a chunk; those get no mass.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from h2o_chat.engine import recall_rank
-from h2o_chat.engine.attention import attention_over_slots, attention_with_mass
+from h2o_chat.engine.policies import recall_rank
+from h2o_chat.engine.step.attention import attention_over_slots, attention_with_mass
 
 
 class H2OLayer(CacheLayerMixin):

@@ -37,10 +37,10 @@ from importlib import resources
 import torch
 from transformers import DynamicCache, StaticCache
 
-from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.attention import cache_keyword
+from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure import llamacpp
 
 QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
-from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.engine.policies import Policy, make_policy
+from h2o_chat.engine.step.attention import cache_keyword
+from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.step.generate import stop_token_ids
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.files import read_user_text
 
@@ -122,7 +122,7 @@ def make_eval_cache(
 ) -> H2OCache:
     """The one place evaluation caches are built: policy g serves `rows[g]` consecutive batch rows (default 1),
     numbering tokens by `positions` (one mode for all, or one per policy). `kv_quant` stores the held keys and
-    values in 8 bits (`engine/quant.py`); a cache of full-cache rows only, the reference, stays unquantized."""
+    values in 8 bits (`engine/storage/quant.py`); a cache of full-cache rows only, the reference, stays unquantized."""
     modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
     rows = list(rows) if rows else [1] * len(policies)
     if all(p.capacity is None for p in policies):

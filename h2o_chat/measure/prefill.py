@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from h2o_chat.engine.attention import cache_keyword
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.attention import cache_keyword
+from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure import llamacpp
 from h2o_chat.measure.bench import attention, storage_of
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
-from h2o_chat.engine.generate import stop_token_ids
 from h2o_chat.engine.policies import STORE_MIN_TIMES, make_policy
+from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.step.generate import stop_token_ids
 from h2o_chat.measure.dialogues import Dialogue
 from h2o_chat.measure.evaluate import BudgetSpec, Progress, make_eval_cache
 

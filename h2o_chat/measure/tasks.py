@@ -11,7 +11,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from h2o_chat.engine.generate import DEFAULT_CHUNK
+from h2o_chat.engine.step.generate import DEFAULT_CHUNK
 from h2o_chat.errors import ConfigError
 from h2o_chat.measure.evaluate import EvalConfig, Progress, chat_ids, greedy_rows, token_ids
 

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import Engine, sync
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure.prefill import cpu_peak_bytes
 from h2o_chat.models.memory import OVERHEAD, ModelShape, decode_bytes, footprint, prefill_bytes
 

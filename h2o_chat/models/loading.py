@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_chat.engine.attention import prepare_model
+from h2o_chat.engine.step.attention import prepare_model
 from h2o_chat.errors import DeviceError, ModelNotFoundError
 from h2o_chat.files import user_cache_dir, writable_cache_dir
 from h2o_chat.models.registry import ModelSpec

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_chat.engine import recall_rank
-from h2o_chat.engine import store as recall_store
-from h2o_chat.engine.attention import MASS_BLOCK  # the attention-mass block, in elements
-from h2o_chat.engine.quant import bytes_per_element
-from h2o_chat.engine.slots import slot_bytes, storage_bytes
+from h2o_chat.engine.policies import recall_rank
+from h2o_chat.engine.step.attention import MASS_BLOCK  # the attention-mass block, in elements
+from h2o_chat.engine.storage import store as recall_store
+from h2o_chat.engine.storage.quant import bytes_per_element
+from h2o_chat.engine.storage.slots import slot_bytes, storage_bytes
 from h2o_chat.errors import DeviceError
 from h2o_chat.models.cpu_quant import exact_channel_count
 

@@ -63,7 +63,7 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
         return None
 
     def start(kind) -> None:
-        from h2o_chat.engine import compiled
+        from h2o_chat.engine.step import compiled
 
         folder = compiled.cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def run_job(job: dict) -> list[Path]:
     """Load the job's model on the CPU and build each of its kinds."""
     import torch
 
-    from h2o_chat.engine import compiled
+    from h2o_chat.engine.step import compiled
     from h2o_chat.models.loading import load
     from h2o_chat.models.registry import ModelSpec
 
@@ -119,12 +119,12 @@ def _example_for(model, kind):
     """A small cache and sampler of `kind` for `model`, a prompt read: what a build traces (`_build_kind`)."""
     import torch
 
-    from h2o_chat.engine import compiled
-    from h2o_chat.engine.attention import cache_keyword
     from h2o_chat.engine.cache import H2OCache
-    from h2o_chat.engine.decode import Engine
     from h2o_chat.engine.policies import make_policy
-    from h2o_chat.engine.sampling import Sampler
+    from h2o_chat.engine.step import compiled
+    from h2o_chat.engine.step.attention import cache_keyword
+    from h2o_chat.engine.step.decode import Engine
+    from h2o_chat.engine.step.sampling import Sampler
 
     policies = [make_policy("recall" if kind.recalls else "h2o", 32)]
     if not kind.uniform:  # rows that recall beside rows that do not
@@ -150,7 +150,7 @@ def _example_for(model, kind):
 
 def _build_kind(model, kind) -> Path:
     """The package of `kind` for `model`, built unless it is on disk already; its path."""
-    from h2o_chat.engine import compiled
+    from h2o_chat.engine.step import compiled
 
     path = compiled.cache_dir() / f"step-{compiled.package_key(model, kind)}.pt2"
     if not path.exists():

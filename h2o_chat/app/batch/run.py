@@ -20,11 +20,11 @@ import torch
 from h2o_chat.app.batch.output import appending, finished_ids
 from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, left_pad
-from h2o_chat.engine.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.policies import Policy
-from h2o_chat.engine.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.engine.stats import mean_count
+from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.step.generate import finish_reason, stop_token_ids
+from h2o_chat.engine.step.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.errors import H2OChatError, InputError, SettingError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded

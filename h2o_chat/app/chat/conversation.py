@@ -26,12 +26,12 @@ from h2o_chat.app.messages import (
     write_conversation,
 )
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
-from h2o_chat.engine.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.policies import Policy
-from h2o_chat.engine.slots import slot_bytes
-from h2o_chat.engine.snap import columns_read
+from h2o_chat.engine.policies.snap import columns_read
 from h2o_chat.engine.stats import CacheStats
+from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
+from h2o_chat.engine.step.generate import Response, Sampler, stop_token_ids, stream_generate
+from h2o_chat.engine.storage.slots import slot_bytes
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
@@ -69,7 +69,7 @@ class ChatSettings:
     chunk_size: int = DEFAULT_CHUNK
     system: str | None = None
     positions: str = "auto"
-    kv_quant: str = "none"  # "8bit": held keys and values in int8 (`engine/quant.py`)
+    kv_quant: str = "none"  # "8bit": held keys and values in int8 (`engine/storage/quant.py`)
     decode: str = "auto"  # how decode steps run: auto | eager | graph (see h2o_chat.engine)
     stop: tuple[str, ...] = ()  # stop strings (--stop): the reply ends before the first one
     chat_template: tuple[str, str] | None = None  # --chat-template: (its file, its Jinja text), not the tokenizer's

@@ -21,7 +21,7 @@ from h2o_chat.app.chat.resume import load_conversation, loaded_line
 from h2o_chat.app.chat.view import ChatView
 from h2o_chat.app.piped import ReadingForecast, RunOptions
 from h2o_chat.app.ui import PanelView, describe_device, make_console, plural
-from h2o_chat.engine.decode import PrefillInterrupted
+from h2o_chat.engine.step.decode import PrefillInterrupted
 from h2o_chat.errors import H2OChatError, out_of_memory
 from h2o_chat.files import user_data_dir
 from h2o_chat.models.loading import Loaded

@@ -1,7 +1,7 @@
 """A conversation saved with its cache, and resumed: /save FILE, /load FILE, h2o-chat --resume FILE.
 
 /save writes the conversation's messages and its cache -- every layer's kept keys, values, positions and scores,
-recall's store, the rows' bookkeeping (`engine/persist.py`) -- as one state file (`app/statefile.py`), with the
+recall's store, the rows' bookkeeping (`engine/storage/persist.py`) -- as one state file (`app/statefile.py`), with the
 conversation's own bookkeeping of what that cache has seen (`CARRIED`). /load and --resume put both back without
 reading anything again: the next turn reads only its new text and continues exactly as if the session had never
 stopped (greedy, or with a seed: the same tokens). A FILE named *.json gets the messages alone, as JSON, as before
@@ -20,8 +20,8 @@ from h2o_chat.app import statefile
 from h2o_chat.app.chat.conversation import Conversation, Span
 from h2o_chat.app.messages import messages_problem, read_conversation
 from h2o_chat.app.ui import human_bytes, plural
-from h2o_chat.engine import persist
-from h2o_chat.engine.persist import StateError
+from h2o_chat.engine.storage import persist
+from h2o_chat.engine.storage.persist import StateError
 
 # What a Conversation knows about the sequence its cache has seen (`Conversation._restart` sets each): saved and
 # restored with the cache. `tests/test_session_files.py` checks that every attribute `_restart` sets is here or in

@@ -21,7 +21,7 @@ from h2o_chat.errors import ConfigError, SettingError
 
 SERVED_POLICIES = ("snap", "h2o", "recall", "sink", "recent")  # bounded: a row's snapshot carries all their state
 MAX_TOKENS = 1 << 20  # a reply's ceiling: the cache is bounded, only time grows with it
-MAX_TOP_K = 512  # the sampler ranks at most this many candidates per step (engine/sampling.py's NUCLEUS_CAP)
+MAX_TOP_K = 512  # the sampler ranks at most this many candidates per step (engine/step/sampling.py's NUCLEUS_CAP)
 # The engine thread checks every stop string against a reply's text at every token, and a streamed reply holds
 # back text that could begin one (up to the longest's length): a few short ones serve every chat template.
 MAX_STOPS = 16
@@ -265,7 +265,7 @@ def _refuse_unsupported(body: _Body) -> None:
 
 
 def _check_sampling(values: dict) -> None:
-    from h2o_chat.engine.sampling import Sampler
+    from h2o_chat.engine.step.sampling import Sampler
 
     try:
         Sampler(values["temperature"], values["top_p"], None, values["repetition_penalty"],

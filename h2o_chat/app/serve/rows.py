@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine
-from h2o_chat.engine.rowviews import state_of
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine
+from h2o_chat.engine.step.sampling import Sampler
+from h2o_chat.engine.storage.rowviews import state_of
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
 

@@ -40,7 +40,7 @@ from h2o_chat.app.messages import PLAIN_STOP, use_chat_template
 from h2o_chat.app.serve.api import ApiError, GenRequest
 from h2o_chat.app.serve.rows import Lane, LaneKey, Reading, ReadingStopped
 from h2o_chat.app.serve.sessions import SessionStore, Turn, end_turn, snapshot_bytes
-from h2o_chat.engine.generate import TextStream, stop_token_ids
+from h2o_chat.engine.step.generate import TextStream, stop_token_ids
 from h2o_chat.errors import H2OChatError, out_of_memory
 
 MAX_LANES = 4  # engines with distinct cache keys or sampler shapes at once; more wait for one to empty

@@ -1,7 +1,7 @@
 """The server's idle conversations on disk (serve --session-dir DIR), for the server's life.
 
 An idle conversation that the memory limit (or --max-sessions) would drop is written as a state file
-(`app/statefile.py`, kind "session": the row's snapshot, `engine/persist.py`, and the session's own bookkeeping,
+(`app/statefile.py`, kind "session": the row's snapshot, `engine/storage/persist.py`, and the session's own bookkeeping,
 `CARRIED`) and stays in the idle store without its snapshot; its next turn reads the file back (in the planning
 thread, before the request reaches the engine) and continues as if it had never left memory. The reply says so
 (`h2o.restored_from_disk`). A file is removed once it is read back, and the server removes what it wrote when it
@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from h2o_chat.app import statefile
-from h2o_chat.engine import persist
 from h2o_chat.engine.cache import H2OCache
+from h2o_chat.engine.storage import persist
 from h2o_chat.errors import InputError
 
 # A Session's fields a file carries (`sessions.Session`; its scope, state, path and sizes stay in memory)

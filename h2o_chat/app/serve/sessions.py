@@ -30,7 +30,7 @@ from pathlib import Path
 from h2o_chat.app.chat.conversation import SENTINEL
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.serve.api import ApiError
-from h2o_chat.engine.persist import StateError
+from h2o_chat.engine.storage.persist import StateError
 
 # A prompt with more characters to read than this many per token allowed is refused before it is tokenized (no
 # text averages near 16 characters a token: English ~4.5, code ~3.5), so a huge body costs no tokenizer time

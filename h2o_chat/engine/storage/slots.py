@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
+from h2o_chat.engine.storage.quant import SCALE_DTYPE, dequantize, quantize
 
 
 def inference(method):

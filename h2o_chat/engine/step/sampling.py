@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h2o_chat.engine.slots import mark_static
+from h2o_chat.engine.storage.slots import mark_static
 from h2o_chat.errors import SettingError
 
 # tokens a repetition penalty looks back over: llama.cpp's and ollama's 64 let long stories loop (12 stories of

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from h2o_chat.errors import CacheUsageError
 
 if TYPE_CHECKING:
-    from h2o_chat.engine.store import Recalled
+    from h2o_chat.engine.storage.store import Recalled
 
 ATTN_IMPLEMENTATION = "h2o"
 MASS_BLOCK = 1 << 24  # fp32 probabilities per block of queries (64 MB): the prefill's largest transient

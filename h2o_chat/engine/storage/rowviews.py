@@ -11,11 +11,11 @@ import copy
 
 import torch
 
-from h2o_chat.engine.allocation import FULL_INITIAL
 from h2o_chat.engine.layer import H2OLayer
 from h2o_chat.engine.policies import Rules
 from h2o_chat.engine.positions import Group, RowState
-from h2o_chat.engine.slots import order, tie
+from h2o_chat.engine.storage.allocation import FULL_INITIAL
+from h2o_chat.engine.storage.slots import order, tie
 from h2o_chat.errors import CacheUsageError
 
 SNAPSHOT = ("columns", "renumbered")  # the sequence's plain values a snapshot carries, besides rows, slots, store

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from h2o_chat.engine.quant import SCALE_DTYPE, dequantize, quantize
-from h2o_chat.engine.slots import (
+from h2o_chat.engine.storage.quant import SCALE_DTYPE, dequantize, quantize
+from h2o_chat.engine.storage.slots import (
     Field,
     Table,
     allocate_fields,

@@ -7,8 +7,8 @@ import torch
 
 from h2o_chat.engine.policies import Recall
 from h2o_chat.engine.positions import RowState
-from h2o_chat.engine.slots import Slots
-from h2o_chat.engine.store import Store
+from h2o_chat.engine.storage.slots import Slots
+from h2o_chat.engine.storage.store import Store
 from h2o_chat.errors import CacheUsageError
 
 FULL_INITIAL = 256  # a `full` cache without a reservation starts with this many slots and doubles

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from h2o_chat.engine.policies import Rules
-from h2o_chat.engine.quant import quantize
-from h2o_chat.engine.slots import Slots, pair_freed_with_survivors, per_slot, place, tie
+from h2o_chat.engine.storage.quant import quantize
+from h2o_chat.engine.storage.slots import Slots, pair_freed_with_survivors, per_slot, place, tie
 
 if TYPE_CHECKING:
-    from h2o_chat.engine.store import Store
+    from h2o_chat.engine.storage.store import Store
 
 
 def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:

@@ -32,11 +32,11 @@ from collections.abc import Callable, Generator, Iterator
 
 import torch
 
-from h2o_chat.engine import compiled
-from h2o_chat.engine.attention import cache_keyword
-from h2o_chat.engine.sampling import RowSampler, Sampler
-from h2o_chat.engine.slots import mark_static
-from h2o_chat.engine.snap import compress_prompt
+from h2o_chat.engine.policies.snap import compress_prompt
+from h2o_chat.engine.step import compiled
+from h2o_chat.engine.step.attention import cache_keyword
+from h2o_chat.engine.step.sampling import RowSampler, Sampler
+from h2o_chat.engine.storage.slots import mark_static
 from h2o_chat.errors import ConfigError, SettingError
 
 DECODE_MODES = ("auto", "eager", "graph", "compile")

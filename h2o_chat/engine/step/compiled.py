@@ -17,7 +17,7 @@ with the model's own weights as its constants (shared, not copied). Nothing is t
 program belongs to no engine: engines of one model share it, and it dies with the model.
 
 Building a package takes about a minute for the embedded model on two cores (tracing, then C++ compilation);
-`python -m h2o_chat.engine.compiled --build` builds the embedded model's common kinds at install.
+`python -m h2o_chat.engine.step.compiled --build` builds the embedded model's common kinds at install.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class StepModule(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *state: torch.Tensor):
         from h2o_chat.engine import forward as fw
-        from h2o_chat.engine.rowviews import twin
+        from h2o_chat.engine.storage.rowviews import twin
 
         slot_names, store_names, drawn_names = self._names
         it = iter(state)
@@ -231,8 +231,8 @@ def package_key(model, kind: StepKind) -> str:
 def _source_hash() -> str:
     """The engine's and the CPU kernels' source: a change to what the step runs makes old packages stale."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
-    for path in sorted([*root.glob("*.py"), root.parent / "models" / "cpu_quant.py"]):
+    root = Path(__file__).resolve().parents[1]  # the engine, every room
+    for path in sorted([*root.rglob("*.py"), root.parent / "models" / "cpu_quant.py"]):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

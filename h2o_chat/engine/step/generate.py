@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.decode import DEFAULT_CHUNK, Engine, Progress
-from h2o_chat.engine.sampling import Sampler
+from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, Progress
+from h2o_chat.engine.step.sampling import Sampler
 
 __all__ = ["DEFAULT_CHUNK", "Response", "Sampler", "StreamingDetokenizer", "generate", "stop_token_ids"]
 

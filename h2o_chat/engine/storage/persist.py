@@ -19,12 +19,12 @@ import dataclasses
 
 import torch
 
-from h2o_chat.engine import compiled
 from h2o_chat.engine.policies import POLICIES, Policy, Recall
 from h2o_chat.engine.positions import RowState
-from h2o_chat.engine.rowviews import SNAPSHOT
-from h2o_chat.engine.slots import Slots, fields
-from h2o_chat.engine.store import STORE_FIELDS, Store
+from h2o_chat.engine.step import compiled
+from h2o_chat.engine.storage.rowviews import SNAPSHOT
+from h2o_chat.engine.storage.slots import Slots, fields
+from h2o_chat.engine.storage.store import STORE_FIELDS, Store
 from h2o_chat.errors import InputError
 
 ROW_VALUES = tuple(f.name for f in dataclasses.fields(RowState) if f.name != "group")  # a row's saved bookkeeping
