@@ -15,7 +15,7 @@ def serving(loaded, ends: bool = True, **options):
     text at random, and some tests need replies that run on)."""
     server = Server(loaded, ServeOptions(port=0, **options))
     if not ends:
-        server.scheduler.stop_ids = set()
+        server.scheduler.replies.stop_ids = set()
     port = server.start()
     try:
         yield server, port

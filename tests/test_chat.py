@@ -142,7 +142,7 @@ def test_cache_carries_over_between_turns(embedded, tmp_path):
     conv = chat.conv
     stats = conv.cache.stats()
     assert conv.fed == stats.seen  # every token counted once: the second turn prefilled only new text
-    second_user = conv.spans[2]
+    second_user = conv.ledger.spans[2]
     assert second_user.role == "user" and second_user.end - second_user.start < 25
 
 
@@ -272,7 +272,7 @@ def test_notes_come_when_a_message_falls_below_half_and_a_tenth_once_each(embedd
     first = [s for n, s in zip(notes, shares, strict=True) if "pineapple" in n]
     assert first and len(first) <= 2 and (len(first) == 1 or first[1] < 10 <= first[0]), notes
     kept = {r.index: r.kept for r in chat.conv.evictions() if r.role == "user"}
-    assert all(kept[i] < level for i, level in chat.conv.warned.items())
+    assert all(kept[i] < level for i, level in chat.conv.ledger.warned.items())
 
 
 def test_a_recall_chat_says_at_most_one_note_a_turn(embedded, tmp_path):

@@ -5,6 +5,7 @@ one line with nothing changed. Tiny random models (a word-level tokenizer), gree
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 import random
@@ -17,6 +18,7 @@ from conftest import tiny_model, tiny_tokenizer
 from h2o_chat.app import statefile
 from h2o_chat.app.chat import resume
 from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+from h2o_chat.app.chat.ledger import Ledger
 from h2o_chat.app.chat.resume import load_conversation, save_conversation
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.step.sampling import Sampler
@@ -80,7 +82,7 @@ def test_save_restore_continue_is_continuing_without_a_break(case, tmp_path, sin
 
     again = chat(loaded, **kw)
     assert load_conversation(again, path) == 4 and again.messages == conv.messages
-    assert again.fed == conv.fed and again.spans == conv.spans
+    assert again.fed == conv.fed and again.ledger.spans == conv.ledger.spans
     question = words(99, 12)
     assert reply(again, question) == reply(conv, question)
     for name, t in conv.cache.slots.tensors().items():
@@ -117,8 +119,9 @@ def test_a_json_name_keeps_the_messages_alone_and_a_conversation_without_cache_r
 
 
 def test_everything_restart_sets_is_saved_or_said_to_belong_to_one_turn():
-    """`Conversation._restart` sets a conversation's bookkeeping: each attribute is carried by a saved file
-    (`resume.CARRIED`) or belongs to one turn or process (`resume.PER_TURN`), so a new one is never lost."""
+    """`Conversation._restart` sets a conversation's bookkeeping, its ledger among it: each attribute and each of
+    the ledger's fields is carried by a saved file (`resume.CARRIED`) or belongs to one turn or process
+    (`resume.PER_TURN`), so a new one is never lost."""
     source = textwrap.dedent(inspect.getsource(Conversation._restart))
     assigned = {
         t.attr
@@ -128,7 +131,10 @@ def test_everything_restart_sets_is_saved_or_said_to_belong_to_one_turn():
         for t in ast.walk(target)
         if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"
     }
-    assert assigned == set(resume.CARRIED) | set(resume.PER_TURN)
+    said = [*resume.CARRIED.values(), *resume.PER_TURN]
+    assert assigned == {where.split(".")[0] for where in said}
+    ledger = {f.name for f in dataclasses.fields(Ledger)}
+    assert ledger == {where.split(".")[1] for where in said if where.startswith("ledger.")}
 
 
 def test_a_field_added_to_the_declarations_is_saved_and_an_older_file_refused(monkeypatch, tmp_path):

@@ -246,11 +246,11 @@ def test_the_chat_says_which_messages_a_reply_recalled(single_thread):
     said = []  # the note each turn leaves (None: nothing new to say)
     for text in (words(rng, 12), words(rng, 12), words(rng, 6)):
         talk(conv, [text])
-        said.append(conv.recall_note)
-    assert conv.recalled and sum(conv.recalled.values()) <= 1 + 1e-6
+        said.append(conv.ledger.recall_note)
+    assert conv.ledger.recalled and sum(conv.ledger.recalled.values()) <= 1 + 1e-6
     reports = {r.index: r for r in conv.evictions()}
-    assert all(reports[i].recalled == conv.recalled[i] for i in conv.recalled)
-    top, share = max(conv.recalled.items(), key=lambda kv: kv[1])
+    assert all(reports[i].recalled == conv.ledger.recalled[i] for i in conv.ledger.recalled)
+    top, share = max(conv.ledger.recalled.items(), key=lambda kv: kv[1])
     if share >= 0.05 and said[-1] is not None:  # a note names the top message (said only when it is news)
         assert f"{100 * share:.0f}% from message {top}" in said[-1]
     assert any(note and "from message" in note for note in said)  # and some turn said which

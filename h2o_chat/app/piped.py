@@ -185,8 +185,8 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
         sys.stdout.write("\n")
         sys.stdout.flush()
         summary = summary_line(last, conv.stats(), conv.engine.describe(), conv.speeds(last), describe_weights(loaded))
-        if conv.slowdown.summary:
-            summary += f" | {conv.slowdown.summary}"
+        if conv.pace.watch.summary:
+            summary += f" | {conv.pace.watch.summary}"
         say(summary + (f" | {cached.summary()}" if cached is not None else ""))
     sys.stdout.flush()
     return record

@@ -25,7 +25,7 @@ TITLES = {
     "alice.txt": "Alice's Adventures in Wonderland",
     "moby_dick.txt": "Moby-Dick",
 }
-SENTINEL = "\x00h2o-chat-reply\x00"  # as app/chat/conversation.py: what follows the last reply is a turn's new text
+SENTINEL = "\x00h2o-chat-reply\x00"  # as app/chat/template.py: what follows the last reply is a turn's new text
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ class SlashCommands:
         sampler = [f"{name} {_shown(getattr(settings.sampler, name))}" for name in SAMPLER_SETTINGS]
         lines = [
             f"model: {conv.loaded.spec.name} ({conv.loaded.spec.source}) on {describe_device(conv.loaded)}",
-            f"chat template: {conv.template_source}",
+            f"chat template: {conv.template.source}",
             f"cache: {conv.policy.describe()}",
             f"settings: {', '.join(sampler)}, max_new_tokens {settings.max_new_tokens}",
             f"reading: chunks of {settings.chunk_size} tokens; positions {settings.positions}; "

@@ -1,30 +1,20 @@
 """A conversation over one H2O cache: each turn prefills only the new text, the cache carries over.
 
-The cache has seen the conversation up to the end of the last reply. To find the new text of a turn we render
-the whole conversation with the chat template, with a sentinel in place of the last reply's content: what
-follows the sentinel (end-of-turn tokens, the new user message, the generation prompt) is exactly what the
-cache has not seen. This works for any template without decoding tokens back to text.
+Its parts: the chat template that finds each turn's new tokens (`template.py`), the ledger of where each message
+lies and how much of it is held (`ledger.py`), and the engine that reads and replies.
 """
 
 from __future__ import annotations
 
-import bisect
-import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.app.chat.slowdown import SlowdownWatch
-from h2o_chat.app.messages import (
-    PLAIN_STOP,
-    encode,
-    read_conversation,
-    render,
-    template_problem,
-    use_chat_template,
-    write_conversation,
-)
+from h2o_chat.app.chat.ledger import EvictionReport, Ledger, Span
+from h2o_chat.app.chat.slowdown import TurnPace
+from h2o_chat.app.chat.template import SENTINEL, ChatTemplate
+from h2o_chat.app.messages import PLAIN_STOP, read_conversation, write_conversation
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.policies.snap import columns_read
@@ -37,18 +27,10 @@ from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
 
-SENTINEL = "\x00h2o-chat-reply\x00"
+__all__ = ["SENTINEL", "ChatSettings", "Conversation", "EvictionReport", "Span", "budget_note"]
 
 UNDO_SNAPSHOT_BYTES = 64 * 2**20  # a cache up to this size is copied before each turn, for /undo
 FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
-# the shares of a user's message held that they are told about, once each: below half the model answers from
-# part of it, below a tenth it has mostly lost it (a note each time 1% went was noise, and missed these)
-WARN_BELOW = (0.5, 0.1)
-
-
-def warn_level(kept: float) -> float:
-    """The lowest of WARN_BELOW that `kept` is under (1.0: none)."""
-    return min((level for level in WARN_BELOW if kept < level), default=1.0)
 
 
 def budget_note(prompt_tokens: int, budget: int | None, how: str = "--budget") -> str | None:
@@ -76,49 +58,18 @@ class ChatSettings:
     ignore_eos: bool = False  # --ignore-eos: replies run to max_new_tokens past the end-of-sequence token
 
 
-@dataclass
-class Span:
-    """Where a message lies in the token stream: absolute positions [start, end)."""
-
-    role: str
-    index: int  # into Conversation.messages
-    start: int
-    end: int
-
-
-@dataclass
-class EvictionReport:
-    role: str
-    index: int
-    preview: str
-    tokens: int
-    kept: float  # share of its tokens still cached, averaged over layers and heads
-    recalled: float = 0.0  # share of what the last turn recalled from evicted tokens that came from it (recall)
-
-
 class Conversation:
     """Messages, the cache that has seen them, and the bookkeeping to extend both turn by turn."""
 
     def __init__(self, loaded: Loaded, policy: Policy, settings: ChatSettings | None = None):
         self.loaded = loaded
         self.settings = settings or ChatSettings()
-        self.tokenizer = loaded.tokenizer
-        self.template_source = "the tokenizer's"  # for /show
-        if self.settings.chat_template is not None:
-            name, text = self.settings.chat_template
-            self.tokenizer = copy.copy(loaded.tokenizer)  # the loaded model's tokenizer stays as it was
-            self.tokenizer.chat_template = text
-            problem = template_problem(self.tokenizer)
-            if problem:
-                raise InputError(f"--chat-template {name} cannot render a message: {problem}")
-            self.template_source = name
-        self.plain = use_chat_template(self.tokenizer)
-        if self.plain:
-            self.template_source = "plain User:/Assistant: lines (the model has no chat template)"
+        self.template = ChatTemplate(loaded.tokenizer, self.settings.chat_template)
+        self.tokenizer = self.template.tokenizer
         self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
         self.budget_hint = "--budget"  # how the user changes the budget, for notes (the chat says /budget)
         self._on_setup: Callable[[str], None] | None = None
-        self.slowdown = SlowdownWatch()  # decode that collapses on a busy CPU is said once, with what may help
+        self.pace = TurnPace()  # speeds without one-time setup; decode that collapses on a busy CPU is said once
         self.cache = self._new_cache(policy)
         self.messages: list[dict] = []
         if self.settings.system:
@@ -144,14 +95,9 @@ class Conversation:
             self.cache = self._new_cache(policy or self.cache.policy)
         self.fed = 0  # tokens the cache has seen
         self.pending = self.pending_messages = 0  # tokens (and messages) the current turn reads before its reply
-        self.spans: list[Span] = []
+        self.ledger = Ledger()  # where each message lies, what the user was told of it, what recall brought back
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
-        self.warned: dict[int, float] = {}  # message index -> the WARN_BELOW level the user was last told of
-        self.recall_note: str | None = None  # what the last turn recalled, when that is news (recall)
-        self._recall_told: tuple[int, ...] = ()  # the messages the last recall note named
-        self.recalled: dict[int, float] = {}  # message index -> share of the last turn's recalls from it
-        self._setup = [0.0, 0.0, 0.0]  # engine setup seconds at the turn's start, first token, end
         self._undo: tuple | None = None  # how to go back to before the last turn (/undo), when it can
 
     # -- settings ---------------------------------------------------------------------------------
@@ -210,9 +156,9 @@ class Conversation:
         _, before, (fed, spans), (unfed, fed_stop) = undo
         text = self.messages[last]["content"]
         del self.messages[last:]
-        self.fed, self.spans, self._unfed, self._fed_stop = fed, spans, unfed, fed_stop
-        self.recalled = {}
-        self.warned.pop(last, None)
+        self.fed, self.ledger.spans, self._unfed, self._fed_stop = fed, spans, unfed, fed_stop
+        self.ledger.recalled = {}
+        self.ledger.warned.pop(last, None)
         self.cache.restore(before)
         return text, True
 
@@ -232,48 +178,8 @@ class Conversation:
         """The ids the cache has not seen yet for a new user message, and where each message ends in them:
         [(message index, end offset)], the new message being index len(self.messages)."""
         if self.fed == 0:  # nothing cached: the whole conversation (a loaded one keeps its messages apart)
-            return self._whole_conversation([*self.messages, user])
-        last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
-        marked = [dict(m) for m in self.messages]
-        marked[last]["content"] = SENTINEL
-        text = render(self.tokenizer, [*marked, user])
-        ids = encode(self.tokenizer, text.split(SENTINEL, 1)[1])
-        if self._fed_stop is not None and ids and ids[0] == self._fed_stop:
-            ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
-        ids = ([self._unfed] if self._unfed is not None else []) + ids
-        return ids, [(len(self.messages), len(ids))]
-
-    def _whole_conversation(self, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Render the conversation once, and each prefix of it, to find the token offset where every message's
-        rendering ends. A message whose prefix does not render as a prefix of the whole (a template that
-        folds the system prompt into the first user turn, or refuses a partial conversation) shares the span
-        of the message after it."""
-        text = render(self.tokenizer, messages)
-        ids, starts = self._encode_with_starts(text)
-        ends = []
-        for k in range(1, len(messages)):
-            try:
-                prefix = render(self.tokenizer, messages[:k], False)
-            except Exception:  # jinja raises whatever the template's author chose
-                continue
-            if prefix and text.startswith(prefix):
-                end = (
-                    bisect.bisect_left(starts, len(prefix))
-                    if starts is not None
-                    else len(encode(self.tokenizer, prefix))
-                )
-                if 0 < end < len(ids) and (not ends or end > ends[-1][1]):
-                    ends.append((k - 1, end))
-        ends.append((len(messages) - 1, len(ids)))
-        return ids, ends
-
-    def _encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
-        """Token ids and each token's start offset in the text (None for tokenizers without offsets)."""
-        try:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        except (NotImplementedError, ValueError):  # slow tokenizers have no offsets
-            return encode(self.tokenizer, text), None
-        return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
+            return self.template.whole([*self.messages, user])
+        return self.template.next_turn(self.messages, user, self._unfed, self._fed_stop)
 
     def reads(self, tokens: int) -> int:
         """Columns a turn of `tokens` new tokens is read for: snap reads an overflowing prompt twice (its probe
@@ -315,13 +221,13 @@ class Conversation:
         # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
         # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
         before = self.cache.snapshot() if len(ids) > chunk or self._cheap_snapshot() else None
-        kept = (self.fed, list(self.spans))  # what a taken-back turn restores
+        kept = (self.fed, list(self.ledger.spans))  # what a taken-back turn restores
         if progress is not None:
             progress(0, self.reads(len(ids)))
         self.messages.append(user)
         start = begin = self.fed
         for index, end in ends:  # one span per message (a whole loaded conversation has many)
-            self.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
+            self.ledger.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
             begin = start + end
         self.fed += len(ids)
         carried = (self._unfed, self._fed_stop)  # what the last turn left for this one (restored if taken back)
@@ -329,9 +235,8 @@ class Conversation:
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
-        self._setup = [self.engine.setup_seconds] * 3
-        self.slowdown.start()
-        stops = (*((PLAIN_STOP,) if self.plain and not raw else ()), *self.settings.stop)
+        self.pace.start(self.engine.setup_seconds)
+        stops = (*((PLAIN_STOP,) if self.template.plain and not raw else ()), *self.settings.stop)
         try:
             for r in stream_generate(
                 self.loaded.model,
@@ -347,10 +252,7 @@ class Conversation:
                 engine=self.engine,
             ):
                 last, count = r, count + 1
-                if count == 1:
-                    self._setup[1] = self.engine.setup_seconds  # what the prompt's reading paid
-                self._setup[2] = self.engine.setup_seconds
-                if note := self.slowdown.step(self.engine.setup_seconds):
+                if note := self.pace.token(count, self.engine.setup_seconds):
                     self.cache.notices.append(note)
                 reply.append(r.text)
                 yield r
@@ -390,41 +292,14 @@ class Conversation:
             self._unfed = last.token
         self.fed += fed_reply
         self.messages.append({"role": "assistant", "content": "".join(reply)})
-        self.spans.append(Span("assistant", reply_index, reply_start, self.fed))
-        self._tell_recalled()
-
-    def _tell_recalled(self) -> None:
-        """The recall policy: which earlier messages the turn brought tokens back from, while reading the message
-        and writing the reply (the user is told the main ones; /evicted shows every share)."""
-        store = self.cache.store
-        self.recalled, self.recall_note = {}, None
-        if store is None:
-            return
-        counts = store.take_counts()
-        if counts.numel() == 0 or not counts.sum():
-            return
-        counts, total = counts[0], float(counts[0].sum())
-        for span in self.spans:
-            got = float(counts[span.start : span.end].sum()) / total
-            if got >= 0.005:
-                self.recalled[span.index] = self.recalled.get(span.index, 0.0) + got
-        top = [(i, share) for i, share in sorted(self.recalled.items(), key=lambda kv: -kv[1])[:3] if share >= 0.05]
-        named = tuple(sorted(i for i, _ in top))
-        if top and named != self._recall_told:  # said when the messages it recalls from change, not every turn
-            self._recall_told = named
-            parts = [f"{100 * share:.0f}% from message {i} ({self._preview(i, 24)!r})" for i, share in top]
-            self.recall_note = (
-                f"this turn brought evicted tokens back: {', '.join(parts)}; /evicted shows every message"
-            )
-
-    def _preview(self, index: int, width: int = 48) -> str:
-        return " ".join(self.messages[index]["content"].split())[:width]
+        self.ledger.spans.append(Span("assistant", reply_index, reply_start, self.fed))
+        self.ledger.tell_recalled(self.cache.store, self.messages)
 
     def _take_back(self, user: dict, before: dict | None, kept, carried, stopped: PrefillInterrupted) -> None:
         """A message whose reading was stopped leaves no trace: the cache, the tokens fed and the spans as they
         were before it (`before`, `kept`), the message gone. `stopped` says how far the reading got."""
         del self.messages[next(i for i, m in enumerate(self.messages) if m is user) :]
-        self.fed, self.spans = kept
+        self.fed, self.ledger.spans = kept
         self._unfed, self._fed_stop = carried
         if before is not None:
             self.cache.restore(before)
@@ -433,18 +308,8 @@ class Conversation:
         self.stopped_reading = (stopped.done, stopped.total)
 
     def speeds(self, record: Response) -> tuple[float, float | None, float]:
-        """This turn's (prompt tok/s, decode tok/s, one-time setup seconds): a capture or compilation of the
-        decode step is paid once and reported on its own, not folded into the speeds. Decode is None until a
-        decode step has run: the first token comes from the prompt's reading (a 1-token reply read 0.0 tok/s)."""
-        at_start, at_first, now = self._setup
-        prompt = record.prompt_seconds - (at_first - at_start)
-        decode = record.generation_seconds - (now - at_first)
-        steps = record.generation_tokens - 1
-        return (
-            record.prompt_tokens / prompt if prompt > 0 else 0.0,
-            steps / decode if steps and decode > 0 else None,
-            now - at_start,
-        )
+        """This turn's (prompt tok/s, decode tok/s, one-time setup seconds): see `TurnPace.speeds`."""
+        return self.pace.speeds(record)
 
     def stats(self) -> CacheStats:
         """The cache's stats as the user is shown them (recall's store included: its bytes as allocated, its tokens
@@ -461,31 +326,11 @@ class Conversation:
     # -- eviction report --------------------------------------------------------------------------
     def evictions(self) -> list[EvictionReport]:
         """For each message the cache has seen: how much of it is still held."""
-        out = []
-        for span in self.spans:
-            preview = self._preview(span.index)
-            out.append(
-                EvictionReport(
-                    span.role,
-                    span.index,
-                    preview,
-                    span.end - span.start,
-                    self.cache.kept_fraction(span.start, span.end),
-                    self.recalled.get(span.index, 0.0),
-                )
-            )
-        return out
+        return self.ledger.reports(self.cache, self.messages)
 
     def newly_evicted_user_messages(self) -> list[EvictionReport]:
-        """The user's earlier messages that have fallen below a level of WARN_BELOW since the last check (each
-        level once per message)."""
-        fresh = []
-        for report in self.evictions():
-            level = warn_level(report.kept)
-            if report.role == "user" and level < self.warned.get(report.index, 1.0):
-                self.warned[report.index] = level
-                fresh.append(report)
-        return fresh
+        """The user's earlier messages that have fallen below a warning level since the last check (each once)."""
+        return self.ledger.newly_evicted_user_messages(self.cache, self.messages)
 
     # -- save / load ------------------------------------------------------------------------------
     @property

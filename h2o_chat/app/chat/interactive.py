@@ -140,7 +140,7 @@ class ChatSession:
             for notice in conv.cache.pop_notices():
                 view.note(notice)
         view.reply_ended(
-            stop.is_set(), last, conv.newly_evicted_user_messages(), conv.policy.brings_back, conv.recall_note
+            stop.is_set(), last, conv.newly_evicted_user_messages(), conv.policy.brings_back, conv.ledger.recall_note
         )
 
     def toolbar(self, width: int | None = None) -> str:

@@ -23,11 +23,13 @@ from h2o_chat.app.ui import human_bytes, plural
 from h2o_chat.engine.storage import persist
 from h2o_chat.engine.storage.persist import StateError
 
-# What a Conversation knows about the sequence its cache has seen (`Conversation._restart` sets each): saved and
-# restored with the cache. `tests/test_session_files.py` checks that every attribute `_restart` sets is here or in
+# What a Conversation knows about the sequence its cache has seen (`Conversation._restart` sets each, its ledger
+# among them): saved and restored with the cache, under the file's name for it -> where it lives. `tests/
+# test_session_files.py` checks that every attribute `_restart` sets, and every field of the ledger, is here or in
 # `PER_TURN`, so one added there is classified before it can be lost.
-CARRIED = ("fed", "spans", "_unfed", "_fed_stop", "warned", "_recall_told")
-PER_TURN = ("cache", "pending", "pending_messages", "recall_note", "recalled", "_setup", "_undo")
+CARRIED = {"fed": "fed", "spans": "ledger.spans", "_unfed": "_unfed", "_fed_stop": "_fed_stop",
+           "warned": "ledger.warned", "_recall_told": "ledger.told"}  # fmt: skip
+PER_TURN = ("cache", "pending", "pending_messages", "_undo", "ledger.recalled", "ledger.recall_note")
 # the carried values that JSON cannot hold as they are
 _CODECS = {
     "spans": (lambda spans: [dataclasses.asdict(s) for s in spans], lambda v: [Span(**s) for s in v]),
@@ -48,7 +50,7 @@ def save_conversation(conv: Conversation, path) -> tuple[Path, int]:
     values, tensors = None, {}
     if conv.fed and conv.cache.slots is not None:
         values, tensors = persist.capture(conv.cache)
-    carried = {name: _CODECS.get(name, (_same, _same))[0](getattr(conv, name)) for name in CARRIED}
+    carried = {name: _CODECS.get(name, (_same, _same))[0](_get(conv, where)) for name, where in CARRIED.items()}
     settings = statefile.identity(conv.loaded, conv.cache)
     conversation = {"messages": conv.messages, **carried}
     statefile.write(path, "conversation", settings, values, tensors, conversation=conversation)
@@ -82,8 +84,17 @@ def load_conversation(conv: Conversation, path) -> int:
     conv._restart(new_cache=False)
     file.apply(conv.cache, state)
     for name, value in carried.items():
-        setattr(conv, name, value)
+        owner, _, attribute = CARRIED[name].rpartition(".")
+        setattr(_get(conv, owner) if owner else conv, attribute, value)
     return len(messages)
+
+
+def _get(conv: Conversation, where: str):
+    """The attribute at a dotted path of `conv` (`ledger.spans`)."""
+    value = conv
+    for part in where.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _same(value):

@@ -83,3 +83,37 @@ class SlowdownWatch:
         else:
             self.note = f"{slowed}, with the machine's load ({load:.1f}) above its one thread: another process is busy"
         return self.note
+
+
+class TurnPace:
+    """A turn's speeds without its one-time setup (a capture or compilation of the decode step is paid once and
+    reported on its own, not folded into the speeds), and the watch for a pace that collapses."""
+
+    def __init__(self):
+        self.watch = SlowdownWatch()
+        self.setup = [0.0, 0.0, 0.0]  # the engine's setup seconds at the turn's start, its first token, its end
+
+    def start(self, setup_seconds: float) -> None:
+        self.setup = [setup_seconds] * 3
+        self.watch.start()
+
+    def token(self, count: int, setup_seconds: float) -> str | None:
+        """After the turn's `count`-th token: a note when the pace collapsed (once), else None."""
+        if count == 1:
+            self.setup[1] = setup_seconds  # what the prompt's reading paid
+        self.setup[2] = setup_seconds
+        return self.watch.step(setup_seconds)
+
+    def speeds(self, record) -> tuple[float, float | None, float]:
+        """This turn's (prompt tok/s, decode tok/s, one-time setup seconds) for its last `Response`. Decode is None
+        until a decode step has run: the first token comes from the prompt's reading (a 1-token reply read 0.0
+        tok/s)."""
+        at_start, at_first, now = self.setup
+        prompt = record.prompt_seconds - (at_first - at_start)
+        decode = record.generation_seconds - (now - at_first)
+        steps = record.generation_tokens - 1
+        return (
+            record.prompt_tokens / prompt if prompt > 0 else 0.0,
+            steps / decode if steps and decode > 0 else None,
+            now - at_start,
+        )

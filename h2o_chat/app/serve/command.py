@@ -1,7 +1,8 @@
 """`h2o-chat serve`: an OpenAI-compatible server whose every conversation holds a bounded cache.
 
-Options in, calls out: the work is in `server.py` (HTTP), `scheduler.py` (the engine thread), `rows.py` and
-`sessions.py`. No torch, uvicorn or starlette import at module level (start-up stays fast for --help).
+Options in, calls out: the work is in `server.py` (HTTP), `scheduler.py` (the engine thread: with `jobs.py`,
+`lanes.py`, `reading.py` and `replies.py`), `rows.py` and `sessions.py`. No torch, uvicorn or starlette import at
+module level (start-up stays fast for --help).
 """
 
 from __future__ import annotations

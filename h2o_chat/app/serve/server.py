@@ -42,8 +42,9 @@ from h2o_chat.app.serve.api import (
     reply,
     usage,
 )
+from h2o_chat.app.serve.jobs import SHUTTING_DOWN, Job
 from h2o_chat.app.serve.rows import EngineSettings
-from h2o_chat.app.serve.scheduler import SHUTTING_DOWN, Job, Scheduler
+from h2o_chat.app.serve.scheduler import Scheduler
 from h2o_chat.app.serve.session_disk import SessionDisk, session_folder
 from h2o_chat.app.serve.sessions import SessionStore, plan_turn
 

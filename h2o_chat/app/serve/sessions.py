@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.app.chat.conversation import SENTINEL
+from h2o_chat.app.chat.template import SENTINEL
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.serve.api import ApiError
 from h2o_chat.engine.storage.persist import StateError

@@ -1,0 +1,85 @@
+"""The chat template a conversation is rendered with, and the tokens each turn adds to what the cache has seen.
+
+The cache has seen the conversation up to the end of the last reply. To find the new text of a turn we render
+the whole conversation with the chat template, with a sentinel in place of the last reply's content: what
+follows the sentinel (end-of-turn tokens, the new user message, the generation prompt) is exactly what the
+cache has not seen. This works for any template without decoding tokens back to text.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+
+from h2o_chat.app.messages import encode, render, template_problem, use_chat_template
+from h2o_chat.errors import InputError
+
+SENTINEL = "\x00h2o-chat-reply\x00"
+
+
+class ChatTemplate:
+    """A tokenizer with the template that renders a conversation: the tokenizer's own, one given with
+    --chat-template (`chat_template`: its file and its Jinja text), or plain User:/Assistant: lines."""
+
+    def __init__(self, tokenizer, chat_template: tuple[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.source = "the tokenizer's"  # for /show
+        if chat_template is not None:
+            name, text = chat_template
+            self.tokenizer = copy.copy(tokenizer)  # the loaded model's tokenizer stays as it was
+            self.tokenizer.chat_template = text
+            problem = template_problem(self.tokenizer)
+            if problem:
+                raise InputError(f"--chat-template {name} cannot render a message: {problem}")
+            self.source = name
+        self.plain = use_chat_template(self.tokenizer)
+        if self.plain:
+            self.source = "plain User:/Assistant: lines (the model has no chat template)"
+
+    def next_turn(
+        self, messages: list[dict], user: dict, unfed: int | None, fed_stop: int | None
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids a cache that has seen `messages` (up to the end of the last reply) has not seen yet, for a new
+        user message, and where it ends in them: [(len(messages), end offset)]. `unfed`: the reply's last token when
+        the cache has not read it; `fed_stop`: the stop token the cache read already (the template adds it again)."""
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        marked = [dict(m) for m in messages]
+        marked[last]["content"] = SENTINEL
+        text = render(self.tokenizer, [*marked, user])
+        ids = encode(self.tokenizer, text.split(SENTINEL, 1)[1])
+        if fed_stop is not None and ids and ids[0] == fed_stop:
+            ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
+        ids = ([unfed] if unfed is not None else []) + ids
+        return ids, [(len(messages), len(ids))]
+
+    def whole(self, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Render the conversation once, and each prefix of it, to find the token offset where every message's
+        rendering ends. A message whose prefix does not render as a prefix of the whole (a template that
+        folds the system prompt into the first user turn, or refuses a partial conversation) shares the span
+        of the message after it."""
+        text = render(self.tokenizer, messages)
+        ids, starts = self._encode_with_starts(text)
+        ends = []
+        for k in range(1, len(messages)):
+            try:
+                prefix = render(self.tokenizer, messages[:k], False)
+            except Exception:  # jinja raises whatever the template's author chose
+                continue
+            if prefix and text.startswith(prefix):
+                end = (
+                    bisect.bisect_left(starts, len(prefix))
+                    if starts is not None
+                    else len(encode(self.tokenizer, prefix))
+                )
+                if 0 < end < len(ids) and (not ends or end > ends[-1][1]):
+                    ends.append((k - 1, end))
+        ends.append((len(messages) - 1, len(ids)))
+        return ids, ends
+
+    def _encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
+        """Token ids and each token's start offset in the text (None for tokenizers without offsets)."""
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError):  # slow tokenizers have no offsets
+            return encode(self.tokenizer, text), None
+        return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
