@@ -4,10 +4,11 @@ Storage (`Slots`) holds every layer stacked: keys/values (L, B, H, S, D), each s
 position its key was rotated at, and its accumulated attention mass in fp32; S is the capacity plus one spare
 slot. Each (layer, row, KV head) keeps its own set of tokens; each row may follow its own policy (`Rules`).
 
-The cache's jobs live apart: a forward's beginning and end (`forward.py`), numbering positions
-(`positions.py`), row views for continuous batching and snapshots (`rowviews.py`), statistics (`stats.py`),
-eviction (`evict.py`), the storage itself (`slots.py`). What one sequence holds is declared once, in
-`_start`: a new cache starts with it and `reset` returns to it.
+Its parts are objects of their own: the storage (`storage/storage.py`: slots, rules and recall's store, allocated
+once; everything that replaces a buffer happens there), the numbering of positions (`positions.Numbering`, with a
+`RowState` per batch row), the forward now running (`forward.Step` or `forward.Chunk`), and the eviction
+(`policies/evict.py`). The cache keeps each row's bookkeeping beside its storage; what one sequence holds is declared
+once, in `_start`: a new cache starts with it, `reset` returns to it, and `SNAPSHOT` names its plain values.
 
 A forward is begun and ended explicitly -- by the decode engine, or for `model.generate` by hooks on the
 model's base module -- and says what it is: `before_forward(T, counts)` (host only, never inside a captured
@@ -16,19 +17,20 @@ step: context checks, renumbering, room in a full cache), `begin(kind, mask)`, t
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from h2o_chat.engine import forward as fw
 from h2o_chat.engine import stats
 from h2o_chat.engine.layer import H2OLayer
-from h2o_chat.engine.policies import Policy, Rules
-from h2o_chat.engine.positions import POSITIONS, Group, Numbering, RowState, check_positions
+from h2o_chat.engine.policies import Policy
+from h2o_chat.engine.positions import POSITIONS, SNAPSHOT, Group, Numbering, RowState, check_positions
 from h2o_chat.engine.protocol import CacheProtocol
 from h2o_chat.engine.rope import Rope, RopeUnsupported
-from h2o_chat.engine.storage import allocation, rowviews
 from h2o_chat.engine.storage.quant import check_mode
-from h2o_chat.engine.storage.slots import Slots, inference
-from h2o_chat.engine.storage.store import Store
+from h2o_chat.engine.storage.slots import inference
+from h2o_chat.engine.storage.storage import Storage
 from h2o_chat.errors import CacheUsageError, ConfigError
 
 __all__ = ["POSITIONS", "H2OCache", "check_positions", "model_facts", "unsupported"]
@@ -85,7 +87,8 @@ class H2OCache(CacheProtocol):
         kv_quant: str = "none",
     ):
         super().__init__(layers=[H2OLayer(self, i) for i in range(num_layers)])
-        self.kv_quant = check_mode(kv_quant)  # how the held keys and values are stored (`quant.py`)
+        # how the held keys and values are stored (`storage/quant.py`), and where
+        self.storage = Storage(num_layers, check_mode(kv_quant))
         self.numbering = Numbering(rope, context, rope_problem)
         policies = [policy] if isinstance(policy, Policy) else list(policy)
         modes = [positions] * len(policies) if isinstance(positions, str) else list(positions)
@@ -95,20 +98,13 @@ class H2OCache(CacheProtocol):
             self.numbering.check_mode(mode)
         self.groups = [Group(p, n, m) for p, n, m in zip(policies, rows or [None], modes, strict=True)]
         self.host_managed = False  # True when a decode engine begins and ends forwards itself
-        self.version = 0  # bumps whenever storage is re-allocated (captured steps are then stale)
         self.notices: list[str] = []  # things the user should be told once (the UI pops them)
-        self.reserved = 0  # a full cache makes room for this many tokens when it allocates
-        self.is_view = False  # a row's view of another cache's storage (see row()): never re-allocates
-        self.is_fork = False  # a throw-away copy (snap's probe, `fork()`): keeps nothing it evicts
         self._start()
 
     def _start(self) -> None:
-        """The state of one sequence, declared once: a new cache starts with it, `reset` returns to it, and
-        `rowviews` copies and views it (a snapshot carries `rowviews.SNAPSHOT`, the rows, the slots and the store's
-        count)."""
-        self.slots: Slots | None = None
-        self.rules: Rules | None = None
-        self.store: Store | None = None  # evicted tokens of rows that recall (`engine/storage/store.py`)
+        """The bookkeeping of one sequence beside its storage, declared once: a new cache starts with it, `reset`
+        returns to it, `twin` copies it and a snapshot carries `positions.SNAPSHOT`, the rows, the slots and the
+        store."""
         self.columns = 0  # token columns fed, padding included: what the model calls "seen"
         self.rows: list[RowState] = []  # per batch row, set when storage is allocated (before: counts only)
         self.renumbered = False  # some row's keys are rotated at other than their true positions
@@ -135,6 +131,12 @@ class H2OCache(CacheProtocol):
         return cls(policy, positions=positions, rows=rows, kv_quant=kv_quant, **model_facts(model, context))
 
     # -- description --------------------------------------------------------------------------------
+    slots = property(lambda self: self.storage.slots, doc="Every layer's slots (`Slots`), None before a token.")
+    rules = property(lambda self: self.storage.rules, doc="Each row's policy as tensors, sized for the slots.")
+    store = property(lambda self: self.storage.store, doc="Recall's evicted tokens (`Store`), or None.")
+    version = property(lambda self: self.storage.version, doc="Bumps whenever a buffer is replaced.")
+    kv_quant = property(lambda self: self.storage.kv_quant, doc="none | 8bit: how keys and values are held.")
+
     @property
     def policy(self) -> Policy:
         """The policy (of the first group, when rows follow several)."""
@@ -165,13 +167,16 @@ class H2OCache(CacheProtocol):
             return [r.group for r in self.rows]
         return [g for g in self.groups for _ in range(g.rows or batch)]
 
+    def _budgets(self) -> list[int | None]:
+        return [g.policy.capacity for g in self.groups]
+
     def capacity_for(self, tokens: int) -> int:
         """Slots per layer once `tokens` more are read: the storage's, or what it will allocate."""
-        return allocation.capacity_for(self, tokens)
+        return self.storage.capacity_for(self.columns + tokens, self._budgets())
 
     def storage_bytes(self) -> int:
         """Bytes the storage occupies now (0 before the first token)."""
-        return 0 if self.slots is None else self.slots.nbytes()
+        return self.storage.nbytes()
 
     def limit(self, row: int) -> int:
         """Tokens row `row` may hold: its policy's capacity, or the storage's (a full cache)."""
@@ -190,74 +195,146 @@ class H2OCache(CacheProtocol):
         """Forget the sequence (storage, recall's store, positions and their numbering): the next one is read
         as by a new cache. Captured steps are stale (the version says so); a full cache's reservation stays."""
         self._start()
-        self.version += 1
+        self.storage.drop()
 
-    # -- storage (`allocation.py`) ---------------------------------------------------------------------
+    # -- storage -------------------------------------------------------------------------------------
     def allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """First update: storage for every layer, shaped after the first layer's keys and values."""
-        allocation.allocate(self, key, value)
-
-    def make_store(self) -> None:
-        allocation.make_store(self)
-
-    def install(self, slots: Slots) -> None:
-        """New storage (and the rules sized for it): captured decode steps are stale (the version says so)."""
-        self.slots = slots
-        self.rules = Rules.of([r.group.policy for r in self.rows], slots.capacity, slots.keys.device)
-        self.version += 1
-        slots.mark_static()
+        """First update: storage for every layer, shaped after the first layer's keys and values (B, H, T, D)."""
+        B = key.shape[0]
+        counts = [g.rows for g in self.groups]
+        if None not in counts and sum(counts) != B:
+            raise CacheUsageError(f"the cache's policies cover {sum(counts)} rows, the batch has {B}")
+        counted = len(self.rows) == B  # `before_forward` counted the first chunk's tokens already
+        bounds = [r.bound for r in self.rows] if counted else [self.columns] * B
+        seen = [r.seen for r in self.rows] if counted else [0] * B
+        self.rows = [
+            RowState(g, self.columns, b, self.numbering.starts_switched(g), n)
+            for g, b, n in zip(self.row_groups(B), bounds, seen, strict=True)
+        ]
+        self.storage.allocate(key, value, self.capacity_for(0), self.rows)
 
     @inference
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens per row up front (only a full cache grows; a budget is fixed)."""
-        allocation.reserve(self, tokens)
+        if None in self._budgets():
+            self.storage.reserve(self.columns + tokens, self.rows)
 
     @inference
     def set_policy(self, policy: Policy) -> None:
         """Change budget or policy while keeping what is cached: a smaller budget keeps the new policy's best
         slots (evicted tokens do not come back), a larger one re-allocates."""
-        rowviews.set_policy(self, policy)
+        if len(self.groups) > 1:
+            raise CacheUsageError("set_policy changes a cache with one policy for all rows")
+        group = self.groups[0]
+        group.policy = policy
+        if self.slots is None:
+            return
+        for r in self.rows:
+            r.group = group
+        capacity = self.storage.shrink_to(policy, self.columns, self.rows)
+        for r in self.rows:
+            if r.switched:
+                r.bound = min(r.bound, capacity)
 
-    # -- rows, copies and snapshots (`rowviews.py`) -----------------------------------------------------
+    # -- rows, copies and snapshots --------------------------------------------------------------------
+    def twin(self, slots) -> H2OCache:
+        """A cache like this one over `slots`, with its own copy of every row's bookkeeping, no store and no
+        forward running (a fork, a row's view, a compiled step's trace)."""
+        other = copy.copy(self)
+        other.layers = [H2OLayer(other, i) for i in range(len(self.layers))]
+        other.storage = self.storage.copy(slots)
+        other.forward, other.probe, other.observation = None, None, None
+        other.groups = [copy.copy(g) for g in self.groups]
+        other.rows = [r.copy() for r in self.rows]
+        other.warned = set(self.warned)
+        return other
+
     @inference
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` (finished rows leave the batch)."""
-        rowviews.select_rows(self, index)
+        if self.slots is None:
+            return
+        index = index.to(self.slots.seen.device)
+        self.rows = [self.rows[i].copy() for i in index.tolist()]
+        self.columns = max((x.columns for x in self.rows), default=0)
+        self.storage.select(index, self.rows)
 
     @inference
     def fork(self) -> H2OCache:
-        """An independent copy (snap's probe reads a prompt into one and throws it away)."""
-        return rowviews.fork(self)
+        """An independent copy (snap's probe reads a prompt into one and throws it away). It keeps nothing it
+        evicts, nor makes a store when it allocates: a fork of an empty cache and one of a filled row (a refilled
+        batch row) must read alike, and a row's probe would otherwise recall what the other never kept."""
+        copied = self.twin(None if self.slots is None else self.slots.copy())
+        copied.storage.is_fork = True
+        copied.notices = []
+        return copied
 
     def row(self, r: int) -> H2OCache:
-        """Row r as a cache of its own sharing this cache's storage (continuous batching): see `rowviews.row`."""
-        return rowviews.row(self, r)
+        """Row r as a cache of its own that shares this cache's storage: a prompt read into it lands in row r while
+        the other rows keep theirs (continuous batching). Notes go to this cache. `absorb` takes its host
+        bookkeeping back, and what the prompt evicted into the store when the row recalls (the view keeps its own
+        while it reads: its chunks recall only what this prompt evicted)."""
+        view = self.twin(None)
+        view.storage = self.storage.row(r)
+        view.rows = [self.rows[r].copy()]
+        view.columns = view.rows[0].columns
+        view.groups = [Group(view.rows[0].group.policy, None, view.rows[0].group.positions)]
+        view.host_managed = True
+        return view
 
     def absorb(self, view: H2OCache, r: int) -> None:
         """Row r's host bookkeeping back from its view, after a prompt was read into it."""
-        rowviews.absorb(self, view, r)
+        if view.slots is None or view.slots.keys.data_ptr() != self.slots.row(r).keys.data_ptr():
+            raise CacheUsageError("a row's storage was re-allocated while a prompt was read into it")
+        state = view.rows[0].copy()
+        state.group = self.rows[r].group
+        self.rows[r] = state
+        self.columns = max(x.columns for x in self.rows)
+        if self.store is not None and view.store is not None:
+            self.store.absorb(r, view.store)
+        self.renumbered |= view.renumbered
+        self.warned |= view.warned
 
     @inference
     def clear_row(self, r: int) -> None:
         """Empty row r for a new prompt; the other rows are untouched."""
-        rowviews.clear_row(self, r)
+        self.storage.clear_row(r)
+        group = self.rows[r].group
+        self.rows[r] = RowState(group, switched=self.numbering.starts_switched(group))
 
     @inference
     def clear(self) -> None:
         """Empty every row in place, storage kept (a captured step stays valid): the next prompt is read from
         position 0, as into a new cache (a conversation re-reads its transcript)."""
-        rowviews.clear(self)
+        for r in range(self.slots.batch if self.slots is not None else 0):
+            self.clear_row(r)
+        self.columns = 0
+
+    def state(self) -> dict:
+        """The sequence as `restore` takes it, this cache's own rows and tensors (no copy: for a restore into other
+        storage before this cache changes)."""
+        return {**{name: getattr(self, name) for name in SNAPSHOT}, "rows": self.rows, "slots": self.slots,
+                "store": self.store}  # fmt: skip
 
     @inference
     def snapshot(self) -> dict:
-        """What the cache holds now, copied to the host: `restore` brings it back."""
-        return rowviews.snapshot(self)
+        """What the cache holds now, copied to the host: `restore` brings it back (e.g. when the user stops the
+        reading of a long message, the conversation continues from before it)."""
+        state = self.state()
+        state["rows"] = [r.copy() for r in self.rows]
+        state["slots"] = None if self.slots is None else self.slots.copy("cpu")
+        state["store"] = None if self.store is None else self.store.copy("cpu")  # bounded: a copy costs its size
+        return state
 
     @inference
     def restore(self, state: dict, device: torch.device | str | None = None) -> None:
         """Back to a snapshot; storage of the same shape is overwritten in place (captured steps stay valid).
         A cache without storage yet takes a copy on `device` (default: where the snapshot is)."""
-        rowviews.restore(self, state, device)
+        self.forward = None
+        for name in SNAPSHOT:
+            setattr(self, name, state[name])
+        self.rows = [r.copy() for r in state["rows"]]
+        self.storage.restore(state["slots"], state.get("store"), device, self.rows)
 
     # -- a forward ----------------------------------------------------------------------------------
     @inference
@@ -266,7 +343,25 @@ class H2OCache(CacheProtocol):
         that cannot go on, warn once, renumber rows whose positions would pass their window, make room in a
         full cache; then count the columns. `counts`: each row's own tokens among them, host ints (a left-padded
         row has fewer); None: every column of every row (a decode step, an unpadded prompt)."""
-        fw.before(self, new_tokens, counts)
+        if counts is None:
+            counts = [new_tokens] * len(self.rows)
+        elif not self.rows:  # the first rows' counts, before storage exists (allocate keeps them)
+            self.rows = [RowState(g, self.columns, self.columns) for g in self.row_groups(len(counts))]
+        self.numbering.check(self, new_tokens, counts)
+        if None in self._budgets():
+            self.storage.grow(self.columns + new_tokens, self.rows)
+        store = self.store
+        if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
+            rows = self.rows
+            store.counted(counts, [self.limit(r) for r in range(len(rows))], [row.seen for row in rows])
+            due = store.due()
+            if due:
+                store.fit(due, self.slots)
+        self.columns += new_tokens
+        for row, n in zip(self.rows, counts, strict=True):
+            row.bound += n
+            row.seen += n
+            row.columns += new_tokens
 
     def begin(self, kind: str, mask: torch.Tensor | None = None, columns: int = 1, batch: int | None = None):
         """Begin a forward of `columns` new columns: kind "step" (one token per row, every row real) or
@@ -277,17 +372,19 @@ class H2OCache(CacheProtocol):
         if not self.host_managed:  # model.generate: a prompt's mask is read once (it syncs on it already)
             self.before_forward(columns, None if mask is None else mask.sum(-1).tolist())
         if kind == "step":
-            return fw.begin_step(self)
-        if kind != "chunk":
+            self.forward, positions = fw.Step.begin(self)
+        elif kind == "chunk":
+            self.forward, positions = fw.Chunk.begin(self, mask, columns, batch)
+        else:
             raise CacheUsageError(f"unknown kind of forward {kind!r}")
-        return fw.begin_chunk(self, mask, columns, batch)
+        return positions
 
     @inference
     def end(self) -> None:
         """Finish the forward that ran: place its tokens and advance the rows."""
         fwd, self.forward = self.forward, None
         if fwd is not None:
-            fw.end(self, fwd)
+            fwd.end(self)
 
     def abort(self) -> None:
         """Forget a forward that did not finish (nothing of its chunk was placed; a step's spare is cleared)."""

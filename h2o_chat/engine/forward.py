@@ -1,13 +1,14 @@
-"""A forward through the cache, begun and ended explicitly: what kind it is, and what it leaves for its end.
+"""A forward through the cache (an `H2OCache`, which imports this module: its type is not named here), begun and
+ended explicitly: what kind it is, and what it leaves for its end.
 
-1. `begin_step` / `begin_chunk`: a decode step writes the new token's position into the spare slot; a prompt
+1. `Step.begin` / `Chunk.begin`: a decode step writes the new token's position into the spare slot; a prompt
    chunk numbers its tokens and builds its attention mask, once for every layer. Both return the model's
    position ids.
 2. The model runs; each layer's attention (`H2OLayer.attend`) reads the storage and gives its new keys, values
    and the mass its slots received to the forward (a `Step` or a `Chunk`; a chunk that fits is written into its
    slots at once).
-3. `end`: a step's new tokens go into the spare slot (every layer in one write) and its mass into the scores;
-   then `evict.step` or `evict.chunk` places the new tokens for every layer at once; rows advance.
+3. `Step.end` / `Chunk.end`: a step's new tokens go into the spare slot (every layer in one write) and its mass
+   into the scores; then `evict.step` or `evict.chunk` places the new tokens for every layer at once; rows advance.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from typing import ClassVar
 import torch
 
 from h2o_chat.engine.policies import evict
-from h2o_chat.engine.positions import RowState
-from h2o_chat.engine.storage import allocation
 from h2o_chat.engine.storage.slots import Slots, inference
 from h2o_chat.errors import CacheUsageError
 
@@ -35,6 +34,34 @@ class Step:
     new: list[tuple] = field(default_factory=list, repr=False)
     returned: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
     kind: ClassVar[str] = "step"
+
+    @classmethod
+    def begin(cls, cache) -> tuple[Step, torch.Tensor]:
+        """A decode step of `cache` begins: the new token's position goes into the spare slot. Returns the step
+        and the model's position ids (B, 1)."""
+        s = cache.slots
+        if s is None:
+            raise CacheUsageError("a decode step needs a prompt first: begin with a chunk")
+        spare = s.capacity
+        s.pos[..., spare] = s.seen[None, :, None]
+        s.rot[..., spare] = s.next_rot[None, :, None]
+        return cls(layers=len(cache.layers)), s.next_rot[:, None]
+
+    def end(self, cache) -> None:
+        """The step's new tokens go into the spare slot (every layer in one write) and their mass into the scores;
+        the eviction then places them; the rows advance."""
+        s, rules = cache.slots, cache.rules
+        keys, values, mass, *picked = self.returned if self.returned is not None else self.take()
+        s.write((slice(None), slice(None), slice(None), s.capacity), keys, values)
+        if picked:
+            cache.store.mark(picked[0])
+        if rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
+            torch.addcmul(mass, s.score, rules.decay, out=s.score)
+        else:
+            s.score += mass
+        evict.step(s, rules, cache.store)
+        s.seen += 1
+        s.next_rot += 1
 
     def keep(self, key: torch.Tensor, value: torch.Tensor, mass: torch.Tensor, picked: torch.Tensor | None) -> None:
         self.new.append((key, value, mass) if picked is None else (key, value, mass, picked))
@@ -81,6 +108,61 @@ class Chunk:
     _mask: torch.Tensor | None = field(default=None, repr=False)
     kind: ClassVar[str] = "chunk"
 
+    @classmethod
+    @inference
+    def begin(cls, cache, mask: torch.Tensor | None, T: int, batch: int | None) -> tuple[Chunk, torch.Tensor]:
+        """A prompt chunk of T columns of `cache` begins (`mask` (B, T) marks real tokens, None = all): its tokens
+        numbered and, when the storage holds tokens, which stored slots they see. Returns the chunk and the model's
+        position ids (B, T)."""
+        s = cache.slots
+        if mask is None:
+            B = s.batch if s is not None else batch
+            if B is None:
+                raise CacheUsageError("a prompt chunk needs its padding mask or its batch size")
+            real = torch.ones(B, T, dtype=torch.bool, device=s.seen.device if s is not None else None)
+        else:
+            real = mask.bool()
+        B = real.shape[0]
+        zeros = torch.zeros(B, dtype=torch.long, device=real.device)
+        seen, next_rot = (s.seen, s.next_rot) if s is not None else (zeros, zeros)
+        steps = real.cumsum(-1) - 1
+        before = cache.columns - T
+        capacity = s.capacity if s is not None else cache.capacity_for(0)
+        limits = [g.policy.capacity or capacity for g in cache.groups]
+        fwd = cls(
+            T,
+            real=real,
+            pos_new=(seen[:, None] + steps).masked_fill(~real, -1),
+            rot_new=(next_rot[:, None] + steps).masked_fill(~real, -1),
+            attend_from=min(capacity, before) if s is not None else 0,
+            fits=before + T <= min(limits),
+            track_mass=any(g.policy.by_score for g in cache.groups)
+            and (cache.observation is None or cache.observation.track_mass),
+            fused=real.device.type == "cuda",
+            probe=cache.probe,
+            observation=cache.observation,
+            layers=len(cache.layers),
+        )
+        if fwd.attend_from:
+            fwd.stored_valid = s.valid()[:, : fwd.attend_from]
+        return fwd, fwd.rot_new.clamp(min=0)
+
+    def end(self, cache) -> None:
+        """Place the chunk's tokens (the eviction chooses, for every layer at once, when they did not fit) and
+        advance the rows."""
+        if self.score is None:  # nothing reached the attention (an empty model?)
+            return
+        s = cache.slots
+        extra = [self.observation.new_obs] if self.observation is not None else []
+        new = evict.NewTokens(self.keys, self.values, self.pos_new, self.rot_new, self.score, extra)
+        priority = None
+        if self.observation is not None and not self.fits:
+            priority = self.observation.priority(cache, new)
+        evict.chunk(s, new, cache.rules, self.fits, priority, cache.store)
+        added = self.real.sum(-1)
+        s.seen += added
+        s.next_rot += added
+
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, 1, T, n + T) additive, built once per chunk for every layer and head: a real query sees the
         stored tokens and the real chunk tokens up to itself; a padding query sees only itself."""
@@ -126,106 +208,4 @@ class Chunk:
         self.values[i] = value
 
 
-def before(cache, new_tokens: int, counts: list[int] | None) -> None:
-    """`H2OCache.before_forward`: context checks and renumbering (`Numbering.check`), room in a full cache, then
-    the columns counted, per row too."""
-    if counts is None:
-        counts = [new_tokens] * len(cache.rows)
-    elif not cache.rows:  # the first rows' counts, before storage exists (allocate keeps them)
-        cache.rows = [RowState(g, cache.columns, cache.columns) for g in cache.row_groups(len(counts))]
-    cache.numbering.check(cache, new_tokens, counts)
-    allocation.grow(cache, new_tokens)
-    store = cache.store
-    if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
-        rows = cache.rows
-        store.counted(counts, [cache.limit(r) for r in range(len(rows))], [row.seen for row in rows])
-        due = store.due()
-        if due:
-            store.fit(due, cache.slots)
-    cache.columns += new_tokens
-    for row, n in zip(cache.rows, counts, strict=True):
-        row.bound += n
-        row.seen += n
-        row.columns += new_tokens
-
-
-def begin_step(cache) -> torch.Tensor:
-    """`cache` (an `H2OCache`) begins a decode step: the new token's position goes into the spare slot."""
-    s = cache.slots
-    if s is None:
-        raise CacheUsageError("a decode step needs a prompt first: begin with a chunk")
-    spare = s.capacity
-    s.pos[..., spare] = s.seen[None, :, None]
-    s.rot[..., spare] = s.next_rot[None, :, None]
-    cache.forward = Step(layers=len(cache.layers))
-    return s.next_rot[:, None]
-
-
-@inference
-def begin_chunk(cache, mask: torch.Tensor | None, T: int, batch: int | None) -> torch.Tensor:
-    """`cache` begins a prompt chunk of T columns (`mask` (B, T) marks real tokens, None = all)."""
-    s = cache.slots
-    if mask is None:
-        B = s.batch if s is not None else batch
-        if B is None:
-            raise CacheUsageError("a prompt chunk needs its padding mask or its batch size")
-        real = torch.ones(B, T, dtype=torch.bool, device=s.seen.device if s is not None else None)
-    else:
-        real = mask.bool()
-    B = real.shape[0]
-    zeros = torch.zeros(B, dtype=torch.long, device=real.device)
-    seen, next_rot = (s.seen, s.next_rot) if s is not None else (zeros, zeros)
-    steps = real.cumsum(-1) - 1
-    before = cache.columns - T
-    capacity = s.capacity if s is not None else cache.capacity_for(0)
-    limits = [g.policy.capacity or capacity for g in cache.groups]
-    fwd = Chunk(
-        T,
-        real=real,
-        pos_new=(seen[:, None] + steps).masked_fill(~real, -1),
-        rot_new=(next_rot[:, None] + steps).masked_fill(~real, -1),
-        attend_from=min(capacity, before) if s is not None else 0,
-        fits=before + T <= min(limits),
-        track_mass=any(g.policy.by_score for g in cache.groups)
-        and (cache.observation is None or cache.observation.track_mass),
-        fused=real.device.type == "cuda",
-        probe=cache.probe,
-        observation=cache.observation,
-        layers=len(cache.layers),
-    )
-    if fwd.attend_from:
-        fwd.stored_valid = s.valid()[:, : fwd.attend_from]
-    cache.forward = fwd
-    return fwd.rot_new.clamp(min=0)
-
-
 Forward = Step | Chunk
-
-
-def end(cache, fwd: Forward) -> None:
-    """Place the forward's new tokens, evict, advance the rows."""
-    s = cache.slots
-    if fwd.kind == "step":
-        keys, values, mass, *picked = fwd.returned if fwd.returned is not None else fwd.take()
-        s.write((slice(None), slice(None), slice(None), s.capacity), keys, values)
-        if picked:
-            cache.store.mark(picked[0])
-        if cache.rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
-            torch.addcmul(mass, s.score, cache.rules.decay, out=s.score)
-        else:
-            s.score += mass
-        evict.step(s, cache.rules, cache.store)
-        s.seen += 1
-        s.next_rot += 1
-        return
-    if fwd.score is None:  # nothing reached the attention (an empty model?)
-        return
-    extra = [fwd.observation.new_obs] if fwd.observation is not None else []
-    new = evict.NewTokens(fwd.keys, fwd.values, fwd.pos_new, fwd.rot_new, fwd.score, extra)
-    priority = None
-    if fwd.observation is not None and not fwd.fits:
-        priority = fwd.observation.priority(cache, new)
-    evict.chunk(s, new, cache.rules, fwd.fits, priority, cache.store)
-    added = fwd.real.sum(-1)
-    s.seen += added
-    s.next_rot += added

@@ -23,6 +23,8 @@ from h2o_chat.engine.rope import Rope
 from h2o_chat.errors import ContextLimitError, SettingError
 
 POSITIONS = ("auto", "absolute", "rolling")
+# a sequence's plain values a snapshot carries (`H2OCache.state`), besides its rows, slots and store
+SNAPSHOT = ("columns", "renumbered")
 
 
 def check_positions(positions: str) -> str:

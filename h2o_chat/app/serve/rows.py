@@ -23,7 +23,6 @@ import torch
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine
 from h2o_chat.engine.step.sampling import Sampler
-from h2o_chat.engine.storage.rowviews import state_of
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
 
@@ -114,7 +113,7 @@ class Reading:
 
     def state(self) -> dict:
         """What `restore` takes, without a copy to the host (the row's storage takes it in place)."""
-        return state_of(self.cache)
+        return self.cache.state()
 
 
 class Lane:

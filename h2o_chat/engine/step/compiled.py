@@ -116,15 +116,14 @@ class StepModule(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *state: torch.Tensor):
         from h2o_chat.engine import forward as fw
-        from h2o_chat.engine.storage.rowviews import twin
 
         slot_names, store_names, drawn_names = self._names
         it = iter(state)
-        twin_cache = twin(self._cache, self._cache.slots.with_tensors({n: next(it) for n in slot_names}))
+        twin_cache = self._cache.twin(self._cache.slots.with_tensors({n: next(it) for n in slot_names}))
         if store_names:
             store = self._cache.store.with_tensors({n: next(it) for n in store_names[:-2]})
             store.per_row, store.pick = next(it), next(it)
-            twin_cache.store = store
+            twin_cache.storage.store = store
         sampler = None
         if drawn_names:
             sampler = self._sampler.with_tensors({n: next(it) for n in drawn_names})

@@ -1,8 +1,8 @@
 """A cache's sequence as plain values and named tensors, and back: what a saved conversation, a prompt cache and
 the server's idle conversations on disk hold (the app writes them to files: `app/statefile.py`).
 
-What is carried is what a snapshot carries (`rowviews.snapshot`), taken from the declarations, never listed here:
-the plain values `rowviews.SNAPSHOT`, each row's `RowState` fields (its group aside: a group is the cache's policy
+What is carried is what a snapshot carries (`H2OCache.snapshot`), taken from the declarations, never listed here:
+the plain values `positions.SNAPSHOT`, each row's `RowState` fields (its group aside: a group is the cache's policy
 and numbering, which `settings` names), every declared tensor of the slots and of recall's store
 (`Table.tensors()`: per entry, per row, per head) and the store's host bookkeeping (`Store.HOST_FIELDS`, with what
 each row recalls and may hold). A field added to any of them is saved and restored with the others; a state saved
@@ -20,9 +20,8 @@ import dataclasses
 import torch
 
 from h2o_chat.engine.policies import POLICIES, Policy, Recall
-from h2o_chat.engine.positions import RowState
+from h2o_chat.engine.positions import SNAPSHOT, RowState
 from h2o_chat.engine.step import compiled
-from h2o_chat.engine.storage.rowviews import SNAPSHOT
 from h2o_chat.engine.storage.slots import Slots, fields
 from h2o_chat.engine.storage.store import STORE_FIELDS, Store
 from h2o_chat.errors import InputError
