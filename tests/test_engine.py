@@ -118,7 +118,7 @@ def test_a_decode_step_never_reads_the_device(policy):
             for _ in range(2 * BUDGET):  # through filling and evicting
                 engine.decode()
         assert reads.seen == [], f"{policy}, {positions}: {sorted(set(reads.seen))}"
-        assert cache.renumbered == (positions != "absolute")
+        assert cache.seq.renumbered == (positions != "absolute")
     assert cache.stats().kept == BUDGET
 
 
@@ -146,7 +146,7 @@ def test_one_trace_serves_every_step_renumbering_included(single_thread):
     counters.clear()
     model = tiny_model("llama", seed=4, max_positions=48)
     _, _, engine = decode_run(model, make_policy("snap", BUDGET, window=4), 3, 60, "traced", positions="auto")
-    assert engine.cache.renumbered and counters["stats"]["unique_graphs"] == 1
+    assert engine.cache.seq.renumbered and counters["stats"]["unique_graphs"] == 1
 
 
 def test_what_a_captured_step_reads_keeps_its_address_across_prefills_and_renumbering():
@@ -163,7 +163,7 @@ def test_what_a_captured_step_reads_keeps_its_address_across_prefills_and_renumb
     sampler = [t.data_ptr() for t in (engine.sampler.recent, engine.sampler.draws, engine._tokens)]
     for length, chunk in ((9, 8), (120, 16), (17, 16)):  # a turn, a long message past the context, 1 + 16
         engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (1, length)), chunk_size=chunk)))
-    assert cache.renumbered and cache.version == version
+    assert cache.seq.renumbered and cache.version == version
     assert [t.data_ptr() for t in (*cache.slots.buffers(), cache.slots.seen, cache.slots.next_rot)] == buffers
     assert [t.data_ptr() for t in (engine.sampler.recent, engine.sampler.draws, engine._tokens)] == sampler
 

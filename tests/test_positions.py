@@ -56,7 +56,7 @@ def test_rolling_equals_absolute_until_positions_are_renumbered(family):
     rolling_cache = H2OCache.for_model(model, make_policy("h2o", 64), "rolling")
     rolling = feed(model, rolling_cache, ids, schedule)
     torch.testing.assert_close(rolling, absolute, atol=1e-4, rtol=1e-4)
-    assert not rolling_cache.renumbered  # 40 tokens stay within twice the budget
+    assert not rolling_cache.seq.renumbered  # 40 tokens stay within twice the budget
 
 
 def test_renumbered_keys_equal_the_models_keys_at_their_new_positions():
@@ -72,7 +72,7 @@ def test_renumbered_keys_equal_the_models_keys_at_their_new_positions():
     for t in range(20, 200):
         engine.decode(ids[:, t])
         rot_max = max(rot_max, int(cache.slots.next_rot.max()))
-    assert cache.renumbered and rot_max <= 48
+    assert cache.seq.renumbered and rot_max <= 48
     s = cache.slots
     for h in range(s.keys.shape[2]):
         held = s.pos[0, 0, h, :16]
@@ -125,7 +125,7 @@ def test_recalled_tokens_are_renumbered_by_their_rank_among_the_held_ones(positi
         recalled += int(cache.store.marks.sum())
         cache.store.take_counts()
         assert int(cache.slots.next_rot.max()) <= 48
-    assert len(renumbered) >= 3 and cache.renumbered and recalled > 0
+    assert len(renumbered) >= 3 and cache.seq.renumbered and recalled > 0
     assert not any("dropped" in n for n in cache.pop_notices())
     store, s = cache.store, cache.slots
     n = store.capacity
@@ -156,7 +156,7 @@ def test_a_message_taken_back_across_a_renumbering_restores_the_store_as_it_was(
     was = {name: t.clone() for name, t in cache.store.tensors().items()}
     assert float(cache.store.tokens()[0]) > 0
     engine.prefill(torch.randint(0, 256, (1, 60)), None, 8)  # past the trained context: renumbers
-    assert cache.renumbered and not torch.equal(cache.store.pos, was["pos"])
+    assert cache.seq.renumbered and not torch.equal(cache.store.pos, was["pos"])
     cache.restore(before)
     for name, t in cache.store.tensors().items():
         assert torch.equal(t, was[name]), name
@@ -179,7 +179,7 @@ def test_a_rolling_decode_step_costs_what_an_absolute_one_costs():
         with OperatorCount() as c:
             engine.decode()
         counts[positions] = c.ops
-        assert cache.renumbered == (positions != "absolute")
+        assert cache.seq.renumbered == (positions != "absolute")
     assert counts["rolling"] == counts["absolute"] == counts["auto"]
 
 
@@ -356,7 +356,7 @@ def test_scaled_rotary_embeddings_renumber_exactly():
     for t in range(20, 120):
         engine.decode(ids[:, t])
     s = cache.slots
-    assert cache.renumbered
+    assert cache.seq.renumbered
     held, rot = s.pos[0, 0, 0, :16], s.rot[0, 0, 0, :16]
     expected = layer0_keys_from_scratch(model, ids[0, held], rot)[0]
     torch.testing.assert_close(s.keys[0, 0, 0, :16], expected, atol=1e-5, rtol=1e-4)
@@ -381,7 +381,7 @@ def test_a_padded_row_past_the_context_renumbers_when_it_would_alone(name, budge
         for _ in range(40):
             out, tokens = engine.decode(tokens)
             logits.append(out.clone())
-        assert cache.renumbered
+        assert cache.seq.renumbered
         return torch.stack(logits, 1)  # (B, 41, V)
 
     together = run(*left_pad(rows, 0))

@@ -238,7 +238,7 @@ def resident() -> int:
 
 
 def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thread):
-    """16 streaming clients, 10 turns each, decode together: every reply is complete and each conversation's text
+    """16 streaming clients, 7 turns each, decode together: every reply is complete and each conversation's text
     is what the chat path (app/chat/conversation.py) gives it alone (greedy); once every conversation is open the
     process's resident memory stays flat; clients killed mid-stream leave no busy row. Short messages keep the
     test quick: a turn then reads about a dozen tokens."""
@@ -246,7 +246,7 @@ def test_sixteen_conversations_at_once_each_equal_to_it_alone(embedded, one_thre
     from h2o_chat.engine.policies import make_policy
     from h2o_chat.engine.step.sampling import Sampler
 
-    clients, turns, budget, max_tokens = 16, 10, 64, 3
+    clients, turns, budget, max_tokens = 16, 7, 64, 3
     limits = Limits(policy="h2o", budget=budget, max_tokens=max_tokens, temperature=0.0, repetition_penalty=1.1)
     replies: dict[int, list[str]] = {}
     rss: list[int] = []

@@ -73,7 +73,7 @@ def test_save_restore_continue_is_continuing_without_a_break(case, tmp_path, sin
     loaded = tiny_loaded(max_positions=kw.pop("max_positions", 8192))
     conv = talked(loaded, **kw)
     if "renumbered" in case or "rolling" in case:
-        assert conv.cache.renumbered  # the saved keys are rotated at their renumbered positions
+        assert conv.cache.seq.renumbered  # the saved keys are rotated at their renumbered positions
     if "recall" in case:
         assert conv.cache.stats().store_tokens > 0  # evicted tokens are in the store
     path, cache_bytes = save_conversation(conv, tmp_path / "talk.h2o")
@@ -91,7 +91,7 @@ def test_save_restore_continue_is_continuing_without_a_break(case, tmp_path, sin
         for name, t in conv.cache.store.tensors().items():
             assert torch.equal(t, again.cache.store.tensors()[name]), name
         assert conv.cache.store.host() == again.cache.store.host()
-    assert [r.__dict__ for r in conv.cache.rows] == [r.__dict__ for r in again.cache.rows]
+    assert [r.__dict__ for r in conv.cache.seq.rows] == [r.__dict__ for r in again.cache.seq.rows]
 
 
 def test_a_restore_into_storage_of_the_same_shape_is_in_place(tmp_path, single_thread):

@@ -163,7 +163,7 @@ def test_snap_rows_beside_other_policies_compress_like_a_snap_cache(positions, p
         for layer in range(2):
             both, one = together_cache.layers[layer].pos[row], alone.layers[layer].pos[0]
             assert [set(p[p >= 0].tolist()) for p in both] == [set(p[p >= 0].tolist()) for p in one]
-    assert together_cache.renumbered == (positions == "auto")
+    assert together_cache.seq.renumbered == (positions == "auto")
 
 
 def test_prefill_reports_progress_after_each_chunk_and_snap_reads_twice():

@@ -70,7 +70,7 @@ class StateFile:
     def apply(self, cache, state: dict) -> None:
         """`unpack`'s snapshot into `cache`, in place where its storage has the same shapes."""
         cache.restore(state)
-        cache.warned = set(self.state.get("warned", ()))
+        cache.seq.warned = set(self.state.get("warned", ()))
 
 
 # -- identity ------------------------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ position its key was rotated at, and its accumulated attention mass in fp32; S i
 slot. Each (layer, row, KV head) keeps its own set of tokens; each row may follow its own policy (`Rules`).
 
 Its parts are objects of their own: the storage (`storage/storage.py`: slots, rules and recall's store, allocated
-once; everything that replaces a buffer happens there), the numbering of positions (`positions.Numbering`, with a
-`RowState` per batch row), the forward now running (`forward.Step` or `forward.Chunk`), and the eviction
-(`policies/evict.py`). The cache keeps each row's bookkeeping beside its storage; what one sequence holds is declared
-once, in `_start`: a new cache starts with it, `reset` returns to it, and `SNAPSHOT` names its plain values.
+once; everything that replaces a buffer happens there), the sequence's bookkeeping (`sequence.Sequence`: each row's
+`RowState`, the columns fed; declared once, started anew by `reset`), the numbering of positions
+(`positions.Numbering`), the forward now running (`forward.Step` or `forward.Chunk`) and the eviction
+(`policies/evict.py`). Its copies and row views are `views.CacheViews`; what transformers calls, `protocol.py`.
 
 A forward is begun and ended explicitly -- by the decode engine, or for `model.generate` by hooks on the
 model's base module -- and says what it is: `before_forward(T, counts)` (host only, never inside a captured
@@ -17,20 +17,20 @@ step: context checks, renumbering, room in a full cache), `begin(kind, mask)`, t
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from h2o_chat.engine import forward as fw
 from h2o_chat.engine import stats
 from h2o_chat.engine.layer import H2OLayer
 from h2o_chat.engine.policies import Policy
-from h2o_chat.engine.positions import POSITIONS, SNAPSHOT, Group, Numbering, RowState, check_positions
+from h2o_chat.engine.positions import POSITIONS, Group, Numbering, RowState, check_positions
 from h2o_chat.engine.protocol import CacheProtocol
 from h2o_chat.engine.rope import Rope, RopeUnsupported
+from h2o_chat.engine.sequence import Sequence
 from h2o_chat.engine.storage.quant import check_mode
 from h2o_chat.engine.storage.slots import inference
 from h2o_chat.engine.storage.storage import Storage
+from h2o_chat.engine.views import CacheViews
 from h2o_chat.errors import CacheUsageError, ConfigError
 
 __all__ = ["POSITIONS", "H2OCache", "check_positions", "model_facts", "unsupported"]
@@ -67,7 +67,7 @@ def model_facts(model: torch.nn.Module, context: int | None = None) -> dict:
     return {"num_layers": config.num_hidden_layers, "rope": rope, "context": context, "rope_problem": problem}
 
 
-class H2OCache(CacheProtocol):
+class H2OCache(CacheViews, CacheProtocol):
     """A transformers Cache with one `H2OLayer` per decoder layer. One policy for every row, or several side by
     side (`policies` with `rows` each: evaluations compare configurations as rows of one batch).
 
@@ -102,13 +102,8 @@ class H2OCache(CacheProtocol):
         self._start()
 
     def _start(self) -> None:
-        """The bookkeeping of one sequence beside its storage, declared once: a new cache starts with it, `reset`
-        returns to it, `twin` copies it and a snapshot carries `positions.SNAPSHOT`, the rows, the slots and the
-        store."""
-        self.columns = 0  # token columns fed, padding included: what the model calls "seen"
-        self.rows: list[RowState] = []  # per batch row, set when storage is allocated (before: counts only)
-        self.renumbered = False  # some row's keys are rotated at other than their true positions
-        self.warned: set[str] = set()  # notices given once per sequence
+        """A new sequence: its bookkeeping (`sequence.Sequence`, declared once) and no forward running."""
+        self.seq = Sequence()
         self.forward: fw.Forward | None = None
         self.probe = None  # snap's pass 1 (`snap.Probe`), while it runs
         self.observation = None  # snap's pass 2 (`snap.Observation`), while it runs
@@ -157,14 +152,14 @@ class H2OCache(CacheProtocol):
     @property
     def rolling(self) -> bool:
         """Whether some row's tokens are numbered by their order among the held tokens."""
-        if self.rows:
-            return any(r.switched for r in self.rows)
+        if self.seq.rows:
+            return any(r.switched for r in self.seq.rows)
         return any(self.numbering.starts_switched(g) for g in self.groups)
 
     def row_groups(self, batch: int) -> list[Group]:
         """Each of `batch` rows' group: as allocated, or as the groups will give them."""
-        if self.rows:
-            return [r.group for r in self.rows]
+        if self.seq.rows:
+            return [r.group for r in self.seq.rows]
         return [g for g in self.groups for _ in range(g.rows or batch)]
 
     def _budgets(self) -> list[int | None]:
@@ -172,7 +167,7 @@ class H2OCache(CacheProtocol):
 
     def capacity_for(self, tokens: int) -> int:
         """Slots per layer once `tokens` more are read: the storage's, or what it will allocate."""
-        return self.storage.capacity_for(self.columns + tokens, self._budgets())
+        return self.storage.capacity_for(self.seq.columns + tokens, self._budgets())
 
     def storage_bytes(self) -> int:
         """Bytes the storage occupies now (0 before the first token)."""
@@ -180,11 +175,11 @@ class H2OCache(CacheProtocol):
 
     def limit(self, row: int) -> int:
         """Tokens row `row` may hold: its policy's capacity, or the storage's (a full cache)."""
-        return self.rows[row].group.policy.capacity or self.slots.capacity
+        return self.seq.rows[row].group.policy.capacity or self.slots.capacity
 
     def warn_once(self, key: str, text: str) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
+        if key not in self.seq.warned:
+            self.seq.warned.add(key)
             self.notices.append(text)
 
     def pop_notices(self) -> list[str]:
@@ -204,20 +199,20 @@ class H2OCache(CacheProtocol):
         counts = [g.rows for g in self.groups]
         if None not in counts and sum(counts) != B:
             raise CacheUsageError(f"the cache's policies cover {sum(counts)} rows, the batch has {B}")
-        counted = len(self.rows) == B  # `before_forward` counted the first chunk's tokens already
-        bounds = [r.bound for r in self.rows] if counted else [self.columns] * B
-        seen = [r.seen for r in self.rows] if counted else [0] * B
-        self.rows = [
-            RowState(g, self.columns, b, self.numbering.starts_switched(g), n)
+        counted = len(self.seq.rows) == B  # `before_forward` counted the first chunk's tokens already
+        bounds = [r.bound for r in self.seq.rows] if counted else [self.seq.columns] * B
+        seen = [r.seen for r in self.seq.rows] if counted else [0] * B
+        self.seq.rows = [
+            RowState(g, self.seq.columns, b, self.numbering.starts_switched(g), n)
             for g, b, n in zip(self.row_groups(B), bounds, seen, strict=True)
         ]
-        self.storage.allocate(key, value, self.capacity_for(0), self.rows)
+        self.storage.allocate(key, value, self.capacity_for(0), self.seq.rows)
 
     @inference
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens per row up front (only a full cache grows; a budget is fixed)."""
         if None in self._budgets():
-            self.storage.reserve(self.columns + tokens, self.rows)
+            self.storage.reserve(self.seq.columns + tokens, self.seq.rows)
 
     @inference
     def set_policy(self, policy: Policy) -> None:
@@ -229,112 +224,12 @@ class H2OCache(CacheProtocol):
         group.policy = policy
         if self.slots is None:
             return
-        for r in self.rows:
+        for r in self.seq.rows:
             r.group = group
-        capacity = self.storage.shrink_to(policy, self.columns, self.rows)
-        for r in self.rows:
+        capacity = self.storage.shrink_to(policy, self.seq.columns, self.seq.rows)
+        for r in self.seq.rows:
             if r.switched:
                 r.bound = min(r.bound, capacity)
-
-    # -- rows, copies and snapshots --------------------------------------------------------------------
-    def twin(self, slots) -> H2OCache:
-        """A cache like this one over `slots`, with its own copy of every row's bookkeeping, no store and no
-        forward running (a fork, a row's view, a compiled step's trace)."""
-        other = copy.copy(self)
-        other.layers = [H2OLayer(other, i) for i in range(len(self.layers))]
-        other.storage = self.storage.copy(slots)
-        other.forward, other.probe, other.observation = None, None, None
-        other.groups = [copy.copy(g) for g in self.groups]
-        other.rows = [r.copy() for r in self.rows]
-        other.warned = set(self.warned)
-        return other
-
-    @inference
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep only the batch rows `index` (finished rows leave the batch)."""
-        if self.slots is None:
-            return
-        index = index.to(self.slots.seen.device)
-        self.rows = [self.rows[i].copy() for i in index.tolist()]
-        self.columns = max((x.columns for x in self.rows), default=0)
-        self.storage.select(index, self.rows)
-
-    @inference
-    def fork(self) -> H2OCache:
-        """An independent copy (snap's probe reads a prompt into one and throws it away). It keeps nothing it
-        evicts, nor makes a store when it allocates: a fork of an empty cache and one of a filled row (a refilled
-        batch row) must read alike, and a row's probe would otherwise recall what the other never kept."""
-        copied = self.twin(None if self.slots is None else self.slots.copy())
-        copied.storage.is_fork = True
-        copied.notices = []
-        return copied
-
-    def row(self, r: int) -> H2OCache:
-        """Row r as a cache of its own that shares this cache's storage: a prompt read into it lands in row r while
-        the other rows keep theirs (continuous batching). Notes go to this cache. `absorb` takes its host
-        bookkeeping back, and what the prompt evicted into the store when the row recalls (the view keeps its own
-        while it reads: its chunks recall only what this prompt evicted)."""
-        view = self.twin(None)
-        view.storage = self.storage.row(r)
-        view.rows = [self.rows[r].copy()]
-        view.columns = view.rows[0].columns
-        view.groups = [Group(view.rows[0].group.policy, None, view.rows[0].group.positions)]
-        view.host_managed = True
-        return view
-
-    def absorb(self, view: H2OCache, r: int) -> None:
-        """Row r's host bookkeeping back from its view, after a prompt was read into it."""
-        if view.slots is None or view.slots.keys.data_ptr() != self.slots.row(r).keys.data_ptr():
-            raise CacheUsageError("a row's storage was re-allocated while a prompt was read into it")
-        state = view.rows[0].copy()
-        state.group = self.rows[r].group
-        self.rows[r] = state
-        self.columns = max(x.columns for x in self.rows)
-        if self.store is not None and view.store is not None:
-            self.store.absorb(r, view.store)
-        self.renumbered |= view.renumbered
-        self.warned |= view.warned
-
-    @inference
-    def clear_row(self, r: int) -> None:
-        """Empty row r for a new prompt; the other rows are untouched."""
-        self.storage.clear_row(r)
-        group = self.rows[r].group
-        self.rows[r] = RowState(group, switched=self.numbering.starts_switched(group))
-
-    @inference
-    def clear(self) -> None:
-        """Empty every row in place, storage kept (a captured step stays valid): the next prompt is read from
-        position 0, as into a new cache (a conversation re-reads its transcript)."""
-        for r in range(self.slots.batch if self.slots is not None else 0):
-            self.clear_row(r)
-        self.columns = 0
-
-    def state(self) -> dict:
-        """The sequence as `restore` takes it, this cache's own rows and tensors (no copy: for a restore into other
-        storage before this cache changes)."""
-        return {**{name: getattr(self, name) for name in SNAPSHOT}, "rows": self.rows, "slots": self.slots,
-                "store": self.store}  # fmt: skip
-
-    @inference
-    def snapshot(self) -> dict:
-        """What the cache holds now, copied to the host: `restore` brings it back (e.g. when the user stops the
-        reading of a long message, the conversation continues from before it)."""
-        state = self.state()
-        state["rows"] = [r.copy() for r in self.rows]
-        state["slots"] = None if self.slots is None else self.slots.copy("cpu")
-        state["store"] = None if self.store is None else self.store.copy("cpu")  # bounded: a copy costs its size
-        return state
-
-    @inference
-    def restore(self, state: dict, device: torch.device | str | None = None) -> None:
-        """Back to a snapshot; storage of the same shape is overwritten in place (captured steps stay valid).
-        A cache without storage yet takes a copy on `device` (default: where the snapshot is)."""
-        self.forward = None
-        for name in SNAPSHOT:
-            setattr(self, name, state[name])
-        self.rows = [r.copy() for r in state["rows"]]
-        self.storage.restore(state["slots"], state.get("store"), device, self.rows)
 
     # -- a forward ----------------------------------------------------------------------------------
     @inference
@@ -344,24 +239,20 @@ class H2OCache(CacheProtocol):
         full cache; then count the columns. `counts`: each row's own tokens among them, host ints (a left-padded
         row has fewer); None: every column of every row (a decode step, an unpadded prompt)."""
         if counts is None:
-            counts = [new_tokens] * len(self.rows)
-        elif not self.rows:  # the first rows' counts, before storage exists (allocate keeps them)
-            self.rows = [RowState(g, self.columns, self.columns) for g in self.row_groups(len(counts))]
+            counts = [new_tokens] * len(self.seq.rows)
+        elif not self.seq.rows:  # the first rows' counts, before storage exists (allocate keeps them)
+            self.seq.rows = [RowState(g, self.seq.columns, self.seq.columns) for g in self.row_groups(len(counts))]
         self.numbering.check(self, new_tokens, counts)
         if None in self._budgets():
-            self.storage.grow(self.columns + new_tokens, self.rows)
+            self.storage.grow(self.seq.columns + new_tokens, self.seq.rows)
         store = self.store
         if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
-            rows = self.rows
+            rows = self.seq.rows
             store.counted(counts, [self.limit(r) for r in range(len(rows))], [row.seen for row in rows])
             due = store.due()
             if due:
                 store.fit(due, self.slots)
-        self.columns += new_tokens
-        for row, n in zip(self.rows, counts, strict=True):
-            row.bound += n
-            row.seen += n
-            row.columns += new_tokens
+        self.seq.count(new_tokens, counts)
 
     def begin(self, kind: str, mask: torch.Tensor | None = None, columns: int = 1, batch: int | None = None):
         """Begin a forward of `columns` new columns: kind "step" (one token per row, every row real) or

@@ -126,7 +126,7 @@ class Chunk:
         zeros = torch.zeros(B, dtype=torch.long, device=real.device)
         seen, next_rot = (s.seen, s.next_rot) if s is not None else (zeros, zeros)
         steps = real.cumsum(-1) - 1
-        before = cache.columns - T
+        before = cache.seq.columns - T
         capacity = s.capacity if s is not None else cache.capacity_for(0)
         limits = [g.policy.capacity or capacity for g in cache.groups]
         fwd = cls(

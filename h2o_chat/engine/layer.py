@@ -71,7 +71,7 @@ class H2OLayer(CacheLayerMixin):
         return (slots.keys.shape[3] if slots is not None else 0) + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.cache.columns
+        return self.cache.seq.columns
 
     def get_max_length(self) -> int:
         return self.cache.get_max_length()

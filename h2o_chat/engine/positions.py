@@ -23,8 +23,6 @@ from h2o_chat.engine.rope import Rope
 from h2o_chat.errors import ContextLimitError, SettingError
 
 POSITIONS = ("auto", "absolute", "rolling")
-# a sequence's plain values a snapshot carries (`H2OCache.state`), besides its rows, slots and store
-SNAPSHOT = ("columns", "renumbered")
 
 
 def check_positions(positions: str) -> str:
@@ -94,8 +92,8 @@ class Numbering:
         window."""
         if self.context is None:
             return
-        rows = cache.rows
-        ends = [r.bound + n for r, n in zip(rows, counts, strict=True)] or [cache.columns + new_tokens]
+        rows = cache.seq.rows
+        ends = [r.bound + n for r, n in zip(rows, counts, strict=True)] or [cache.seq.columns + new_tokens]
         if max(ends) > self.context and (self.rope is None and self.rope_problem is None):
             raise ContextLimitError(self.context)
         if not rows or cache.slots is None:  # nothing stored yet: the first chunk starts at position 0
@@ -136,7 +134,7 @@ class Numbering:
         """Number the held tokens of `rows` 0, 1, 2, ... by true position (per layer and head) and rotate each
         key by the change; new tokens continue after them."""
         s = cache.slots
-        if any(not cache.rows[r].switched for r in rows):
+        if any(not cache.seq.rows[r].switched for r in rows):
             cache.warn_once(
                 "switched",
                 f"passed the trained context ({self.context} tokens): from here the kept tokens are renumbered "
@@ -159,9 +157,9 @@ class Numbering:
         if cache.store is not None:  # evicted tokens are numbered where they stand among the held ones
             cache.store.renumber(rows, s.pos[..., : s.capacity], self.rope)
         for r in rows:
-            cache.rows[r].switched = True
-            cache.rows[r].bound = cache.limit(r)
-        cache.renumbered = True
+            cache.seq.rows[r].switched = True
+            cache.seq.rows[r].bound = cache.limit(r)
+        cache.seq.renumbered = True
 
     def label(self, group: Group, switched: list[bool]) -> str:
         """How tokens are numbered now and why, for rows of `group` (`switched`: whether each renumbers now)."""

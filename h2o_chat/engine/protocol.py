@@ -47,7 +47,7 @@ class CacheProtocol(Cache):
             # a traced step would bake a host counter in (and retrace every step): give a device value, as
             # transformers' StaticCache does; h2o-chat passes position ids itself anyway
             return self.slots.seen.max()
-        return self.columns
+        return self.seq.columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[0].get_mask_sizes(query_length)

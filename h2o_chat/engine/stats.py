@@ -101,8 +101,8 @@ def of_groups(cache) -> list[CacheStats]:
 def positions_label(cache, group, rows: slice) -> str:
     """How the rows `rows` number their tokens now and why (each row renumbers on its own: one row that passed
     the trained context says nothing of the others)."""
-    if cache.rows:
-        switched = [r.switched for r in cache.rows[rows]]
+    if cache.seq.rows:
+        switched = [r.switched for r in cache.seq.rows[rows]]
     else:
         switched = [cache.numbering.starts_switched(g) for g in cache.groups]
     return cache.numbering.label(group, switched)

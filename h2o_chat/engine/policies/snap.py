@@ -36,7 +36,7 @@ from h2o_chat.engine.policies import INF, Snap, pool_logits
 
 def _true_frame(cache, x: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """Keys or queries (..., N, D) rotated at `rot`, moved to their true positions `pos` (..., N)."""
-    if not cache.renumbered:
+    if not cache.seq.renumbered:
         return x
     return cache.rope.rotate_by(x, torch.where(pos >= 0, pos - rot, 0))
 
@@ -51,7 +51,7 @@ class Probe:
         self.pos: torch.Tensor | None = None
 
     def capture(self, i: int, q: torch.Tensor, rot_new: torch.Tensor, pos_new: torch.Tensor) -> None:
-        if self.cache.columns <= self.last_column - self.window:  # this chunk ends before the window starts
+        if self.cache.seq.columns <= self.last_column - self.window:  # this chunk ends before the window starts
             return
         q = _true_frame(self.cache, q, pos_new[:, None, :], rot_new[:, None, :])
         if self.q[i] is not None:
@@ -167,7 +167,7 @@ def columns_read(cache, tokens: int) -> int:
     """Columns a prompt of `tokens` will be read for in all, known on the host before reading it: snap reads
     an overflowing prompt twice, its probe then the read that keeps (progress bars show both from the start)."""
     budgets = [g.policy.capacity for g in cache.groups if g.policy.compresses_prompts]
-    if not budgets or min(min(budgets), cache.columns) + tokens <= min(budgets):
+    if not budgets or min(min(budgets), cache.seq.columns) + tokens <= min(budgets):
         return tokens
     return 2 * tokens
 
@@ -192,7 +192,7 @@ def compress_prompt(cache, mask: torch.Tensor, prefill: Callable[..., Iterator])
     window = int(windows.max())
     # every row's probe reads its whole prompt, evicting as h2o does at its own budget, as it would alone
     probe_cache = cache.fork()
-    probe_cache.probe = Probe(probe_cache, window, cache.columns + L)
+    probe_cache.probe = Probe(probe_cache, window, cache.seq.columns + L)
     yield from prefill(probe_cache, 2 * L)
     probe = probe_cache.probe
     del probe_cache

@@ -2,7 +2,7 @@
 the server's idle conversations on disk hold (the app writes them to files: `app/statefile.py`).
 
 What is carried is what a snapshot carries (`H2OCache.snapshot`), taken from the declarations, never listed here:
-the plain values `positions.SNAPSHOT`, each row's `RowState` fields (its group aside: a group is the cache's policy
+the plain values `sequence.SNAPSHOT`, each row's `RowState` fields (its group aside: a group is the cache's policy
 and numbering, which `settings` names), every declared tensor of the slots and of recall's store
 (`Table.tensors()`: per entry, per row, per head) and the store's host bookkeeping (`Store.HOST_FIELDS`, with what
 each row recalls and may hold). A field added to any of them is saved and restored with the others; a state saved
@@ -20,7 +20,8 @@ import dataclasses
 import torch
 
 from h2o_chat.engine.policies import POLICIES, Policy, Recall
-from h2o_chat.engine.positions import SNAPSHOT, RowState
+from h2o_chat.engine.positions import RowState
+from h2o_chat.engine.sequence import SNAPSHOT
 from h2o_chat.engine.step import compiled
 from h2o_chat.engine.storage.slots import Slots, fields
 from h2o_chat.engine.storage.store import STORE_FIELDS, Store
@@ -92,7 +93,7 @@ def pack(state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
 def capture(cache) -> tuple[dict, dict[str, torch.Tensor]]:
     """What `cache` holds now (a copy on the host), as `pack` gives it, with the notices it has given."""
     values, tensors = pack(cache.snapshot())
-    values["warned"] = sorted(cache.warned)
+    values["warned"] = sorted(cache.seq.warned)
     return values, tensors
 
 
@@ -132,7 +133,7 @@ def restore(cache, values: dict, tensors: dict[str, torch.Tensor], dtype: torch.
     """Put a packed state into `cache` (checked whole first: nothing changes when it is refused); storage of
     the same shape is overwritten in place, so a captured or compiled step stays valid."""
     cache.restore(unpack(values, tensors, cache, dtype, device))
-    cache.warned = set(values.get("warned", ()))
+    cache.seq.warned = set(values.get("warned", ()))
 
 
 def _names(part: str, got: dict, declared: list[str]) -> None:
