@@ -58,7 +58,7 @@ def _prompts(rows: int) -> list[list[int]]:
 def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positions, rows, sampled, knobs):
     want, want_pos, _, _ = _run(model, "eager", policy, positions, _prompts(rows), sampled, **knobs)
     got, got_pos, engine, cache = _run(model, "compile", policy, positions, _prompts(rows), sampled, **knobs)
-    assert engine.mode == "compile" and engine._program is not None, cache.pop_notices()
+    assert engine.mode == "compile" and engine._compiled.program is not None, cache.pop_notices()
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_pos, want_pos, strict=True))  # every 40 steps
     assert cache.stats().seen == 40 + STEPS - 1
@@ -139,11 +139,11 @@ def test_auto_compiles_on_cpu_and_decodes_eagerly_while_a_package_is_built(model
     asked = []
     engine.builder = asked.append
     list(engine.tokens(engine.prefill(torch.tensor([_prompts(1)[0]])), 10))
-    assert engine._program is None and asked == [compiled.StepKind()]
+    assert engine._compiled.program is None and asked == [compiled.StepKind()]
     assert engine.describe() == "eager (the compiled step is being built)"
     monkeypatch.setattr(compiled, "ready", lambda *a: True)  # built: the next step runs it
     list(engine.tokens(engine.prefill(torch.tensor([[5, 6, 7]])), 3))
-    assert engine._program is not None and engine.describe().startswith("compiled")
+    assert engine._compiled.program is not None and engine.describe().startswith("compiled")
 
 
 def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model, monkeypatch):
@@ -172,7 +172,7 @@ def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model
     def steps() -> None:
         for _ in range(6):
             lane.step()
-            programs.add(id(lane.engine._program))
+            programs.add(id(lane.engine._compiled.program))
 
     join(0, 30)
     steps()
