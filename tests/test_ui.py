@@ -7,6 +7,7 @@ import io
 from rich.console import Console
 
 from h2o_chat.app import ui
+from h2o_chat.app.ui import progress as ui_progress
 from h2o_chat.measure.bench import BenchRecord, ratios
 
 
@@ -98,7 +99,7 @@ def test_the_progress_bar_fits_a_narrow_terminal_without_cutting_words():
     description = "reading the conversation (12 messages) (twice: snap)"
     for width in (40, 60, 100):
         console = Console(file=io.StringIO(), width=width, no_color=True, force_terminal=True)
-        progress = ui._progress(console)
+        progress = ui_progress._progress(console)
         progress.update(progress.add_task(description, total=8720), completed=4360)
         lines = draw(progress.get_renderable(), width=width).splitlines()
         assert all(len(line) <= width for line in lines), (width, lines)
@@ -148,7 +149,7 @@ def test_a_measurement_logged_to_a_file_says_how_far_it_is_and_how_long_is_left(
     """Not a terminal: no bar, but a plain line at most once per `every` seconds (an hour-long eval into a log must
     not look hung); the share and the time left follow from the steps done so far."""
     clock = [100.0]
-    monkeypatch.setattr(ui.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ui_progress.time, "monotonic", lambda: clock[0])
     out = io.StringIO()
     bar = ui.ProgressBar(Console(file=out, force_terminal=False), "ppl, 3 rows", every=60)
     for done, now in ((10, 130.0), (20, 160.0), (30, 190.0), (50, 250.0), (100, 400.0)):

@@ -18,9 +18,8 @@ from h2o_chat.app.options import (
     check_positive,
     grouped,
     int_list,
-    reported,
-    status,
 )
+from h2o_chat.app.reporting import reported, status
 from h2o_chat.app.ui import describe_weights, progress_bar
 from h2o_chat.errors import H2OChatError
 

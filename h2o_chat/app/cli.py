@@ -21,12 +21,9 @@ from h2o_chat.app.options import (
     PolicyKnobs,
     SamplingOptions,
     grouped,
-    guard_stdout,
-    reported,
-    require_stdout,
-    stdout_failed,
     store_of,
 )
+from h2o_chat.app.reporting import guard_stdout, reported, require_stdout, stdout_failed
 from h2o_chat.errors import InputError, StdoutError
 from h2o_chat.models.registry import load_registry
 

@@ -27,9 +27,8 @@ from h2o_chat.app.options import (
     check_positions,
     check_positive,
     grouped,
-    reported,
-    status,
 )
+from h2o_chat.app.reporting import reported, status
 from h2o_chat.app.ui import plural, progress_bar
 from h2o_chat.errors import ConfigError, InputError
 

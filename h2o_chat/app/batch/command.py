@@ -19,11 +19,9 @@ from h2o_chat.app.options import (
     SamplingOptions,
     check_positive,
     grouped,
-    reported,
-    require_stdout,
-    status,
     store_of,
 )
+from h2o_chat.app.reporting import reported, require_stdout, status
 
 
 @grouped

@@ -19,10 +19,9 @@ from h2o_chat.app.options import (
     SamplingOptions,
     check_positive,
     grouped,
-    reported,
-    status,
     store_of,
 )
+from h2o_chat.app.reporting import reported, status
 from h2o_chat.errors import H2OChatError
 
 # --max-prompt-tokens' default: the embedded model's trained context; ~30 s of reading on a 2-core CPU (~300 tok/s),
