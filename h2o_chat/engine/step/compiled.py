@@ -17,7 +17,7 @@ with the model's own weights as its constants (shared, not copied). Nothing is t
 program belongs to no engine: engines of one model share it, and it dies with the model.
 
 Building a package takes about a minute for the embedded model on two cores (tracing, then C++ compilation);
-`python -m h2o_chat.engine.step.compiled --build` builds the embedded model's common kinds at install.
+`python -m h2o_chat.models.prebuild` builds the embedded model's common kinds at install (`scripts/install.sh`).
 """
 
 from __future__ import annotations
