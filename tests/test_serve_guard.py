@@ -352,3 +352,23 @@ def test_a_prompt_read_while_its_lane_shrinks_enters_the_row_it_moved_to(tiny):
     assert status == 200, read
     assert read["choices"][0]["text"] == alone["choices"][0]["text"]
     assert [lane["rows"] for lane in lanes] == [1]
+
+
+def test_a_stopped_server_frees_its_lanes_and_their_caches(tiny):
+    """The engine thread freezes what is alive when it starts (`gc.freeze`: the model's objects are then not scanned
+    by each collection), the server's own objects among them; frozen objects are never freed. A stopped server left
+    its lane, the lane's two caches and its event loop alive for the rest of the process (and a later test that
+    counted the caches alive saw them); the thread now unfreezes them when it ends."""
+    import gc
+    import weakref
+
+    with serving(tiny) as (server, port):
+        body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "w5 w6"}]}
+        status, _ = post(port, "/v1/chat/completions", body)
+        assert status == 200
+        kept = [weakref.ref(o) for lane in server.scheduler.lanes for o in (lane, lane.cache, lane.engine)]
+        kept.append(weakref.ref(server))
+    assert len(kept) >= 4
+    del server
+    gc.collect()
+    assert [r() for r in kept] == [None] * len(kept)

@@ -121,7 +121,8 @@ class Scheduler:
         torch.set_num_threads(self._threads)
         # a row's cache view (and snap's copy of it) is a reference cycle (cache <-> its layers): freed only by a
         # collection of the oldest generation, which the model's millions of objects make rare and slow. Frozen,
-        # those objects are no longer scanned, and a collection after each reply costs next to nothing.
+        # those objects are no longer scanned, and a collection after each reply costs next to nothing. Frozen
+        # objects are never freed, this server's own among them (it is a cycle): unfrozen when the thread ends.
         gc.freeze()
         with torch.inference_mode():
             try:
@@ -142,6 +143,8 @@ class Scheduler:
             except Exception as e:  # a bug: the traceback for its report, and one line to every job
                 traceback.print_exc()
                 self._die(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            finally:
+                gc.unfreeze()
 
     def _die(self, why: str) -> None:
         """Every job -- decoding, waiting or still queued -- and every pending call gets the error now; under the
