@@ -99,7 +99,7 @@ def test_the_progress_bar_fits_a_narrow_terminal_without_cutting_words():
     description = "reading the conversation (12 messages) (twice: snap)"
     for width in (40, 60, 100):
         console = Console(file=io.StringIO(), width=width, no_color=True, force_terminal=True)
-        progress = ui_progress._progress(console)
+        progress = ui_progress.progress_display(console)
         progress.update(progress.add_task(description, total=8720), completed=4360)
         lines = draw(progress.get_renderable(), width=width).splitlines()
         assert all(len(line) <= width for line in lines), (width, lines)

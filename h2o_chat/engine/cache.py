@@ -226,7 +226,7 @@ class H2OCache(CacheViews, CacheProtocol):
             return
         for r in self.seq.rows:
             r.group = group
-        capacity = self.storage.shrink_to(policy, self.seq.columns, self.seq.rows)
+        capacity = self.storage.change_policy(policy, self.seq.columns, self.seq.rows)
         for r in self.seq.rows:
             if r.switched:
                 r.bound = min(r.bound, capacity)

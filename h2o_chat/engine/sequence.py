@@ -7,6 +7,7 @@ carries its `SNAPSHOT` values and copies of its rows (`H2OCache.state`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from h2o_chat.engine.positions import RowState
@@ -22,11 +23,13 @@ class Sequence:
     warned: set[str] = field(default_factory=set)  # notices given once per sequence
 
     def copy(self) -> Sequence:
-        return Sequence(self.columns, [r.copy() for r in self.rows], self.renumbered, set(self.warned))
+        """Its own rows and notices; every other field as it is (a field added above is carried)."""
+        return dataclasses.replace(self, rows=[r.copy() for r in self.rows], warned=set(self.warned))
 
     def of_row(self, r: int) -> Sequence:
         """Row r's alone (a row's view of the cache)."""
-        return Sequence(self.rows[r].columns, [self.rows[r].copy()], self.renumbered, set(self.warned))
+        row = self.rows[r]
+        return dataclasses.replace(self, columns=row.columns, rows=[row.copy()], warned=set(self.warned))
 
     def take_row(self, r: int, view: Sequence) -> None:
         """Row r's bookkeeping back from its view (`of_row`), its group kept."""

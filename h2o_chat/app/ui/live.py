@@ -16,7 +16,7 @@ from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
-from h2o_chat.app.ui.progress import ProgressBar, _progress
+from h2o_chat.app.ui.progress import ProgressBar, progress_display
 from h2o_chat.app.ui.text import (
     COMPACT_BELOW,
     NOT_TIMED,
@@ -205,7 +205,7 @@ class StreamView:
             self.bar(done, total)
             return
         if self.reading is None:
-            self.reading = _progress(self.console)
+            self.reading = progress_display(self.console)
             self.task = self.reading.add_task(description, total=total)
         self.reading.update(self.task, completed=done, total=total, description=description)
         if stats_fn is not None:

@@ -21,7 +21,7 @@ class _Speed(ProgressColumn):
         return Text(f"{speed:,.1f} tok/s" if speed else "", style="progress.data.speed")
 
 
-def _progress(console: Console) -> Progress:
+def progress_display(console: Console) -> Progress:
     """A bar laid out for the console's width: below COMPACT_BELOW columns the bar and the speed give way, and
     the description wraps at word boundaries (never cut by the terminal)."""
     label = TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=False, overflow="fold"))
@@ -66,7 +66,7 @@ class ProgressBar:
         if self.progress is None:
             if total < self.min_total:
                 return
-            self.progress = _progress(self.console)
+            self.progress = progress_display(self.console)
             self.task = self.progress.add_task(self.label(done, total), total=total)
             self.progress.start()
         self.progress.update(self.task, completed=done, total=total, description=self.label(done, total))

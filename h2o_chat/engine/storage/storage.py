@@ -25,10 +25,10 @@ class Storage:
     """Slots, rules and store of one cache (or of one row of another cache's: a view, which never re-allocates;
     or a throw-away fork, which keeps nothing it evicts)."""
 
-    def __init__(self, num_layers: int, kv_quant: str, *, view: bool = False, fork: bool = False):
+    def __init__(self, num_layers: int, kv_quant: str):
         self.num_layers, self.kv_quant = num_layers, kv_quant
-        self.is_view = view  # a row's view of another cache's storage (`H2OCache.row`): never re-allocates
-        self.is_fork = fork  # a throw-away copy (snap's probe, `fork()`): keeps nothing it evicts
+        self.is_view = False  # a row's view of another cache's storage (`row`): never re-allocates
+        self.is_fork = False  # a throw-away copy (snap's probe, `H2OCache.fork`): keeps nothing it evicts
         self.slots: Slots | None = None
         self.rules: Rules | None = None
         self.store: Store | None = None  # evicted tokens of rows that recall (`store.py`)
@@ -108,7 +108,7 @@ class Storage:
         keep = torch.arange(s.capacity, device=s.pos.device).expand(*s.pos.shape[:3], s.capacity)
         self.install(s.moved(keep, capacity), rows)
 
-    def shrink_to(self, policy, held_columns: int, rows: list[RowState]) -> int:
+    def change_policy(self, policy, held_columns: int, rows: list[RowState]) -> int:
         """Every row under one new `policy`: a smaller budget keeps its best slots, a larger one re-allocates.
         Returns the new capacity."""
         s = self.slots
@@ -126,10 +126,10 @@ class Storage:
         return capacity
 
     # -- rows, copies, snapshots ------------------------------------------------------------------------
-    def copy(self, slots: Slots | None, fork: bool = False) -> Storage:
+    def copy(self, slots: Slots | None) -> Storage:
         """Storage like this one over `slots`, with no store (a copy keeps nothing it evicts)."""
         other = copy.copy(self)
-        other.slots, other.store, other.is_view, other.is_fork = slots, None, False, fork or self.is_fork
+        other.slots, other.store, other.is_view = slots, None, False
         return other
 
     def row(self, r: int) -> Storage:
