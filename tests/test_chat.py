@@ -163,7 +163,8 @@ def test_a_chat_on_cpu_runs_the_compiled_step_from_the_first_reply_it_is_ready_f
 
         def __call__(self, tokens, positions, cache, sampler):
             step = compiled.StepModule(self.model, cache, sampler, self.keyword)
-            return step(tokens, positions, *compiled.state_of(cache, sampler))
+            span = torch.zeros(cache.forward.width or cache.slots.capacity, dtype=torch.long)
+            return step(tokens, positions, span, *compiled.state_of(cache, sampler))
 
     monkeypatch.setattr(compiled, "program", Eagerly)
     texts = ("Count from one to twenty.", "Go on.", "Again, please.")

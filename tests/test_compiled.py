@@ -27,8 +27,8 @@ def model():
     return tiny_model("llama", seed=41, max_positions=128)
 
 
-def _run(model, mode, policy, positions, prompts, sampled=False, steps=STEPS, **knobs):
-    cache = H2OCache.for_model(model, make_policy(policy, 24, **knobs), positions)
+def _run(model, mode, policy, positions, prompts, sampled=False, steps=STEPS, budget=24, **knobs):
+    cache = H2OCache.for_model(model, make_policy(policy, budget, **knobs), positions)
     engine = Engine(model, cache, mode)
     ids, mask = left_pad(prompts, 0)
     if sampled:
@@ -53,6 +53,7 @@ def _prompts(rows: int) -> list[list[int]]:
         ("h2o", "auto", 1, False, {}),  # past the trained context of 128: renumbered on the way
         ("snap", "rolling", 2, True, {}),  # a padded batch, sampled
         ("recall", "auto", 2, True, {"recalled": 4, "store": 32}),  # the store fills, then drops
+        ("h2o", "absolute", 2, True, {"budget": 100}),  # steps read the first 64, 96 slots, then every one
     ],
 )
 def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positions, rows, sampled, knobs):

@@ -457,3 +457,48 @@ def test_a_prefill_chunk_runs_about_as_many_operators_as_transformers(layers):
         assert len(counts) == (6 if name == "snap" else 3), (name, counts)  # snap: the probe reads the prompt too
         assert sum(counts) <= bound * base * len(counts), (name, counts, base)
         assert max(counts) <= 1.75 * base, (name, counts, base)
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "8bit"])
+def test_a_filling_cache_steps_over_what_it_holds_and_decides_as_over_every_slot(kv_quant, monkeypatch, single_thread):
+    """A step reads the first slots its rows can hold (`forward.read_width`: 32, 64, 96, then all), not its whole
+    budget, and while every row has room its token takes the first empty slot without ranking any (`evict.append`):
+    the first turns of a chat at a large budget were read at the budget's cost. Over a left-padded batch of three
+    filling, then evicting: the same logits and every token in the same slot as reading and ranking every slot, for
+    h2o, snap, sink and recall (its store ranked beside the slots)."""
+    from h2o_chat.engine import forward
+
+    model = tiny_model("llama", seed=12)
+    real, widths = forward.read_width, []
+
+    def narrow(*args):
+        widths.append(real(*args))
+        return widths[-1]
+
+    makes = {
+        "h2o": lambda: make_policy("h2o", 100),
+        "snap": lambda: make_policy("snap", 100, window=4),
+        "sink": lambda: make_policy("sink", 100),
+        "recall": lambda: make_policy("recall", 100),
+        # rows of budgets 100, 40 and 100: the second is full (and evicts) while the others still fill
+        "mixed": lambda: [make_policy("h2o", 100), make_policy("h2o", 40), make_policy("snap", 100, window=4)],
+    }
+    for name, make in makes.items():
+        runs = []
+        for width in (narrow, lambda *args: None):
+            monkeypatch.setattr(forward, "read_width", width)
+            ids, mask = prompts(3)
+            rows = [1, 1, 1] if name == "mixed" else None
+            cache = H2OCache.for_model(model, make(), "absolute", rows=rows, kv_quant=kv_quant)
+            engine = Engine(model, cache, "eager")
+            engine.set_sampler(HOT, 3)
+            tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size=8))
+            logits = []
+            for i in range(110):  # 27 + 110 columns: through widths 32 .. 128 and past the budget of 100
+                out, tokens = engine.decode(tokens if i == 0 else None)
+                logits.append(out.clone())
+            runs.append((torch.stack(logits), cache.slots.pos.clone()))
+        (read, held), (read_all, held_all) = runs
+        assert torch.equal(held, held_all), name  # every token in the same slot
+        torch.testing.assert_close(read, read_all, atol=1e-5, rtol=1e-5, msg=name)
+    assert {32, 64, 96, None} <= set(widths), sorted(set(widths), key=str)

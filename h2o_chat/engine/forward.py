@@ -22,6 +22,16 @@ from h2o_chat.engine.policies import evict
 from h2o_chat.engine.storage.slots import Slots, inference
 from h2o_chat.errors import CacheUsageError
 
+WIDTH_STEP = 32  # a decode step reads its slots in multiples of this many (few distinct shapes)
+
+
+def read_width(columns: int, capacity: int) -> int | None:
+    """How many slots a decode step must read: every row holds its tokens in slots [0, held) (`evict.py`) and holds
+    no more than the columns fed, so a cache still filling reads what it can hold, not its whole budget (None: every
+    slot). Below `capacity` (the smallest budget of its rows) every row also has room for the step's token."""
+    width = -(-max(columns, 1) // WIDTH_STEP) * WIDTH_STEP
+    return None if width >= capacity else width
+
 
 @dataclass
 class Step:
@@ -30,6 +40,7 @@ class Step:
     (B, H, k) for `end()`, which writes every layer's at once."""
 
     layers: int = 0
+    width: int | None = None  # the first slots, those that can hold a token, attended (None: every slot)
     valid: torch.Tensor | None = None  # (B, 1, S) slots holding a token
     new: list[tuple] = field(default_factory=list, repr=False)
     returned: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
@@ -45,7 +56,11 @@ class Step:
         spare = s.capacity
         s.pos[..., spare] = s.seen[None, :, None]
         s.rot[..., spare] = s.next_rot[None, :, None]
-        return cls(layers=len(cache.layers)), s.next_rot[:, None]
+        # a CUDA graph (or a traced step) keeps one shape: it reads every slot
+        fixed = s.keys.device.type == "cuda" or torch.compiler.is_compiling()
+        room = min(g.policy.capacity or spare for g in cache.groups)  # a row of a smaller budget fills first
+        width = None if fixed else read_width(cache.seq.columns, min(room, spare))
+        return cls(layers=len(cache.layers), width=width), s.next_rot[:, None]
 
     def end(self, cache) -> None:
         """The step's new tokens go into the spare slot (every layer in one write) and their mass into the scores;
@@ -53,6 +68,20 @@ class Step:
         s, rules = cache.slots, cache.rules
         keys, values, mass, *picked = self.returned if self.returned is not None else self.take()
         s.write((slice(None), slice(None), slice(None), s.capacity), keys, values)
+        if self.width is not None and cache.store is None and not rules.any_decay:
+            # every row still has room (`read_width`): the mass of the slots read and of the new token, which
+            # takes its row's first empty slot, where `evict.step` would put it, without ranking any slot
+            s.score[..., : self.width] += mass[..., :-1]
+            s.score[..., s.capacity] += mass[..., -1]
+            evict.append(s)
+            s.seen += 1
+            s.next_rot += 1
+            return
+        if mass.shape[-1] != s.score.shape[-1]:  # a narrow step's: its slots', then the new token's (the spare's)
+            full = mass.new_zeros(s.score.shape)
+            full[..., : mass.shape[-1] - 1] = mass[..., :-1]
+            full[..., s.capacity] = mass[..., -1]
+            mass = full
         if picked:
             cache.store.mark(picked[0])
         if rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)

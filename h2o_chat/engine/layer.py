@@ -102,7 +102,8 @@ class H2OLayer(CacheLayerMixin):
             got = recall_rank.step(cache.store, i, query) if cache.store is not None else None
             scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
             kv = slots.keys[i], slots.values[i]
-            out, mass = attention_over_slots(query, *kv, scaling, fwd.slots_valid(slots), got, scales, new=(key, value))
+            valid, new = fwd.slots_valid(slots), (key, value)
+            out, mass = attention_over_slots(query, *kv, scaling, valid, got, scales, new=new, width=fwd.width)
             # written, the mass added and the recalled entries counted, for every layer at once when the step ends
             fwd.keep(key, value, mass, None if got is None else got.index)
             return out

@@ -2,7 +2,7 @@
 
 - `step`: a decode step wrote its token into each layer's spare slot; per (layer, row, KV head) the slot with
   the lowest keep-priority (an empty one first, so a filling cache appends) takes it. One argmin and one
-  scatter per buffer.
+  scatter per buffer; `append` when every row has room (the first empty slot, nothing ranked).
 - `chunk`: a prompt chunk of T tokens was attended with the stored slots; per (layer, row, head) the T
   lowest of the C stored + T new candidates lose, and the surviving new tokens move into the freed slots, in
   order. When everything fits (a cache still filling), the new tokens are appended without any selection.
@@ -42,6 +42,18 @@ def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     spare = slots.capacity  # the spare slot comes right after the capacity
     for buf in slots.buffers():
         buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])
+    slots.clear_spare()
+
+
+def append(slots: Slots) -> None:
+    """`step` while every row has room for its new token: the spare's token takes its row's first empty slot (slot
+    `held`, the same in every layer and head), which is where `step` puts it (an empty slot loses first, in slot
+    order), without ranking any slot. One scatter per buffer."""
+    L, B, H = slots.pos.shape[:3]
+    spare = slots.capacity
+    target = slots.held()[None, :, None, None].expand(L, B, H, 1)
+    for buf in slots.buffers():
+        buf.scatter_(3, per_slot(target, buf), buf[:, :, :, spare : spare + 1])
     slots.clear_spare()
 
 

@@ -53,12 +53,16 @@ def attention_over_slots(
     recalled: Recalled | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     new: tuple[torch.Tensor, torch.Tensor] | None = None,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
 
     `new`: the step's own key and value (B, H, 1, D), attended in the place of the last slot (the spare, which
     they are written into when the step ends): the storage is only read here, so a compiled step has no write
-    into it (see `decode.py`).
+    into it (see `decode.py`). `width` (with `new`): only the first `width` slots are read, and the mass is
+    (B, H, width + 1), the new token's last. A row holds its tokens in slots [0, held) (`evict.py`), so any
+    width of at least every row's held count gives the same output: a cache still filling reads what it holds,
+    not its whole budget.
 
     `recalled`: evicted tokens attended too (the recall policy: `store.Recalled`, their logits as the store's
     ranking computed them, or their keys), in the same softmax; they get no mass. Their logits join the slots' (not
@@ -69,8 +73,8 @@ def attention_over_slots(
     B, Hq, T, D = query.shape
     H, S = keys.shape[1], keys.shape[2]
     qg = (query * scaling).reshape(B, H, (Hq // H) * T, D)  # query heads of a group share their KV head
-    if new is not None:  # the slots before the spare, then the new token in the spare's place
-        S -= 1
+    if new is not None:  # the slots before the spare (or the first `width`), then the new token in the spare's place
+        S = S - 1 if width is None else width
         keys, values, valid = keys[:, :, :S], values[:, :, :S], valid[..., :S]
         scales = None if scales is None else (scales[0][:, :, :S], scales[1][:, :, :S])
     logits = (qg @ keys.to(qg.dtype).transpose(-1, -2)).float()  # (B, H, G, S)

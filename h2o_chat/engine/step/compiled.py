@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 # the package's own version: a change to how packages are built or called makes the old ones stale
-FORMAT = 1
+FORMAT = 2  # 2: a step reads the first len(span) slots
 # inductor's options: no size and stride check of every input per call (~20 per layer)
 INDUCTOR_OPTIONS: dict = {"size_asserts": False}
 
@@ -105,8 +105,9 @@ def state_of(cache, sampler) -> list[torch.Tensor]:
 
 
 class StepModule(torch.nn.Module):
-    """`forward(tokens, positions, *state)` runs one decode step of `model` over a twin of `cache` whose slots,
-    store and sampler read the given tensors: what is exported."""
+    """`forward(tokens, positions, span, *state)` runs one decode step of `model` over a twin of `cache` whose
+    slots, store and sampler read the given tensors, reading the first `len(span)` slots (`forward.read_width`:
+    a size, not a value, so that one program serves every width): what is exported."""
 
     def __init__(self, model, cache, sampler, cache_keyword: str):
         super().__init__()
@@ -114,7 +115,7 @@ class StepModule(torch.nn.Module):
         self._cache, self._sampler, self._kw = cache, sampler, cache_keyword
         self._names = state_names(cache, sampler)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *state: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: torch.Tensor, *state: torch.Tensor):
         from h2o_chat.engine import forward as fw
 
         slot_names, store_names, drawn_names = self._names
@@ -127,7 +128,7 @@ class StepModule(torch.nn.Module):
         sampler = None
         if drawn_names:
             sampler = self._sampler.with_tensors({n: next(it) for n in drawn_names})
-        twin_cache.forward = fw.Step(layers=len(twin_cache.layers))
+        twin_cache.forward = fw.Step(layers=len(twin_cache.layers), width=span.shape[0])
         out = self.model(input_ids=tokens[:, None], position_ids=positions, use_cache=True, logits_to_keep=1,
                          **{self._kw: twin_cache})  # fmt: skip
         logits = out.logits[:, -1]
@@ -137,9 +138,10 @@ class StepModule(torch.nn.Module):
 
 def _dims(cache, sampler) -> tuple[list, list]:
     """Example inputs with every symbolic size at least 2 (export specializes sizes 0 and 1) and their dynamic
-    shapes: the batch B, the slots S, the store's entries N and recalled k, the sampler's candidates."""
+    shapes: the batch B, the slots S, the slots read W, the store's entries N and recalled k, the sampler's
+    candidates."""
     Dim = torch.export.Dim
-    B, S = Dim("B", min=1, max=4096), Dim("S", min=3)
+    B, S, W = Dim("B", min=1, max=4096), Dim("S", min=3), Dim("W", min=2)
     # the store's entries and its tokens recalled (it ranks 4 x K of N - 1), the sampler's candidates (of the
     # vocabulary): sizes bound to others, which named dimensions cannot say
     N = K = CUT = Dim.AUTO
@@ -151,10 +153,12 @@ def _dims(cache, sampler) -> tuple[list, list]:
         return torch.zeros(shape, dtype=t.dtype, device=t.device)
 
     tokens = torch.zeros(2, dtype=torch.long, device=cache.slots.keys.device)
-    examples, dynamic = [tokens, tokens[:, None].clone()], [{0: B}, {0: B}]
+    slots = max(5, cache.slots.keys.shape[3])
+    span = torch.zeros(slots - 2, dtype=torch.long, device=tokens.device)  # fewer than the slots before the spare
+    examples, dynamic = [tokens, tokens[:, None].clone(), span], [{0: B}, {0: B}, {0: W}]
     for t in cache.slots.tensors().values():
         big = t.dim() >= 4
-        examples.append(example(t, {1: 2, 3: max(3, t.shape[3])} if big else {0: 2}))
+        examples.append(example(t, {1: 2, 3: slots} if big else {0: 2}))
         dynamic.append({1: B, 3: S} if big else {0: B})
     if cache.store is not None:
         store = cache.store
@@ -243,7 +247,7 @@ def build(model, cache, sampler, cache_keyword: str, path: Path) -> None:
     module = StepModule(model, cache, sampler, cache_keyword)
     examples, dynamic = _dims(cache, sampler)
     with torch.inference_mode(), _quiet():
-        shapes = (dynamic[0], dynamic[1], tuple(dynamic[2:]))  # as the signature: tokens, positions, *state
+        shapes = (*dynamic[:3], tuple(dynamic[3:]))  # as the signature: tokens, positions, span, *state
         exported = torch.export.export(module, tuple(examples), dynamic_shapes=shapes, strict=False)
         options = {
             **INDUCTOR_OPTIONS,
@@ -328,9 +332,13 @@ class Program:
             raise RuntimeError(f"the compiled step wants constants the model lacks: {', '.join(missing[:3])}")
         self._constants = {n: model_constants[n] if n in model_constants else constants[n] for n in names}
         self._runner.load_constants(self._constants, check_full_update=True, user_managed=True)
+        self._span = torch.zeros(0, dtype=torch.long)  # its first `width` entries say how many slots a step reads
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
-        return self._runner(tokens, positions, *state_of(cache, sampler))
+        width = cache.forward.width or cache.slots.capacity
+        if self._span.shape[0] < width:
+            self._span = torch.zeros(width, dtype=torch.long, device=tokens.device)
+        return self._runner(tokens, positions, self._span[:width], *state_of(cache, sampler))
 
 
 _loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {package key: Program}
