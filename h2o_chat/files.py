@@ -16,6 +16,9 @@ from pathlib import Path
 
 from h2o_chat.errors import H2OChatError, InputError
 
+BUILDING = ".building-"  # beside the compiled steps: a package being built, named by its key
+BUILDING_STALE = 15 * 60  # seconds: a build's marker older than this belongs to a build that died
+
 
 def user_config_dir() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "h2o-chat"

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from h2o_chat.files import BUILDING, BUILDING_STALE
+
 # what a first start of the embedded model decodes with: a chat's and a piped reply's default sampling (hot,
 # penalized, top-p, filtered) under the default policy, and greedy rows (batch, eval, bench)
 DEFAULT_KINDS = (
@@ -34,9 +36,6 @@ def default_kinds() -> list[dict]:
     from h2o_chat.engine.policies import DEFAULT_POLICY
 
     return [{**k, "recalls": DEFAULT_POLICY == "recall"} for k in DEFAULT_KINDS]
-
-
-BUILDING_STALE = 15 * 60  # seconds: a build's marker older than this belongs to a build that died
 
 
 def _claim(marker: Path) -> bool:
@@ -67,7 +66,7 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
 
         folder = compiled.cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        marker = folder / f".building-{compiled.package_key(loaded.model, kind)}"
+        marker = folder / f"{BUILDING}{compiled.package_key(loaded.model, kind)}"
         if not _claim(marker):
             return
         job = {

@@ -51,6 +51,28 @@ def cache_dir() -> Path:
     return user_cache_dir() / "steps"
 
 
+_building = [float("-inf"), False]  # when the folder was last looked at, and whether a build was under way
+
+
+def building() -> bool:
+    """Whether a compiled step is being built on this machine now (a fresh marker beside the packages: this
+    process's build in a process of its own, or another's). Looked at once a second at most."""
+    import time
+
+    from h2o_chat.files import BUILDING, BUILDING_STALE
+
+    now = time.monotonic()
+    if now - _building[0] >= 1.0:
+        found = False
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(cache_dir()):
+                if entry.name.startswith(BUILDING):
+                    with contextlib.suppress(OSError):
+                        found = found or time.time() - entry.stat().st_mtime < BUILDING_STALE
+        _building[:] = [now, found]
+    return _building[1]
+
+
 def unavailable() -> str | None:
     """Why a compiled CPU step cannot be built here, or None (a package already built needs no compiler)."""
     compiler = os.environ.get("CXX", "g++")

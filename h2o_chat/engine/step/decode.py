@@ -41,7 +41,7 @@ from h2o_chat.engine.step.prefill import (
     deferred_interrupt,
     left_pad,
 )
-from h2o_chat.engine.step.runners import Captured, Compiled, SetupFailed
+from h2o_chat.engine.step.runners import Captured, Compiled, SetupFailed, beside_a_build
 from h2o_chat.engine.step.sampling import RowSampler, Sampler
 from h2o_chat.engine.storage.slots import mark_static
 from h2o_chat.errors import ConfigError, SettingError
@@ -185,7 +185,8 @@ class Engine(PromptReading):
                     self.model, cache, sampler, self._cache_kw, self.on_setup, self.builder
                 )  # None: not ready, an eager step meanwhile
                 self._count_setup(seconds)
-                return self._body()
+                with beside_a_build(self.device):
+                    return self._body()
             if self.mode == "graph":
                 with torch.cuda.device(self.device):  # captured on the model's GPU's stream, not the current GPU's
                     out, seconds = self._captured.step(self._body, self.device, self._capturing)
@@ -193,7 +194,8 @@ class Engine(PromptReading):
                     return out
         except SetupFailed as e:
             return self._fall_back(e.error, e.what)
-        return self._body()
+        with beside_a_build(self.device):
+            return self._body()
 
     def _capturing(self) -> None:
         if self.on_setup is not None and not self.captures:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterator
 import torch
 
 from h2o_chat.engine.policies.snap import compress_prompt
+from h2o_chat.engine.step.runners import beside_a_build
 from h2o_chat.engine.step.sampling import RowSampler
 
 DEFAULT_CHUNK = 512
@@ -155,7 +156,8 @@ class PromptReading:
             cache.before_forward(e - s, counts)
             positions = cache.begin("chunk", mask[:, s:e], e - s)
             try:
-                logits = self._forward(ids[:, s:e], positions, cache)
+                with beside_a_build(self.device):
+                    logits = self._forward(ids[:, s:e], positions, cache)
             except BaseException:
                 cache.abort()
                 raise
