@@ -74,18 +74,13 @@ class Reader:
         lane.jobs[lane.row_of(job)], job.reading = None, None
         self.release(job)
 
-    def drop_lane(self, lane: Lane) -> None:
-        """A lane that failed: the readings of its rows stop (their jobs are told by the caller)."""
+    def drop_lane(self, lane: Lane | None = None) -> None:
+        """The readings of a lane that failed stop (their jobs are told by the caller); None: every lane's, when
+        the engine thread ends."""
         for job, la in self.readings:
-            if la is lane:
+            if lane is None or la is lane:
                 job.reading.cancel()
-        self.readings = [x for x in self.readings if x[1] is not lane]
-
-    def cancel_all(self) -> None:
-        """The engine thread ends: every reading stops."""
-        for job, _ in self.readings:
-            job.reading.cancel()
-        self.readings = []
+        self.readings = [x for x in self.readings if lane is not None and x[1] is not lane]
 
     def _enter(self, job: Job, lane: Lane) -> None:
         reading, turn, r = job.reading, job.turn, lane.row_of(job)

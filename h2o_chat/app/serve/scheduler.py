@@ -154,7 +154,7 @@ class Scheduler:
 
     def _end(self, error: ApiError) -> None:
         """The thread ends: whatever is left, and whatever comes later (under the gate), gets `error`."""
-        self.reader.cancel_all()
+        self.reader.drop_lane()  # every lane's
         with self._gate:
             self.closed = True
             jobs = [*self.waiting, *(j for lane in self.lanes for j in lane.jobs if j is not None)]

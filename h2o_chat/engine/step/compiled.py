@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from h2o_chat.engine.step.sampling import draw
+
 # the package's own version: a change to how packages are built or called makes the old ones stale
 FORMAT = 2  # 2: a step reads the first len(span) slots
 # inductor's options: no size and stride check of every input per call (~20 per layer)
@@ -154,8 +156,7 @@ class StepModule(torch.nn.Module):
         out = self.model(input_ids=tokens[:, None], position_ids=positions, use_cache=True, logits_to_keep=1,
                          **{self._kw: twin_cache})  # fmt: skip
         logits = out.logits[:, -1]
-        drawn = sampler(logits) if sampler is not None else logits.argmax(dim=-1)
-        return logits, drawn, *twin_cache.forward.take()
+        return logits, draw(sampler, logits), *twin_cache.forward.take()
 
 
 def _dims(cache, sampler) -> tuple[list, list]:

@@ -42,7 +42,7 @@ from h2o_chat.engine.step.prefill import (
     left_pad,
 )
 from h2o_chat.engine.step.runners import Captured, Compiled, SetupFailed, beside_a_build
-from h2o_chat.engine.step.sampling import RowSampler, Sampler
+from h2o_chat.engine.step.sampling import RowSampler, Sampler, draw
 from h2o_chat.engine.storage.slots import mark_static
 from h2o_chat.errors import ConfigError, SettingError
 
@@ -156,8 +156,7 @@ class Engine(PromptReading):
     def _produce(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's forward over the read-only storage, and sampling: what `compile` makes one program of."""
         logits = self._forward(tokens[:, None], positions, self.cache)
-        tokens = self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
-        return logits, tokens
+        return logits, draw(self.sampler, logits)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +231,7 @@ class Engine(PromptReading):
     def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens (B,) sampled from the prefill's logits, with the same sampler as the steps."""
         with torch.inference_mode():
-            return self.sampler(logits) if self.sampler is not None else logits.argmax(dim=-1)
+            return draw(self.sampler, logits)
 
     def tokens(self, logits: torch.Tensor, steps: int) -> Iterator[list[int]]:
         """Sample from the prefill's logits, then decode: yields `steps` lists of B host ints (token t of every

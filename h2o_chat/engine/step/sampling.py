@@ -294,6 +294,12 @@ class RowSampler:
         return -torch.log(u)
 
 
+def draw(sampler: RowSampler | None, logits: torch.Tensor) -> torch.Tensor:
+    """Tokens (B,) from logits (B, V): the sampler's draw, or the most likely (None: greedy). Every step draws
+    here, eager, compiled or captured, and so do a prompt's first tokens."""
+    return sampler(logits) if sampler is not None else logits.argmax(dim=-1)
+
+
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mix (Mueller's hash) in int64 arithmetic; inputs and outputs are < 2**32."""
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
