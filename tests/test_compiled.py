@@ -53,6 +53,7 @@ def _prompts(rows: int) -> list[list[int]]:
         ("h2o", "auto", 1, False, {}),  # past the trained context of 128: renumbered on the way
         ("snap", "rolling", 2, True, {}),  # a padded batch, sampled
         ("recall", "auto", 2, True, {"recalled": 4, "store": 32}),  # the store fills, then drops
+        ("recall", "auto", 2, True, {"recalled": 4, "store": 200}),  # steps rank 64, 128, 192 entries, then all
         ("h2o", "absolute", 2, True, {"budget": 100}),  # steps read the first 64, 96 slots, then every one
     ],
 )
@@ -64,7 +65,7 @@ def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positi
     assert all(torch.equal(a, b) for a, b in zip(got_pos, want_pos, strict=True))  # every 40 steps
     assert cache.stats().seen == 40 + STEPS - 1
     if policy == "recall":
-        assert cache.stats().store_dropped > 0 and cache.stats().store_tokens == 32
+        assert cache.stats().store_dropped > 0 and cache.stats().store_tokens == knobs["store"]
 
 
 def test_one_program_serves_every_budget_batch_and_engine_and_old_storage_is_freed(model):

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from h2o_chat.engine.policies import evict
+from h2o_chat.engine.policies import evict, recall_rank
 from h2o_chat.engine.storage.slots import Slots, inference
 from h2o_chat.errors import CacheUsageError
 
@@ -41,6 +41,7 @@ class Step:
 
     layers: int = 0
     width: int | None = None  # the first slots, those that can hold a token, attended (None: every slot)
+    store_width: int | None = None  # the first entries of recall's store ranked (None: every entry)
     valid: torch.Tensor | None = None  # (B, 1, S) slots holding a token
     new: list[tuple] = field(default_factory=list, repr=False)
     returned: list[torch.Tensor] | None = None  # `take`'s result, when a compiled step returned it
@@ -60,7 +61,8 @@ class Step:
         fixed = s.keys.device.type == "cuda" or torch.compiler.is_compiling()
         room = min(g.policy.capacity or spare for g in cache.groups)  # a row of a smaller budget fills first
         width = None if fixed else read_width(cache.seq.columns, min(room, spare))
-        return cls(layers=len(cache.layers), width=width), s.next_rot[:, None]
+        stored = None if fixed or cache.store is None else recall_rank.read_width(cache.store)
+        return cls(layers=len(cache.layers), width=width, store_width=stored), s.next_rot[:, None]
 
     def end(self, cache) -> None:
         """The step's new tokens go into the spare slot (every layer in one write) and their mass into the scores;

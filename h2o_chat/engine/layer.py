@@ -99,7 +99,7 @@ class H2OLayer(CacheLayerMixin):
         slots, fwd = cache.slots, cache.forward
         if fwd.kind == "step":
             # the recall policy: the tokens this query wants back from the evicted ones
-            got = recall_rank.step(cache.store, i, query) if cache.store is not None else None
+            got = recall_rank.step(cache.store, i, query, fwd.store_width) if cache.store is not None else None
             scales = (slots.kscale[i], slots.vscale[i]) if slots.quantized else None
             kv = slots.keys[i], slots.values[i]
             valid, new = fwd.slots_valid(slots), (key, value)

@@ -32,6 +32,7 @@ import torch
 
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 CANDIDATES = 4  # the exact pass ranks this many times what is recalled: the first pass's best
+STORE_STEP = 64  # a decode step ranks a filling store's entries in multiples of this many (few distinct shapes)
 RANK_BLOCK = 1 << 19  # (queries x entries) logits a prompt chunk ranks at once on a CPU: 2 MB in fp32
 # on a GPU, 64 MB: with 2 MB a Llama-2-7B chunk of 512 ranked 4 queries at a time, 1,475 kernels per layer, and
 # read a 4,096-token prompt 42x slower than h2o (H200, 2026-11-27)
@@ -56,24 +57,36 @@ class Recalled(NamedTuple):
     index: torch.Tensor | None = None
 
 
-def first_pass(store, i: int, q: torch.Tensor) -> torch.Tensor:
-    """Layer i's approximate logits from the entries' coordinates: q (B, H, Q, D) fp32 -> (B, H, Q, n)."""
-    n = store.capacity
+def first_pass(store, i: int, q: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Layer i's approximate logits from the first n entries' coordinates (None: every entry): q (B, H, Q, D) fp32
+    -> (B, H, Q, n)."""
+    n = store.capacity if n is None else n
     ql = q @ store.basis[i]  # (B, H, Q, rank)
     # each entry's scale applied to its logit, not to its coordinates: one (B, H, n, rank) transient fewer
     return (ql @ store.low[i, :, :, :n].float().mT) * store.lscale[i, :, :, :n].float().mT
 
 
-def step(store, i: int, query: torch.Tensor) -> Recalled:
+def read_width(store) -> int | None:
+    """How many entries a decode step ranks: a store fills its entries in order (`slots.place`: an empty one first,
+    the lowest), and a row has stored no more than it has evicted (`Store.evicted`, host counts), so a store still
+    filling is ranked over what it can hold, in multiples of `STORE_STEP` and at least the candidates a step ranks
+    (None: every entry)."""
+    most = max(store.evicted, default=0)
+    width = max(CANDIDATES * store.pick.shape[0], -(-most // STORE_STEP) * STORE_STEP)
+    return None if width >= store.capacity else width
+
+
+def step(store, i: int, query: torch.Tensor, width: int | None = None) -> Recalled:
     """Layer i's decode-step query (B, Hq, 1, D) -> the stored tokens it attends to most, in as few operations
     as it takes (it runs in every layer of every step): the first pass, its `CANDIDATES` x k best, their exact
-    logits (the maximum over the group's query heads ranks them), the k best, their values."""
+    logits (the maximum over the group's query heads ranks them), the k best, their values. `width`: only the
+    first entries are ranked (`read_width`; None: every one)."""
     B, Hq, _, D = query.shape
-    H, n = store.keys.shape[2], store.capacity
+    H, n = store.keys.shape[2], store.capacity if width is None else width
     G, k = Hq // H, store.pick.shape[0]
     q = query.reshape(B, H, G, D).float()
     empty = store.pos[i, :, :, :n] < 0  # (B, H, n)
-    approx = first_pass(store, i, q).amax(2).masked_fill(empty, -torch.inf)
+    approx = first_pass(store, i, q, n).amax(2).masked_fill(empty, -torch.inf)
     cand = approx.topk(CANDIDATES * k, dim=-1, sorted=True).indices  # (B, H, C)
     keys = store.keys_at(i, cand, torch.float32)
     skip = empty.gather(2, cand)
@@ -86,7 +99,7 @@ def step(store, i: int, query: torch.Tensor) -> Recalled:
     if not store.uniform:  # rows that recall fewer (or none) mask the rest
         fewer = store.pick[None, None, :] >= store.per_row[:, None, None]  # (B, 1, k)
         logits = logits.masked_fill(fewer[:, :, None, :], -torch.inf)
-        index = index.masked_fill(fewer, n)  # (the spare: nothing counted)
+        index = index.masked_fill(fewer, store.capacity)  # (the spare: nothing counted)
     return Recalled(None, store.values_at(i, index, query.dtype), None, logits, index)
 
 

@@ -41,7 +41,7 @@ import torch
 from h2o_chat.engine.step.sampling import draw
 
 # the package's own version: a change to how packages are built or called makes the old ones stale
-FORMAT = 2  # 2: a step reads the first len(span) slots
+FORMAT = 3  # 2: a step reads the first len(span) slots; 3: and ranks the first len(ranked) store entries
 # inductor's options: no size and stride check of every input per call (~20 per layer)
 INDUCTOR_OPTIONS: dict = {"size_asserts": False}
 
@@ -111,9 +111,9 @@ class StepKind:
 # -- the step as a function of its inputs ----------------------------------------------------------------------
 def state_names(cache, sampler) -> tuple[list[str], list[str], list[str]]:
     """The inputs a step reads besides tokens and positions, in order: the slots' declared tensors, the store's
-    (and the tokens each row recalls and the places recalled), the sampler's."""
+    (and the tokens each row recalls, the places recalled, and as many entries as a step ranks), the sampler's."""
     slots = list(cache.slots.tensors())
-    store = [] if cache.store is None else [*cache.store.tensors(), "per_row", "pick"]
+    store = [] if cache.store is None else [*cache.store.tensors(), "per_row", "pick", "ranked"]
     drawn = [] if sampler is None else list(sampler.tensors())
     return slots, store, drawn
 
@@ -122,10 +122,23 @@ def state_of(cache, sampler) -> list[torch.Tensor]:
     """The step's inputs besides tokens and positions, in `state_names` order."""
     out = list(cache.slots.tensors().values())
     if cache.store is not None:
-        out += [*cache.store.tensors().values(), cache.store.per_row, cache.store.pick]
+        store = cache.store
+        width = (cache.forward.store_width if cache.forward is not None else None) or store.capacity
+        out += [*store.tensors().values(), store.per_row, store.pick, _span(width)]
     if sampler is not None:
         out += list(sampler.tensors().values())
     return out
+
+
+_spans: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
+
+
+def _span(width: int) -> torch.Tensor:
+    """A tensor of `width` entries: what tells a program how many slots or store entries a step reads (a size,
+    not a value: one program serves every width). Views of one buffer, grown when a wider one is asked for."""
+    if _spans[0].shape[0] < width:
+        _spans[0] = torch.zeros(width, dtype=torch.long)
+    return _spans[0][:width]
 
 
 class StepModule(torch.nn.Module):
@@ -145,14 +158,15 @@ class StepModule(torch.nn.Module):
         slot_names, store_names, drawn_names = self._names
         it = iter(state)
         twin_cache = self._cache.twin(self._cache.slots.with_tensors({n: next(it) for n in slot_names}))
+        ranked = None
         if store_names:
-            store = self._cache.store.with_tensors({n: next(it) for n in store_names[:-2]})
-            store.per_row, store.pick = next(it), next(it)
+            store = self._cache.store.with_tensors({n: next(it) for n in store_names[:-3]})
+            store.per_row, store.pick, ranked = next(it), next(it), next(it).shape[0]
             twin_cache.storage.store = store
         sampler = None
         if drawn_names:
             sampler = self._sampler.with_tensors({n: next(it) for n in drawn_names})
-        twin_cache.forward = fw.Step(layers=len(twin_cache.layers), width=span.shape[0])
+        twin_cache.forward = fw.Step(layers=len(twin_cache.layers), width=span.shape[0], store_width=ranked)
         out = self.model(input_ids=tokens[:, None], position_ids=positions, use_cache=True, logits_to_keep=1,
                          **{self._kw: twin_cache})  # fmt: skip
         logits = out.logits[:, -1]
@@ -161,13 +175,13 @@ class StepModule(torch.nn.Module):
 
 def _dims(cache, sampler) -> tuple[list, list]:
     """Example inputs with every symbolic size at least 2 (export specializes sizes 0 and 1) and their dynamic
-    shapes: the batch B, the slots S, the slots read W, the store's entries N and recalled k, the sampler's
-    candidates."""
+    shapes: the batch B, the slots S, the slots read W, the store's entries N, ranked R and recalled k, the
+    sampler's candidates."""
     Dim = torch.export.Dim
     B, S, W = Dim("B", min=1, max=4096), Dim("S", min=3), Dim("W", min=2)
-    # the store's entries and its tokens recalled (it ranks 4 x K of N - 1), the sampler's candidates (of the
-    # vocabulary): sizes bound to others, which named dimensions cannot say
-    N = K = CUT = Dim.AUTO
+    # the store's entries, those ranked and its tokens recalled (it ranks 4 x K of R <= N - 1), the sampler's
+    # candidates (of the vocabulary): sizes bound to others, which named dimensions cannot say
+    N = R = K = CUT = Dim.AUTO
 
     def example(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
         shape = list(t.shape)
@@ -186,15 +200,17 @@ def _dims(cache, sampler) -> tuple[list, list]:
     if cache.store is not None:
         store = cache.store
         k = max(2, store.k)
+        entries = max(4 * k + 3, store.capacity + 1)
         for name, t in store.tensors().items():
             per_entry = name not in store.HEAD_FIELDS
-            examples.append(example(t, {1: 2, 3: max(4 * k + 1, t.shape[3])} if per_entry else {1: 2}))
+            examples.append(example(t, {1: 2, 3: entries} if per_entry else {1: 2}))
             dynamic.append({1: B, 3: N} if per_entry else {1: B})
         examples += [
             torch.ones(2, dtype=torch.long, device=store.pick.device),
             torch.arange(k, device=store.pick.device),
+            torch.zeros(entries - 2, dtype=torch.long, device=store.pick.device),  # fewer than the entries
         ]
-        dynamic += [{0: B}, {0: K}]
+        dynamic += [{0: B}, {0: K}, {0: R}]
     if sampler is not None:
         for name, t in sampler.tensors().items():
             if name == "ids":  # the vocabulary: fixed
@@ -355,13 +371,10 @@ class Program:
             raise RuntimeError(f"the compiled step wants constants the model lacks: {', '.join(missing[:3])}")
         self._constants = {n: model_constants[n] if n in model_constants else constants[n] for n in names}
         self._runner.load_constants(self._constants, check_full_update=True, user_managed=True)
-        self._span = torch.zeros(0, dtype=torch.long)  # its first `width` entries say how many slots a step reads
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
-        width = cache.forward.width or cache.slots.capacity
-        if self._span.shape[0] < width:
-            self._span = torch.zeros(width, dtype=torch.long, device=tokens.device)
-        return self._runner(tokens, positions, self._span[:width], *state_of(cache, sampler))
+        span = _span(cache.forward.width or cache.slots.capacity)
+        return self._runner(tokens, positions, span, *state_of(cache, sampler))
 
 
 _loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {package key: Program}
