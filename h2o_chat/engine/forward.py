@@ -76,21 +76,19 @@ class Step:
             s.score[..., : self.width] += mass[..., :-1]
             s.score[..., s.capacity] += mass[..., -1]
             evict.append(s)
-            s.seen += 1
-            s.next_rot += 1
-            return
-        if mass.shape[-1] != s.score.shape[-1]:  # a narrow step's: its slots', then the new token's (the spare's)
-            full = mass.new_zeros(s.score.shape)
-            full[..., : mass.shape[-1] - 1] = mass[..., :-1]
-            full[..., s.capacity] = mass[..., -1]
-            mass = full
-        if picked:
-            cache.store.mark(picked[0])
-        if rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
-            torch.addcmul(mass, s.score, rules.decay, out=s.score)
         else:
-            s.score += mass
-        evict.step(s, rules, cache.store)
+            if mass.shape[-1] != s.score.shape[-1]:  # a narrow step's: its slots', then the new token's (the spare's)
+                full = mass.new_zeros(s.score.shape)
+                full[..., : mass.shape[-1] - 1] = mass[..., :-1]
+                full[..., s.capacity] = mass[..., -1]
+                mass = full
+            if picked:
+                cache.store.mark(picked[0])
+            if rules.any_decay:  # recall: older mass counts less (score * decay + mass, in one operation)
+                torch.addcmul(mass, s.score, rules.decay, out=s.score)
+            else:
+                s.score += mass
+            evict.step(s, rules, cache.store)
         s.seen += 1
         s.next_rot += 1
 

@@ -4,8 +4,8 @@ H2O needs, for every cached token, the softmax attention mass it receives (summe
 the query heads that share a KV head; per batch row, where the official code sums over the batch too).
 
 - `attention_over_slots`: a decode step. The new token already sits in its layer's spare slot, so attention
-  runs over all slots of fixed shape, empty ones masked (static shapes: the step can be captured as a graph).
-  One fp32 softmax gives the output and the mass.
+  runs over the slots, empty ones masked: all of them on CUDA (static shapes: the step can be captured as a
+  graph), on a CPU the first ones its rows can hold. One fp32 softmax gives the output and the mass.
 - `attention_with_mass`: a prompt chunk of T queries over the filled slots and the chunk's own keys (causal
   among them, padding masked by one additive mask built once per chunk). The output comes from PyTorch's
   fused `scaled_dot_product_attention` when the mass is not needed, and on CUDA (where the fused kernel is much
@@ -55,7 +55,7 @@ def attention_over_slots(
     new: tuple[torch.Tensor, torch.Tensor] | None = None,
     width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per row over all slots (static shapes). Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
+    """One query per row over the slots. Returns (output (B, 1, Hq, Dv), mass (B, H, S) fp32).
 
     `new`: the step's own key and value (B, H, 1, D), attended in the place of the last slot (the spare, which
     they are written into when the step ends): the storage is only read here, so a compiled step has no write

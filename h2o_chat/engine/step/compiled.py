@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import weakref
 import zipfile
 from dataclasses import dataclass
@@ -59,8 +60,6 @@ _building = [float("-inf"), False]  # when the folder was last looked at, and wh
 def building() -> bool:
     """Whether a compiled step is being built on this machine now (a fresh marker beside the packages: this
     process's build in a process of its own, or another's). Looked at once a second at most."""
-    import time
-
     from h2o_chat.files import BUILDING, BUILDING_STALE
 
     now = time.monotonic()

@@ -184,9 +184,7 @@ class Engine(PromptReading):
                     self.model, cache, sampler, self._cache_kw, self.on_setup, self.builder
                 )  # None: not ready, an eager step meanwhile
                 self._count_setup(seconds)
-                with beside_a_build(self.device):
-                    return self._body()
-            if self.mode == "graph":
+            elif self.mode == "graph":
                 with torch.cuda.device(self.device):  # captured on the model's GPU's stream, not the current GPU's
                     out, seconds = self._captured.step(self._body, self.device, self._capturing)
                     self._count_setup(seconds)
