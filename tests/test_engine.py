@@ -345,6 +345,61 @@ def test_a_graph_for_the_second_gpu_is_captured_on_that_gpu(monkeypatch):
     assert captured_on == ["cuda:1"] and engine.captures == 1 and current == ["cuda:0"]
 
 
+def test_a_step_captured_again_shares_a_pool_that_a_live_graph_still_holds(monkeypatch):
+    """The GPU check's server fell back to eager steps: "capturing one failed (it->second->use_count > 0 INTERNAL
+    ASSERT FAILED)". A graph's pool outlives its graphs while memory it gave out is still held, and the allocator
+    refuses a capture into a pool whose graphs are all gone. A lane whose rows change captures again into its
+    engine's one pool: the graph it forgot must still be alive then. No GPU here: the step runs on the CPU, and
+    fake CUDA calls keep the allocator's count of live graphs per pool, with its assertion."""
+    import contextlib
+
+    live: dict[int, int] = {}  # pool -> graphs alive that were captured into it
+
+    class Graph:
+        def __init__(self):
+            self.pool = None
+
+        def replay(self):
+            pass
+
+        def __del__(self):
+            if self.pool is not None:
+                live[self.pool] -= 1  # the entry stays: a buffer first made in a capture still holds its memory
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None):
+        if pool in live and live[pool] == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        live[pool] = live.get(pool, 0) + 1
+        cuda_graph.pool = pool
+        yield
+
+    fakes = {"device": lambda d: contextlib.nullcontext(), "Stream": lambda device=None: Stream(),
+             "current_stream": lambda device=None: Stream(), "stream": lambda s: contextlib.nullcontext(),
+             "graph": graph, "graph_pool_handle": lambda: 7, "CUDAGraph": Graph}  # fmt: skip
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
+    ids, mask = prompts(3)
+    tokens = engine.first_tokens(engine.prefill(ids, mask))
+    engine.decode(tokens)
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    engine.mode, engine.device = "graph", torch.device("cuda", 0)
+    for rows in (None, [0, 2], [1]):  # a row leaves, then another: each a new shape, captured again
+        if rows is not None:  # (the rows are on the CPU, where the step runs)
+            engine.device = torch.device("cpu")
+            engine.select_rows(torch.tensor(rows))
+            engine.device = torch.device("cuda", 0)
+        for _ in range(4):  # two warm-up steps, a capture, a replay
+            engine.decode()
+    assert engine.mode == "graph" and engine.captures == 3, engine.cache.pop_notices()
+    assert live == {7: 1}  # the graphs forgotten were let go once the next was captured
+
+
 def test_pytest_m_cuda_selects_the_cuda_tests():
     """scripts/gpu_check.sh runs `pytest -m cuda`: every CUDA test carries the mark (conftest skips them without a
     GPU), so the check runs them all (it used to select none: they only had skipif)."""

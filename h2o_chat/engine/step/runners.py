@@ -50,9 +50,15 @@ class Captured:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = None  # the graph's outputs, overwritten by each replay
         self.pool = None  # one memory pool for every capture of this engine
+        # the graph forgotten last, kept until the next capture ends: a pool whose graphs are all gone while
+        # memory it gave out is still held (a buffer first made inside a capture) cannot be captured into again
+        # (the allocator's `use_count > 0` assertion: what made every server lane's step fall back to eager)
+        self.previous: torch.cuda.CUDAGraph | None = None
         self.warmups = 0
 
     def forget(self) -> None:
+        if self.graph is not None:
+            self.previous = self.graph
         self.graph, self.out, self.warmups = None, None, 0
 
     def step(
@@ -79,7 +85,7 @@ class Captured:
                 self.out = body()  # recorded, not run: the replay below performs this step
         except RuntimeError as e:  # something in the model reads the device (e.g. dynamic rope scaling)
             raise SetupFailed("capturing one", e) from e
-        self.graph = graph
+        self.graph, self.previous = graph, None
         seconds = time.perf_counter() - t
         graph.replay()
         return self.out, seconds
