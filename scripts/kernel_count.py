@@ -7,7 +7,8 @@ Builds the shape's model twice with random weights, with 2 and 4 layers, so that
 on the device). For each configuration it reads `--seen` tokens (more than the budget: eviction runs) and
 counts, under the profiler, the device kernels (CUDA: what a captured step's graph holds as nodes, memory
 copies and sets included) or the ATen operators (CPU, dispatched leaves) of one eager decode step and of one
-prompt chunk. One JSON line per configuration, then a table.
+prompt chunk. A `-compiled` configuration (CUDA) counts the kernels of the step compiled by inductor, run once
+outside its graph after the graph is captured. One JSON line per configuration, then a table.
 """
 
 from __future__ import annotations
@@ -65,14 +66,23 @@ def measure(model, config: str, seen: int, budget: int, chunk: int, device: torc
     policy = make_policy("full") if name == "full" else make_policy(name, budget)
     cache = H2OCache.for_model(model, policy, "absolute", kv_quant=quant)
     cache.reserve(seen + chunk + 16)
-    engine = Engine(model, cache, "eager")
+    compiled = config.endswith("-compiled")  # the GPU's compiled step (inductor's kernels), as its graph holds it
+    engine = Engine(model, cache, "compile" if compiled else "eager")
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, seen + chunk), generator=torch.Generator().manual_seed(0)).to(device)
     model.set_attn_implementation("h2o")
     token = engine.first_tokens(engine.prefill(ids[:, :seen], chunk_size=chunk))
     for _ in range(3):  # warm: the first steps allocate what later ones reuse
         token = engine.decode(token)[1]
-    step = count(lambda: engine.decode(), device)
+    if compiled:  # once the program is made and captured: its kernels launched outside the graph, one step
+
+        def one():
+            engine.cache.before_forward(1)
+            engine._body()
+
+        step = count(one, device)
+    else:
+        step = count(lambda: engine.decode(), device)
     prompt = count(lambda: engine.prefill(ids[:, seen:], chunk_size=chunk), device)
     return step, prompt
 

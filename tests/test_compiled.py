@@ -68,6 +68,40 @@ def test_the_compiled_step_keeps_what_the_eager_step_keeps(model, policy, positi
         assert cache.stats().store_dropped > 0 and cache.stats().store_tokens == knobs["store"]
 
 
+def test_a_step_compiled_in_process_keeps_what_the_eager_step_keeps_as_rows_leave(model, monkeypatch):
+    """What a GPU runs under `--decode compile` (`compiled.Fused`: the step exported as for a package, compiled in
+    process, captured there with the eviction), checked on a CPU through dynamo and AOT autograd (inductor's
+    Triton kernels are the GPU check's): the same tokens and kept positions as eager steps, a row leaving midway
+    (a new batch size, compiled again), one program per kind of step, its setup counted once."""
+    monkeypatch.setattr(compiled, "in_process", lambda device: True)
+    monkeypatch.setattr(compiled, "FUSED_BACKEND", "aot_eager")
+    compiled._fused.pop(model, None)
+
+    def run(mode, policy, **knobs):
+        cache = H2OCache.for_model(model, make_policy(policy, 24, **knobs), "auto")
+        engine = Engine(model, cache, mode)
+        ids, mask = left_pad(_prompts(3), 0)
+        engine.set_sampler(Sampler(temperature=0.8, top_p=0.9, seed=3), 3)
+        tokens = engine.first_tokens(engine.prefill(ids, mask, chunk_size=16))
+        out = []
+        for i in range(120):
+            if i == 60:  # the middle row is done: it leaves the batch
+                engine.select_rows(torch.tensor([0, 2]))
+                tokens = tokens[[0, 2]]
+            tokens = engine.decode(tokens if i in (0, 60) else None)[1]
+            out.append(tokens.tolist())
+        return out, cache.slots.pos.clone(), engine
+
+    for policy, knobs in (("h2o", {}), ("recall", {"recalled": 4, "store": 32})):
+        want, want_pos, _ = run("eager", policy, **knobs)
+        got, got_pos, engine = run("compile", policy, **knobs)
+        assert isinstance(engine._compiled.program, compiled.Fused), engine.cache.pop_notices()
+        assert got == want and torch.equal(got_pos, want_pos), policy
+        assert engine.captures == 2 and engine.setup_seconds > 0  # compiled at batch 3, then at batch 2
+    assert len(compiled._fused[model]) == 2  # one per kind of step
+    compiled._fused.pop(model)
+
+
 def test_one_program_serves_every_budget_batch_and_engine_and_old_storage_is_freed(model):
     """A chat that changes its budget ten times, and ten new caches and engines (what /reset makes), stay
     compiled through one loaded program, and what an old step read is freed: a program belongs to no engine."""

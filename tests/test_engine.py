@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import cached, tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
+from h2o_chat.engine.step import compiled
 from h2o_chat.engine.step.decode import Engine, left_pad, resolve_decode
 from h2o_chat.engine.step.sampling import Sampler
 from h2o_chat.errors import ConfigError
@@ -238,8 +239,9 @@ def test_decode_modes_are_checked():
         resolve_decode("graph", cpu)
     with pytest.raises(ConfigError, match="^decode must be one of auto, eager, graph, compile"):
         resolve_decode("fast", cpu)
-    with pytest.raises(ConfigError, match="on a GPU the step is a CUDA graph"):
-        resolve_decode("compile", torch.device("cuda"))
+    assert resolve_decode("compile", torch.device("cuda")) == "compile"  # inductor's kernels in the CUDA graph
+    with pytest.raises(ConfigError, match="compiles for a CPU or a CUDA GPU, not mps"):
+        resolve_decode("compile", torch.device("mps"))
 
 
 def test_a_new_sampler_gets_a_new_step_key_where_a_freed_one_lived():
@@ -279,6 +281,26 @@ def test_cuda_captured_step_decides_as_the_eager_one(family, batch):
             assert same_held(a, b), name
         torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4, msg=name)
         assert engine.captures == 1, name  # one capture served all 310 steps
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cuda_compiled_step_decides_as_the_eager_one_in_one_capture(batch):
+    """`--decode compile` on a GPU: inductor's kernels for the forward, the eviction after them, one CUDA graph
+    for the whole step; it keeps what the eager step keeps (h2o, snap, and recall's store, which fills and drops),
+    and one compiled program serves every policy of a kind."""
+    model = tiny_model("llama", seed=3).to("cuda")
+    policies = {**POLICIES, "recall": lambda: make_policy("recall", BUDGET, recalled=4, store=64)}
+    for name in ("h2o", "snap", "recall"):
+        eager_logits, eager_held, _ = decode_run(model, policies[name](), batch, 310, "eager")
+        logits, held, engine = decode_run(model, policies[name](), batch, 310, "compile")
+        notices = [n for n in engine.cache.pop_notices() if n.startswith("decode steps")]
+        assert engine.mode == "compile" and notices == [], (name, notices)
+        assert engine.describe().startswith("compiled CUDA graph") and engine.captures == 1, (name, engine.describe())
+        for a, b in zip(held, eager_held, strict=True):
+            assert same_held(a, b), name
+        torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4, msg=name)
+    assert len(compiled._fused[model]) == 2  # h2o and snap share one kind; recall has its own
 
 
 @pytest.mark.cuda

@@ -10,8 +10,9 @@ graph capture). Configurations:
   user could pick with plain transformers
 - full: h2o-chat's cache without eviction (capacity reserved up front), through the decode engine
 - h2o: the paper's policy at the given budget, through the decode engine
-- h2o-compiled, snap-compiled, recall-compiled: those policies with the CPU's compiled decode step (`--decode
-  compile`), whatever `--decode` says
+- h2o-compiled, snap-compiled, recall-compiled, h2o-8bit-compiled: those configurations with the compiled
+  decode step (`--decode compile`: on a CPU the package built ahead of time, on a GPU inductor's kernels
+  captured in the step's CUDA graph), whatever `--decode` says
 - h2o-rolling: the same with --positions rolling: held tokens renumbered by order whenever positions would
   pass twice the budget (what every step past the trained context runs)
 - h2o-nobound: h2o with a budget above the longest length (nothing evicted: the cost of scoring itself)
@@ -44,7 +45,7 @@ from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure import llamacpp
 
 QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")
-COMPILED = ("h2o-compiled", "snap-compiled", "recall-compiled")
+COMPILED = ("h2o-compiled", "snap-compiled", "recall-compiled", "h2o-8bit-compiled")
 CONFIGS = (
     "dynamic", "static", "static-compiled", "full", "h2o", *COMPILED, "h2o-rolling", "h2o-nobound", "snap",
     "recall", *QUANTIZED, llamacpp.CONFIG,
@@ -131,7 +132,7 @@ class _Run:
             positions = "rolling" if config == "h2o-rolling" else "absolute"
             self.cache = H2OCache.for_model(model, self.policy, positions, kv_quant=quant)
             self.cache.reserve(total)
-            # *-compiled: the CPU's compiled step beside the run's own mode (`--decode`), in the same rounds
+            # *-compiled: the compiled step beside the run's own mode (`--decode`), in the same rounds
             self.engine = Engine(model, self.cache, "compile" if config in COMPILED else decode)
             self.decode = self.engine.mode
             return
@@ -334,6 +335,10 @@ def ratios(records: list[BenchRecord], budget: int) -> list[tuple[str, float]]:
     for base in ("static-compiled", "full", "dynamic", "static"):
         if (base, hi) in at and ("h2o", hi) in at:
             out.append((f"h2o {budget} / {base}: ms/token at {hi} seen", at["h2o", hi] / at[base, hi]))
+    for ours in COMPILED:  # the GPU's anchor: each compiled row against StaticCache + torch.compile
+        for n in lengths if ("static-compiled", hi) in at and (ours, hi) in at else ():
+            anchor = at["static-compiled", n]
+            out.append((f"{ours} {budget} / static-compiled: ms/token at {n} seen", at[ours, n] / anchor))
     for ours in ("h2o", *COMPILED):
         for n in lengths if (llamacpp.CONFIG, hi) in at and (ours, hi) in at else ():
             out.append((f"{ours} {budget} / llama.cpp: ms/token at {n} seen", at[ours, n] / at[llamacpp.CONFIG, n]))

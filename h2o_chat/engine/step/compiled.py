@@ -123,21 +123,24 @@ def state_of(cache, sampler) -> list[torch.Tensor]:
     if cache.store is not None:
         store = cache.store
         width = (cache.forward.store_width if cache.forward is not None else None) or store.capacity
-        out += [*store.tensors().values(), store.per_row, store.pick, _span(width)]
+        out += [*store.tensors().values(), store.per_row, store.pick, _span(width, store.pick.device)]
     if sampler is not None:
         out += list(sampler.tensors().values())
     return out
 
 
-_spans: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]
+_spans: dict[torch.device, torch.Tensor] = {}
 
 
-def _span(width: int) -> torch.Tensor:
+def _span(width: int, device: torch.device | None = None) -> torch.Tensor:
     """A tensor of `width` entries: what tells a program how many slots or store entries a step reads (a size,
-    not a value: one program serves every width). Views of one buffer, grown when a wider one is asked for."""
-    if _spans[0].shape[0] < width:
-        _spans[0] = torch.zeros(width, dtype=torch.long)
-    return _spans[0][:width]
+    not a value: one program serves every width). Views of one buffer per device, grown when a wider one is
+    asked for."""
+    device = torch.device("cpu") if device is None else device
+    held = _spans.get(device)
+    if held is None or held.shape[0] < width:
+        held = _spans[device] = torch.zeros(width, dtype=torch.long, device=device)
+    return held[:width]
 
 
 class StepModule(torch.nn.Module):
@@ -374,6 +377,68 @@ class Program:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
         span = _span(cache.forward.width or cache.slots.capacity)
         return self._runner(tokens, positions, span, *state_of(cache, sampler))
+
+    def take_seconds(self) -> float:
+        """Seconds spent compiling at a call (`Fused`'s): a loaded package compiles nothing."""
+        return 0.0
+
+
+# -- on a GPU: the same step compiled in process --------------------------------------------------------------
+class Fused:
+    """The step on a GPU (`--decode compile` there): the same `StepModule`, exported as for a package, compiled in
+    this process by inductor (`torch.compile`: Triton kernels, a layer's pointwise work and reductions fused into
+    a few) when it is first called, and meant to be captured, with the eviction after it, in the step's CUDA
+    graph (`runners.Captured`), so no guard or Python runs per step. Called like a `Program`. No package on disk:
+    a package loaded for CUDA crashed inside torch's loader (docs/experiments.md); inductor's own caches make a
+    later start's compilation quicker. A new batch size compiles again (once, then for every size)."""
+
+    def __init__(self, model, cache, sampler, cache_keyword: str):
+        module = StepModule(model, cache, sampler, cache_keyword)
+        examples, dynamic = _dims(cache, sampler)
+        with torch.inference_mode(), _quiet():
+            shapes = (*dynamic[:3], tuple(dynamic[3:]))
+            exported = torch.export.export(module, tuple(examples), dynamic_shapes=shapes, strict=False)
+        self._module = exported.module()
+        self._fn = torch.compile(self._module, backend=FUSED_BACKEND, fullgraph=True)
+        self.seconds = 0.0  # spent compiling at a call, not yet reported (`take_seconds`)
+        self._shapes: set = set()
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
+        device = cache.slots.keys.device
+        span = _span(cache.forward.width or cache.slots.capacity, device)
+        state = state_of(cache, sampler)
+        shapes = (tokens.shape[0], span.shape[0], *(tuple(t.shape) for t in state))
+        if shapes in self._shapes:
+            return self._fn(tokens, positions, span, *state)
+        t = time.perf_counter()  # a first call at these shapes: compiles (or finds the compiled code) first
+        out = self._fn(tokens, positions, span, *state)
+        self._shapes.add(shapes)
+        self.seconds += time.perf_counter() - t
+        return out
+
+    def take_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {StepKind: Fused}
+FUSED_BACKEND = "inductor"  # the tests check the rest of the way on a CPU with "aot_eager"
+
+
+def in_process(device: torch.device) -> bool:
+    """Whether a compiled step on `device` is compiled in process (`Fused`), not loaded from a package."""
+    return device.type == "cuda"
+
+
+def fused(model, cache, sampler, cache_keyword: str, status=None) -> Fused:
+    """The GPU's compiled step for this model and step kind, made once per process (`status` is told first)."""
+    kind = StepKind.of(cache, sampler)
+    mine = _fused.setdefault(model, {})
+    if kind not in mine:
+        if status is not None:
+            status(f"compiling the decode step for this GPU ({kind.describe()}; once per run, about a minute)")
+        mine[kind] = Fused(model, cache, sampler, cache_keyword)
+    return mine[kind]
 
 
 _loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {package key: Program}

@@ -8,7 +8,8 @@ on the device -- so it can run three ways (`--decode`):
 - graph: the whole step (model forward, cache update, eviction, sampling) captured once as a CUDA graph and
   replayed; capturing takes a second or two (the CUDA default).
 - compile: the model's forward and sampling as one program compiled by inductor, eviction eagerly after it
-  (`compiled.py` says why); compiled once per machine and model, kept in a cache directory.
+  (`compiled.py` says why). On a CPU compiled once per machine and model, kept in a cache directory; on a GPU
+  compiled in process (Triton kernels) at the first step and captured, with the eviction, as one CUDA graph.
 
 (`runners.py` holds the capture and the compiled program for the step's current shape.)
 - eager: plain PyTorch (the CPU default, and the fallback of the other two).
@@ -68,10 +69,8 @@ def resolve_decode(mode: str, device: torch.device) -> str:
         raise SettingError(
             "decode", "captures CUDA graphs and needs a CUDA GPU; use compile or eager here", mode, got=False
         )
-    if mode == "compile" and device.type != "cpu":
-        raise SettingError(
-            "decode", "builds the CPU's decode step; on a GPU the step is a CUDA graph (graph)", mode, got=False
-        )
+    if mode == "compile" and device.type not in ("cpu", "cuda"):
+        raise SettingError("decode", f"compiles for a CPU or a CUDA GPU, not {device.type}", mode, got=False)
     if mode == "compile" and (why := compiled.unavailable()):
         raise SettingError("decode", f"is not possible here: {why}; use eager", mode, got=False)
     return mode
@@ -117,6 +116,8 @@ class Engine(PromptReading):
     def describe(self) -> str:
         """For the panel: how decode steps run."""
         what = {"graph": ("CUDA graph", "captured"), "compile": ("compiled", "compiled")}.get(self.mode)
+        if self.mode == "compile" and self.device.type == "cuda":
+            what = ("compiled CUDA graph", "captured")
         if what is None:
             return "eager"
         if self.mode == "compile" and self._compiled.program is None and self._compiled.asked:
@@ -179,6 +180,8 @@ class Engine(PromptReading):
             self._captured.forget()
             self._compiled.forget()
         try:
+            if self.mode == "compile" and self.device.type == "cuda":
+                return self._fused_step()
             if self.mode == "compile":
                 seconds = self._compiled.load(
                     self.model, cache, sampler, self._cache_kw, self.on_setup, self.builder
@@ -192,7 +195,25 @@ class Engine(PromptReading):
         except SetupFailed as e:
             return self._fall_back(e.error, e.what)
         with beside_a_build(self.device):
-            return self._body()
+            out = self._body()
+        if self._compiled.program is not None:
+            self._count_setup(self._compiled.program.take_seconds())  # a program compiled in process at this call
+        return out
+
+    def _fused_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On a GPU: the compiled forward (made at its first call) and the eviction after it, as one CUDA graph."""
+        with torch.cuda.device(self.device):
+            self._compiled.load(self.model, self.cache, self.sampler, self._cache_kw, self.on_setup, None)
+            program = self._compiled.program
+            try:
+                out, seconds = self._captured.step(self._body, self.device, self._capturing)
+            except SetupFailed:
+                raise
+            except Exception as e:  # noqa: BLE001 -- inductor's and Triton's failures have many types
+                raise SetupFailed("compiling one", e) from e
+            self.setup_seconds += program.take_seconds()  # compiled at a warm-up step; counted with its capture
+            self._count_setup(seconds)
+            return out
 
     def _capturing(self) -> None:
         if self.on_setup is not None and not self.captures:
@@ -208,8 +229,10 @@ class Engine(PromptReading):
         """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.cache.abort()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
-        self.cache.notices.append(f"decode steps run eagerly: {what} failed ({reason[:160]})")
-        self.mode = "eager"
+        # a GPU's compiled step falls back to the plain captured step, anything else to eager steps
+        self.mode = "graph" if self.mode == "compile" and self.device.type == "cuda" else "eager"
+        how = "as a CUDA graph without inductor's kernels" if self.mode == "graph" else "eagerly"
+        self.cache.notices.append(f"decode steps run {how}: {what} failed ({reason[:160]})")
         self._captured.forget()
         self._compiled.forget()
         sync(self.device)

@@ -1,5 +1,6 @@
-"""How a decode step runs once it is more than an eager call: captured as one CUDA graph (`Captured`) or as the
-program compiled ahead of time for its kind of step (`Compiled`, `compiled.py`). Each holds what it made for the
+"""How a decode step runs once it is more than an eager call: captured as one CUDA graph (`Captured`), with the
+program compiled for its kind of step (`Compiled`, `compiled.py`: ahead of time on a CPU, in process on a GPU,
+where it is captured too) or without. Each holds what it made for the
 step's current shape and forgets it when the step changes (`forget`); `Engine.decode` chooses between them and
 runs the step eagerly, with a notice, when making one fails (`SetupFailed`)."""
 
@@ -108,6 +109,12 @@ class Compiled:
         """Have the program for this step ready: the seconds its loading (or building) took, or None when it is
         not ready and the step runs eagerly meanwhile."""
         if self.program is not None:
+            return 0.0
+        if compiled.in_process(cache.slots.keys.device):  # compiled at its first call (`compiled.Fused`)
+            try:
+                self.program = compiled.fused(model, cache, sampler, cache_keyword, on_setup)
+            except Exception as e:  # noqa: BLE001 -- export's failures have many types
+                raise SetupFailed("compiling one", e) from e
             return 0.0
         if not self.waits and not compiled.ready(model, cache, sampler):
             kind = compiled.StepKind.of(cache, sampler)
