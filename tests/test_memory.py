@@ -138,6 +138,26 @@ def test_a_prompt_that_does_not_fit_is_read_in_smaller_chunks_or_refused():
         fitting_chunk(shape, 4, 1, 64, 512, available=1000)
 
 
+def test_a_prompt_is_read_in_its_devices_chunks_unless_a_size_is_asked_for(monkeypatch):
+    """No --chunk-size: a CPU reads 512 tokens a chunk, a GPU 1,024 (its launches and products pay off over longer
+    chunks: docs/results/gpu.md); the fit check sizes the chunk the engine will read; an asked size stays."""
+    from h2o_chat.engine.step.prefill import default_chunk
+
+    assert default_chunk(torch.device("cpu")) == 512 and default_chunk(torch.device("cuda")) == 1024
+    model = tiny_model("llama", seed=34, layers=2)
+    cache = H2OCache.for_model(model, make_policy("h2o", 48))
+    assert memory.prefill_chunk(model, cache, 1, 5_000, None) == (512, None)
+    assert memory.prefill_chunk(model, cache, 1, 5_000, 96) == (96, None)
+    done = []
+    engine = Engine(model, cache)
+    engine.prefill(torch.randint(1, 256, (1, 1_300)), progress=lambda read, total: done.append(read))
+    assert done == [276, 788, 1_300]  # chunks end where the prompt ends: 276, then two of 512
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)
+    on_gpu = type("Param", (), {"device": torch.device("cuda")})()
+    monkeypatch.setattr(model, "parameters", lambda: iter([on_gpu]))
+    assert memory.prefill_chunk(model, cache, 1, 5_000, None)[0] == 1024
+
+
 def test_a_recall_prompt_is_sized_with_its_store(monkeypatch):
     """prefill_chunk counts the recall policy's store (allocated beside the slots, on their device) and chunk
     recall: memory enough for snap's reading of a prompt is not enough for recall's with a large store, and the

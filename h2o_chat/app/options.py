@@ -144,7 +144,12 @@ SnapWindow = Annotated[
 SnapKernel = Annotated[
     int | None, typer.Option(help="snap: neighbouring positions a chosen token keeps, an odd number (default 11).")
 ]
-ChunkSize = Annotated[int, typer.Option(help="Prompt tokens per prefill step (peak KV = budget + chunk).")]
+ChunkSize = Annotated[
+    int | None,
+    typer.Option(
+        help="Prompt tokens per prefill step (peak KV = budget + chunk); default 512 on a CPU, 1024 on a GPU."
+    ),
+]
 Positions = Annotated[
     str,
     typer.Option(
@@ -352,14 +357,15 @@ class CacheOptions:
 
     budget: CacheBudget = None  # 512 tokens
     policy: PolicyName = DEFAULT_POLICY
-    chunk_size: ChunkSize = 512
+    chunk_size: ChunkSize = None
     positions: Positions = "auto"
     kv_quant: KvQuant = "none"
     kv_memory: KvMemory = None
     recall_memory: RecallMemory = None
 
     def check(self) -> None:
-        check_positive("--chunk-size", self.chunk_size)
+        if self.chunk_size is not None:
+            check_positive("--chunk-size", self.chunk_size)
         check_positions(self.positions)
         check_kv_quant(self.kv_quant)
         if self.recall_memory is not None:

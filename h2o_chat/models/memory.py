@@ -430,10 +430,14 @@ def fitting_chunk(
     )
 
 
-def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int) -> tuple[int, str | None]:
-    """The chunk to read a prompt of `tokens` into `cache` with: `chunk`, or a smaller one that fits this device's
-    free memory (with a note saying so); DeviceError, one line, when even a small one does not fit."""
+def prefill_chunk(model, cache, rows: int, tokens: int, chunk: int | None) -> tuple[int, str | None]:
+    """The chunk to read a prompt of `tokens` into `cache` with: `chunk` (None: the device's default), or a smaller
+    one that fits this device's free memory (with a note saying so); DeviceError, one line, when even a small one
+    does not fit."""
+    from h2o_chat.engine.step.prefill import default_chunk
+
     device = next(model.parameters()).device
+    chunk = chunk or default_chunk(device)
     dtype = cache.slots.dtype if cache.slots is not None else next(model.parameters()).dtype
     if not dtype.is_floating_point:  # quantized weights compute in half precision
         dtype = torch.float16

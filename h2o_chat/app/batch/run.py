@@ -22,7 +22,7 @@ from h2o_chat.app.messages import chat_ids, messages_problem, use_chat_template
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.stats import mean_count
-from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, left_pad
+from h2o_chat.engine.step.decode import Engine, left_pad
 from h2o_chat.engine.step.generate import finish_reason, stop_token_ids
 from h2o_chat.engine.step.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
 from h2o_chat.errors import H2OChatError, InputError, SettingError, StdoutError
@@ -192,7 +192,7 @@ def generate_batch(
     policy: Policy,
     top_p: float = 1.0,
     seed: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     positions: str = "auto",
     decode: str = "auto",
     rows: int = 8,
@@ -297,7 +297,7 @@ def run_batch(
     make_policy: Callable[[int | None], Policy],
     defaults: Defaults,
     batch_size: int = 8,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     on_record: Callable[[dict], None] | None = None,
     positions: str = "auto",
     decode: str = "auto",

@@ -16,6 +16,7 @@ from h2o_chat.app.chat.resume import load_conversation, loaded_line, save_conver
 from h2o_chat.app.chat.view import ChatView
 from h2o_chat.app.ui import describe_device, plural, quote
 from h2o_chat.engine.policies import DEFAULT_POLICY
+from h2o_chat.engine.step.prefill import default_chunk
 from h2o_chat.errors import DeviceError, H2OChatError, InputError, out_of_memory
 
 HELP = """\
@@ -209,7 +210,8 @@ class SlashCommands:
             f"chat template: {conv.template.source}",
             f"cache: {conv.policy.describe()}",
             f"settings: {', '.join(sampler)}, max_new_tokens {settings.max_new_tokens}",
-            f"reading: chunks of {settings.chunk_size} tokens; positions {settings.positions}; "
+            f"reading: chunks of {settings.chunk_size or default_chunk(conv.engine.device)} tokens; "
+            f"positions {settings.positions}; "
             f"KV {'in 8 bits' if settings.kv_quant == '8bit' else 'in the model dtype'}; decode {settings.decode}",
             f"system prompt: {system!r}" if system else "no system prompt",
         ]

@@ -19,7 +19,7 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.policies.snap import columns_read
 from h2o_chat.engine.stats import CacheStats
-from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, PrefillInterrupted, Progress
+from h2o_chat.engine.step.decode import Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.step.generate import Response, Sampler, stop_token_ids, stream_generate
 from h2o_chat.engine.storage.slots import slot_bytes
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
@@ -48,7 +48,7 @@ def budget_note(prompt_tokens: int, budget: int | None, how: str = "--budget") -
 class ChatSettings:
     max_new_tokens: int = 512
     sampler: Sampler = field(default_factory=Sampler)
-    chunk_size: int = DEFAULT_CHUNK
+    chunk_size: int | None = None  # None: the device's (`prefill.default_chunk`)
     system: str | None = None
     positions: str = "auto"
     kv_quant: str = "none"  # "8bit": held keys and values in int8 (`engine/storage/quant.py`)

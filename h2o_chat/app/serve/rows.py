@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine
+from h2o_chat.engine.step.decode import Engine
 from h2o_chat.engine.step.sampling import Sampler
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
@@ -37,7 +37,7 @@ class EngineSettings:
     positions: str = "auto"
     kv_quant: str = "none"
     decode: str = "auto"
-    chunk_size: int = DEFAULT_CHUNK
+    chunk_size: int | None = None  # None: the device's (`prefill.default_chunk`)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from h2o_chat.app.serve.reading import Reader
 from h2o_chat.app.serve.replies import Replies
 from h2o_chat.app.serve.rows import Lane, LaneKey
 from h2o_chat.app.serve.sessions import SessionStore
+from h2o_chat.engine.step.prefill import default_chunk
 from h2o_chat.errors import out_of_memory
 
 MAX_WAITING = 256  # jobs queued beyond the rows; more are told the server is busy
@@ -54,7 +55,8 @@ class Scheduler:
         self.outbox = Outbox()
         self.lanes = Lanes(loaded, settings, rows)
         self.replies = Replies(loaded, store, self.outbox, log)
-        self.reader = Reader(settings.chunk_size, self.outbox, self.replies, self.release, lambda: self.draining)
+        quantum = settings.chunk_size or default_chunk(next(loaded.model.parameters()).device)
+        self.reader = Reader(quantum, self.outbox, self.replies, self.release, lambda: self.draining)
         self.waiting: list[Job] = []
         self.inbox: queue.Queue = queue.Queue()
         self.draining = False

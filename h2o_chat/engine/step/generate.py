@@ -137,7 +137,7 @@ def stream_generate(
     *,
     sampler: Sampler | None = None,
     max_new_tokens: int = 256,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     stop_ids: set[int] | None = None,
     stop_strings: tuple[str, ...] = (),
     progress: Progress = None,
