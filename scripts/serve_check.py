@@ -106,6 +106,7 @@ def main() -> int:
                                 "read_again": h["read_again"]}  # fmt: skip
         stats = call(port, "GET", "/v1/stats")
         out["decode"] = sorted({lane["decode"] for lane in stats["lanes"]})
+        out["notices"] = sorted({n for lane in stats["lanes"] for n in lane.get("notices", [])})  # e.g. a fallback
         out["idle_conversations"] = stats["idle_conversations"]["count"]
         print(json.dumps(out))
         ok = not failed and not out["continued"]["read_again"] and out["continued"]["cached_tokens"] > 0
