@@ -581,6 +581,43 @@ def test_a_filling_cache_steps_over_what_it_holds_and_decides_as_over_every_slot
     assert {32, 64, 96, None} <= set(widths), sorted(set(widths), key=str)
 
 
+def test_a_prompt_ranks_the_store_it_has_filled_and_recalls_as_over_every_entry(monkeypatch, single_thread):
+    """A prompt chunk ranked every entry of recall's store, though the store holds no more than its rows have
+    evicted by the chunk's end: reading a long prompt paid for the whole store from its first chunk. A chunk now
+    ranks the first `read_width` entries: a left-padded batch of three 300-token prompts read in chunks of 16,
+    the store filling past 192 entries, gives the same logits, slots, store and recall counts as ranking every
+    entry, and the decode steps after it too."""
+    from h2o_chat.engine.policies import recall_rank
+
+    model = tiny_model("llama", seed=14)
+    real, widths = recall_rank.read_width, []
+
+    def narrow(store):
+        widths.append(real(store))
+        return widths[-1]
+
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (300, 260, 290)]
+    runs = []
+    for width in (narrow, lambda store: None):
+        monkeypatch.setattr(recall_rank, "read_width", width)
+        ids, mask = left_pad(rows, 0)
+        cache = H2OCache.for_model(model, make_policy("recall", 24, recalled=4, store=400), "absolute")
+        engine = Engine(model, cache, "eager")
+        first = engine.prefill(ids, mask, chunk_size=16)
+        logits = [first.clone()]
+        tokens = first.argmax(-1)
+        for i in range(20):
+            out, tokens = engine.decode(tokens if i == 0 else None)
+            logits.append(out.clone())
+        store = cache.store
+        held = store.pos >= 0
+        runs.append((torch.stack(logits), cache.slots.pos.clone(), store.pos.clone(), store.marks[held].clone()))
+    for a, b, what in zip(*runs, ("logits", "slots", "store", "recall counts"), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=what)
+    assert {64, 128, 192, 256} <= set(widths), sorted(set(widths), key=str)
+
+
 def test_a_filling_store_is_ranked_over_what_it_holds_and_recalls_as_over_every_entry(monkeypatch, single_thread):
     """Recall ranked every entry of its store at every step, though a store fills in order and holds no more than
     its rows have evicted: a chat paid for 4,096 empty entries per layer from its first token (58-60 ms a step

@@ -106,9 +106,10 @@ def step(store, i: int, query: torch.Tensor, width: int | None = None) -> Recall
 def chunk(store, i: int, query: torch.Tensor, real: torch.Tensor | None) -> Recalled:
     """Layer i's prompt-chunk queries (B, Hq, T, D) -> the stored tokens with the largest logit under any of the
     real ones (`real` (B, T); every query when None), with their keys. The (queries x entries) logits are taken
-    `rank_block(device)` at a time: a long chunk never holds them all at once."""
+    `rank_block(device)` at a time: a long chunk never holds them all at once. Only the first entries its rows
+    can have stored are ranked (`read_width`, counted up to the end of this chunk: no fewer than it holds)."""
     B, Hq, T, D = query.shape
-    H, n = store.keys.shape[2], store.capacity
+    H, n = store.keys.shape[2], read_width(store) or store.capacity
     G = Hq // H
     many = CHUNK_TIMES if real is not None else 1  # a chunk's queries are many and want different tokens
     k = min(many * store.k, n)
@@ -128,7 +129,7 @@ def chunk(store, i: int, query: torch.Tensor, real: torch.Tensor | None) -> Reca
             out = part if out is None else torch.maximum(out, part)
         return out
 
-    approx = best(lambda qs: first_pass(store, i, qs), n).masked_fill(empty, -torch.inf)
+    approx = best(lambda qs: first_pass(store, i, qs, n), n).masked_fill(empty, -torch.inf)
     cand = approx.topk(min(CANDIDATES * k, n), dim=-1, sorted=True).indices
     keys = store.keys_at(i, cand, torch.float32)
     unused = empty.gather(2, cand)
