@@ -281,15 +281,21 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def build(model, cache, sampler, cache_keyword: str, path: Path) -> None:
-    """Export the step for `cache` and `sampler` and compile it into the package `path` (written whole or not at
-    all): the kernels without the model's weights (they are given at load), and beside them the few constants
-    that are not weights (inductor's scalars, folded constants)."""
+def export(model, cache, sampler, cache_keyword: str) -> torch.export.ExportedProgram:
+    """The step for `cache` and `sampler` traced once as a function of its inputs, with its symbolic sizes."""
     module = StepModule(model, cache, sampler, cache_keyword)
     examples, dynamic = _dims(cache, sampler)
     with torch.inference_mode(), _quiet():
         shapes = (*dynamic[:3], tuple(dynamic[3:]))  # as the signature: tokens, positions, span, *state
-        exported = torch.export.export(module, tuple(examples), dynamic_shapes=shapes, strict=False)
+        return torch.export.export(module, tuple(examples), dynamic_shapes=shapes, strict=False)
+
+
+def build(model, cache, sampler, cache_keyword: str, path: Path) -> None:
+    """Export the step for `cache` and `sampler` and compile it into the package `path` (written whole or not at
+    all): the kernels without the model's weights (they are given at load), and beside them the few constants
+    that are not weights (inductor's scalars, folded constants)."""
+    exported = export(model, cache, sampler, cache_keyword)
+    with torch.inference_mode(), _quiet():
         options = {
             **INDUCTOR_OPTIONS,
             "aot_inductor.package_constants_in_so": False,
@@ -393,12 +399,7 @@ class Fused:
     later start's compilation quicker. A new batch size compiles again (once, then for every size)."""
 
     def __init__(self, model, cache, sampler, cache_keyword: str):
-        module = StepModule(model, cache, sampler, cache_keyword)
-        examples, dynamic = _dims(cache, sampler)
-        with torch.inference_mode(), _quiet():
-            shapes = (*dynamic[:3], tuple(dynamic[3:]))
-            exported = torch.export.export(module, tuple(examples), dynamic_shapes=shapes, strict=False)
-        self._module = exported.module()
+        self._module = export(model, cache, sampler, cache_keyword).module()
         self._fn = torch.compile(self._module, backend=FUSED_BACKEND, fullgraph=True)
         self.seconds = 0.0  # spent compiling at a call, not yet reported (`take_seconds`)
         self._shapes: set = set()
