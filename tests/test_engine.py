@@ -367,50 +367,64 @@ def test_a_graph_for_the_second_gpu_is_captured_on_that_gpu(monkeypatch):
     assert captured_on == ["cuda:1"] and engine.captures == 1 and current == ["cuda:0"]
 
 
+class FakeCuda:
+    """CUDA calls faked for a step that runs on the CPU: graphs that replay nothing, and the allocator's count of
+    live graphs per memory pool, with its assertion (a capture into a pool whose graphs are all gone fails)."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        self.live: dict[int, int] = {}  # pool -> graphs alive that were captured into it
+        live = self.live
+
+        class Graph:
+            def __init__(self):
+                self.pool = None
+
+            def replay(self):
+                pass
+
+            def __del__(self):
+                if self.pool is not None:
+                    live[self.pool] -= 1  # the entry stays: a buffer first made in a capture still holds memory
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None):
+            if pool in live and live[pool] == 0:
+                raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+            live[pool] = live.get(pool, 0) + 1
+            cuda_graph.pool = pool
+            yield
+
+        fakes = {"device": lambda d: contextlib.nullcontext(), "Stream": lambda device=None: Stream(),
+                 "current_stream": lambda device=None: Stream(), "stream": lambda s: contextlib.nullcontext(),
+                 "graph": graph, "graph_pool_handle": lambda: 7, "CUDAGraph": Graph,
+                 "synchronize": lambda device=None: None}  # fmt: skip
+        for name, fake in fakes.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def _engine_on_fake_cuda(monkeypatch, mode: str, rows: int = 3) -> tuple[Engine, FakeCuda]:
+    """An engine whose steps run on the CPU as if on a GPU (`mode` graph or compile), a prompt read."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
+    ids, mask = prompts(rows)
+    engine.decode(engine.first_tokens(engine.prefill(ids, mask)))
+    cuda = FakeCuda(monkeypatch)
+    engine.mode, engine.device = mode, torch.device("cuda", 0)
+    return engine, cuda
+
+
 def test_a_step_captured_again_shares_a_pool_that_a_live_graph_still_holds(monkeypatch):
     """The GPU check's server fell back to eager steps: "capturing one failed (it->second->use_count > 0 INTERNAL
     ASSERT FAILED)". A graph's pool outlives its graphs while memory it gave out is still held, and the allocator
     refuses a capture into a pool whose graphs are all gone. A lane whose rows change captures again into its
-    engine's one pool: the graph it forgot must still be alive then. No GPU here: the step runs on the CPU, and
-    fake CUDA calls keep the allocator's count of live graphs per pool, with its assertion."""
-    import contextlib
-
-    live: dict[int, int] = {}  # pool -> graphs alive that were captured into it
-
-    class Graph:
-        def __init__(self):
-            self.pool = None
-
-        def replay(self):
-            pass
-
-        def __del__(self):
-            if self.pool is not None:
-                live[self.pool] -= 1  # the entry stays: a buffer first made in a capture still holds its memory
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def graph(cuda_graph, pool=None):
-        if pool in live and live[pool] == 0:
-            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
-        live[pool] = live.get(pool, 0) + 1
-        cuda_graph.pool = pool
-        yield
-
-    fakes = {"device": lambda d: contextlib.nullcontext(), "Stream": lambda device=None: Stream(),
-             "current_stream": lambda device=None: Stream(), "stream": lambda s: contextlib.nullcontext(),
-             "graph": graph, "graph_pool_handle": lambda: 7, "CUDAGraph": Graph}  # fmt: skip
-    model = tiny_model("llama", seed=4)
-    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
-    ids, mask = prompts(3)
-    tokens = engine.first_tokens(engine.prefill(ids, mask))
-    engine.decode(tokens)
-    for name, fake in fakes.items():
-        monkeypatch.setattr(torch.cuda, name, fake)
-    engine.mode, engine.device = "graph", torch.device("cuda", 0)
+    engine's one pool: the graph it forgot must still be alive then."""
+    engine, cuda = _engine_on_fake_cuda(monkeypatch, "graph")
     for rows in (None, [0, 2], [1]):  # a row leaves, then another: each a new shape, captured again
         if rows is not None:  # (the rows are on the CPU, where the step runs)
             engine.device = torch.device("cpu")
@@ -419,7 +433,30 @@ def test_a_step_captured_again_shares_a_pool_that_a_live_graph_still_holds(monke
         for _ in range(4):  # two warm-up steps, a capture, a replay
             engine.decode()
     assert engine.mode == "graph" and engine.captures == 3, engine.cache.pop_notices()
-    assert live == {7: 1}  # the graphs forgotten were let go once the next was captured
+    assert cuda.live == {7: 1}  # the graphs forgotten were let go once the next was captured
+
+
+def _failing_backend(graph, example_inputs):
+    raise RuntimeError("inductor could not lower an operator")
+
+
+@pytest.mark.parametrize("backend", ["no_such_backend", _failing_backend])
+def test_a_gpu_step_that_fails_to_compile_is_captured_without_inductor_and_says_why(monkeypatch, backend):
+    """`--decode compile` on a GPU compiles at the capture's first warm-up step; a compilation that fails, when
+    the program is made (a backend that does not exist) or at its first call (a backend that fails to compile),
+    leaves the plain captured step, not eager steps, and a notice."""
+    monkeypatch.setattr(compiled, "in_process", lambda device: True)
+    monkeypatch.setattr(compiled, "FUSED_BACKEND", backend)
+    engine, _ = _engine_on_fake_cuda(monkeypatch, "compile")
+    columns = engine.cache.seq.columns
+    for _ in range(5):  # the failed warm-up (its step taken eagerly), two warm-ups, a capture, a replay
+        logits, _ = engine.decode()
+    notices = engine.cache.pop_notices()
+    assert engine.mode == "graph" and engine.captures == 1 and engine._compiled.program is None
+    assert len(notices) == 1, notices
+    assert notices[0].startswith("decode steps run as a CUDA graph without inductor's kernels: compiling one failed")
+    assert engine.cache.seq.columns == columns + 5  # the failed attempt's bookkeeping undone, its step taken once
+    compiled._fused.pop(engine.model, None)
 
 
 def test_pytest_m_cuda_selects_the_cuda_tests():

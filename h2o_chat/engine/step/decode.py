@@ -226,7 +226,8 @@ class Engine(PromptReading):
             self.setup_seconds += seconds
 
     def _fall_back(self, error: Exception, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step that cannot be captured or compiled runs eagerly from now on, and the user is told why."""
+        """A step that cannot be captured or compiled runs eagerly from now on (a GPU's compiled step: as the plain
+        captured step), and the user is told why."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.cache.abort()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
         # a GPU's compiled step falls back to the plain captured step, anything else to eager steps
