@@ -1,8 +1,8 @@
-"""How a decode step runs once it is more than an eager call: captured as one CUDA graph (`Captured`), with the
-program compiled for its kind of step (`Compiled`, `compiled.py`: ahead of time on a CPU, in process on a GPU,
-where it is captured too) or without. Each holds what it made for the
-step's current shape and forgets it when the step changes (`forget`); `Engine.decode` chooses between them and
-runs the step eagerly, with a notice, when making one fails (`SetupFailed`)."""
+"""How a decode step runs once it is more than an eager call: captured as one CUDA graph (`Captured`), and/or as
+the program compiled for its kind of step (`Compiled`, `compiled.py`: ahead of time on a CPU; in process on a GPU,
+where the graph captures it). Each holds what it made for the step's current shape and forgets it when the step
+changes (`forget`); `Engine.decode` chooses between them and runs the step eagerly (a GPU's compiled step: as the
+plain graph), with a notice, when making one fails (`SetupFailed`)."""
 
 from __future__ import annotations
 
