@@ -2,8 +2,8 @@
 # The GPU check in one command: the CUDA tests (`pytest -m cuda`: every CUDA test carries the mark), the decode /
 # prefill / throughput benches with their anchor rows, and the CLI (piped chat path, batch, 4-bit, the server: a
 # few conversations at once, one continued, /v1/stats) on a random Llama-2-7B-shaped model folder with the
-# embedded tokenizer; one table at the end. Aimed at under 8 minutes on an H100 (not yet timed whole since the compiled rows came:
-# each compiles for ~45 s on an H200; CONFIGS=...,h2o-8bit-compiled adds the 8-bit one).
+# embedded tokenizer; one table at the end. Aimed at under 8 minutes on an H100 (not yet timed whole since the
+# compiled rows came: each compiles for ~45 s on an H200; CONFIGS=...,h2o-8bit-compiled adds the 8-bit one).
 #
 #   scripts/gpu_check.sh --prepare     here (with network): wheels the GPU machine lacks into .whl/, the embedded
 #                                      tokenizer into .gpu/tokenizer/ (both git-ignored, carried to the machine)
