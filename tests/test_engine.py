@@ -437,7 +437,11 @@ def test_a_step_captured_again_shares_a_pool_that_a_live_graph_still_holds(monke
 
 
 def _failing_backend(graph, example_inputs):
+    _failing_backend.calls += 1
     raise RuntimeError("inductor could not lower an operator")
+
+
+_failing_backend.calls = 0
 
 
 @pytest.mark.parametrize("backend", ["no_such_backend", _failing_backend])
@@ -456,6 +460,14 @@ def test_a_gpu_step_that_fails_to_compile_is_captured_without_inductor_and_says_
     assert len(notices) == 1, notices
     assert notices[0].startswith("decode steps run as a CUDA graph without inductor's kernels: compiling one failed")
     assert engine.cache.seq.columns == columns + 5  # the failed attempt's bookkeeping undone, its step taken once
+    # a new engine of the model (a /reset, a server's lane) falls back at once, without compiling again
+    calls = _failing_backend.calls
+    again = Engine(engine.model, H2OCache.for_model(engine.model, make_policy("h2o", BUDGET)), "eager")
+    again.decode(again.first_tokens(again.prefill(prompts(3)[0], prompts(3)[1])))
+    again.mode, again.device = "compile", torch.device("cuda", 0)
+    again.decode()
+    assert again.mode == "graph" and _failing_backend.calls == calls
+    assert again.cache.pop_notices()[0].startswith("decode steps run as a CUDA graph without inductor's kernels")
     compiled._fused.pop(engine.model, None)
 
 

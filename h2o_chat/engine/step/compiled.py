@@ -422,7 +422,8 @@ class Fused:
         return seconds
 
 
-_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {StepKind: Fused}
+# model -> {StepKind: Fused, or the error that making or first calling it raised: not tried again in this process}
+_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 FUSED_BACKEND = "inductor"  # the tests check the rest of the way on a CPU with "aot_eager"
 
 
@@ -432,14 +433,27 @@ def in_process(device: torch.device) -> bool:
 
 
 def fused(model, cache, sampler, cache_keyword: str, status=None) -> Fused:
-    """The GPU's compiled step for this model and step kind, made once per process (`status` is told first)."""
+    """The GPU's compiled step for this model and step kind, made once per process (`status` is told first). A
+    kind that failed once (`fused_failed`) raises its error again at once: a new engine (a chat's /reset, a
+    server's lane) does not export and compile for a minute to fail the same way."""
     kind = StepKind.of(cache, sampler)
     mine = _fused.setdefault(model, {})
+    if isinstance(mine.get(kind), Exception):
+        raise mine[kind]
     if kind not in mine:
         if status is not None:
             status(f"compiling the decode step for this GPU ({kind.describe()}; once per run, about a minute)")
-        mine[kind] = Fused(model, cache, sampler, cache_keyword)
+        try:
+            mine[kind] = Fused(model, cache, sampler, cache_keyword)
+        except Exception as e:
+            mine[kind] = e
+            raise
     return mine[kind]
+
+
+def fused_failed(model, cache, sampler, error: Exception) -> None:
+    """The compiled step of this kind failed at its first call: `fused` raises `error` from now on."""
+    _fused.setdefault(model, {})[StepKind.of(cache, sampler)] = error
 
 
 _loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {package key: Program}

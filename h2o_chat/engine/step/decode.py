@@ -210,6 +210,7 @@ class Engine(PromptReading):
             except SetupFailed:
                 raise
             except Exception as e:  # noqa: BLE001 -- inductor's and Triton's failures have many types
+                compiled.fused_failed(self.model, self.cache, self.sampler, e)
                 raise SetupFailed("compiling one", e) from e
             self.setup_seconds += program.take_seconds()  # compiled at a warm-up step; counted with its capture
             self._count_setup(seconds)
