@@ -129,6 +129,12 @@ def state_of(cache, sampler) -> list[torch.Tensor]:
     return out
 
 
+def inputs(cache, sampler) -> list[torch.Tensor]:
+    """A compiled step's inputs after tokens and positions: the span of slots it reads (`_span`), then `state_of`."""
+    span = _span(cache.forward.width or cache.slots.capacity, cache.slots.keys.device)
+    return [span, *state_of(cache, sampler)]
+
+
 _spans: dict[torch.device, torch.Tensor] = {}
 
 
@@ -381,8 +387,7 @@ class Program:
         self._runner.load_constants(self._constants, check_full_update=True, user_managed=True)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
-        span = _span(cache.forward.width or cache.slots.capacity)
-        return self._runner(tokens, positions, span, *state_of(cache, sampler))
+        return self._runner(tokens, positions, *inputs(cache, sampler))
 
     def take_seconds(self) -> float:
         """Seconds spent compiling at a call (`Fused`'s): a loaded package compiles nothing."""
@@ -405,14 +410,12 @@ class Fused:
         self._shapes: set = set()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, sampler) -> list[torch.Tensor]:
-        device = cache.slots.keys.device
-        span = _span(cache.forward.width or cache.slots.capacity, device)
-        state = state_of(cache, sampler)
-        shapes = (tokens.shape[0], span.shape[0], *(tuple(t.shape) for t in state))
+        given = inputs(cache, sampler)
+        shapes = (tokens.shape[0], *(tuple(t.shape) for t in given))
         if shapes in self._shapes:
-            return self._fn(tokens, positions, span, *state)
+            return self._fn(tokens, positions, *given)
         t = time.perf_counter()  # a first call at these shapes: compiles (or finds the compiled code) first
-        out = self._fn(tokens, positions, span, *state)
+        out = self._fn(tokens, positions, *given)
         self._shapes.add(shapes)
         self.seconds += time.perf_counter() - t
         return out

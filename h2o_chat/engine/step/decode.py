@@ -116,7 +116,7 @@ class Engine(PromptReading):
     def describe(self) -> str:
         """For the panel: how decode steps run."""
         what = {"graph": ("CUDA graph", "captured"), "compile": ("compiled", "compiled")}.get(self.mode)
-        if self.mode == "compile" and self.device.type == "cuda":
+        if self.fused:
             what = ("compiled CUDA graph", "captured")
         if what is None:
             return "eager"
@@ -180,7 +180,7 @@ class Engine(PromptReading):
             self._captured.forget()
             self._compiled.forget()
         try:
-            if self.mode == "compile" and self.device.type == "cuda":
+            if self.fused:
                 return self._fused_step()
             if self.mode == "compile":
                 seconds = self._compiled.load(
@@ -199,6 +199,11 @@ class Engine(PromptReading):
         if self._compiled.program is not None:
             self._count_setup(self._compiled.program.take_seconds())  # a program compiled in process at this call
         return out
+
+    @property
+    def fused(self) -> bool:
+        """Whether steps run compiled inside a CUDA graph (`--decode compile` on a GPU)."""
+        return self.mode == "compile" and self.device.type == "cuda"
 
     def _fused_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """On a GPU: the compiled forward (made at its first call) and the eviction after it, as one CUDA graph."""
@@ -232,7 +237,7 @@ class Engine(PromptReading):
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.cache.abort()  # nothing recorded ran: forget the half-done bookkeeping of that attempt
         # a GPU's compiled step falls back to the plain captured step, anything else to eager steps
-        self.mode = "graph" if self.mode == "compile" and self.device.type == "cuda" else "eager"
+        self.mode = "graph" if self.fused else "eager"
         how = "as a CUDA graph without inductor's kernels" if self.mode == "graph" else "eagerly"
         self.cache.notices.append(f"decode steps run {how}: {what} failed ({reason[:160]})")
         self._captured.forget()
