@@ -326,56 +326,27 @@ def test_cuda_replays_after_new_prefills_equal_the_eager_step(positions):
     assert graph == eager and engine.captures == 1
 
 
-def test_a_graph_for_the_second_gpu_is_captured_on_that_gpu(monkeypatch):
-    """Issue 49.5: PyTorch captures on the current device's stream unless told; a model on cuda:1 must capture and
-    replay on cuda:1. No GPU here: the step runs on the CPU, and the CUDA calls around it record which device was
-    current when the capture began (as the fake two-GPU map test in test_config_loading.py fakes its devices)."""
-    import contextlib
-
-    current, captured_on = ["cuda:0"], []
-
-    class Device:  # torch.cuda.device(d): the current device within the block
-        def __init__(self, device):
-            self.device = str(torch.device(device))
-
-        def __enter__(self):
-            self.before, current[0] = current[0], self.device
-
-        def __exit__(self, *exc):
-            current[0] = self.before
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def graph(cuda_graph, pool=None):
-        captured_on.append(current[0])
-        yield
-
-    fakes = {"device": Device, "Stream": lambda device=None: Stream(), "current_stream": lambda device=None: Stream(),
-             "stream": lambda s: contextlib.nullcontext(), "graph": graph, "graph_pool_handle": lambda: object(),
-             "CUDAGraph": lambda: type("Graph", (), {"replay": lambda self: None})()}  # fmt: skip
-    model = tiny_model("llama", seed=4)
-    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
-    engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (1, 12)))))  # the step's input, on CPU
-    for name, fake in fakes.items():
-        monkeypatch.setattr(torch.cuda, name, fake)
-    engine.mode, engine.device = "graph", torch.device("cuda", 1)
-    for _ in range(3):  # two warm-up steps, then the capture
-        engine.decode()
-    assert captured_on == ["cuda:1"] and engine.captures == 1 and current == ["cuda:0"]
-
-
 class FakeCuda:
-    """CUDA calls faked for a step that runs on the CPU: graphs that replay nothing, and the allocator's count of
-    live graphs per memory pool, with its assertion (a capture into a pool whose graphs are all gone fails)."""
+    """CUDA calls faked for a step that runs on the CPU: graphs that replay nothing, the current device (and the
+    one each capture began on), and the allocator's count of live graphs per memory pool, with its assertion (a
+    capture into a pool whose graphs are all gone fails)."""
 
     def __init__(self, monkeypatch):
         import contextlib
 
         self.live: dict[int, int] = {}  # pool -> graphs alive that were captured into it
-        live = self.live
+        self.current, self.captured_on = ["cuda:0"], []
+        live, current, captured_on = self.live, self.current, self.captured_on
+
+        class Device:  # torch.cuda.device(d): the current device within the block
+            def __init__(self, device):
+                self.device = str(torch.device(device))
+
+            def __enter__(self):
+                self.before, current[0] = current[0], self.device
+
+            def __exit__(self, *exc):
+                current[0] = self.before
 
         class Graph:
             def __init__(self):
@@ -394,18 +365,33 @@ class FakeCuda:
 
         @contextlib.contextmanager
         def graph(cuda_graph, pool=None):
+            captured_on.append(current[0])
             if pool in live and live[pool] == 0:
                 raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
             live[pool] = live.get(pool, 0) + 1
             cuda_graph.pool = pool
             yield
 
-        fakes = {"device": lambda d: contextlib.nullcontext(), "Stream": lambda device=None: Stream(),
+        fakes = {"device": Device, "Stream": lambda device=None: Stream(),
                  "current_stream": lambda device=None: Stream(), "stream": lambda s: contextlib.nullcontext(),
                  "graph": graph, "graph_pool_handle": lambda: 7, "CUDAGraph": Graph,
                  "synchronize": lambda device=None: None}  # fmt: skip
         for name, fake in fakes.items():
             monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def test_a_graph_for_the_second_gpu_is_captured_on_that_gpu(monkeypatch):
+    """Issue 49.5: PyTorch captures on the current device's stream unless told; a model on cuda:1 must capture and
+    replay on cuda:1. No GPU here: the step runs on the CPU, and the CUDA calls around it record which device was
+    current when the capture began (as the fake two-GPU map test in test_config_loading.py fakes its devices)."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, H2OCache.for_model(model, make_policy("h2o", BUDGET)), "eager")
+    engine.decode(engine.first_tokens(engine.prefill(torch.randint(1, 256, (1, 12)))))  # the step's input, on CPU
+    cuda = FakeCuda(monkeypatch)
+    engine.mode, engine.device = "graph", torch.device("cuda", 1)
+    for _ in range(3):  # two warm-up steps, then the capture
+        engine.decode()
+    assert cuda.captured_on == ["cuda:1"] and engine.captures == 1 and cuda.current == ["cuda:0"]
 
 
 def _engine_on_fake_cuda(monkeypatch, mode: str, rows: int = 3) -> tuple[Engine, FakeCuda]:
