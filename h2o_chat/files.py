@@ -11,6 +11,7 @@ import os
 import stat
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,22 @@ from h2o_chat.errors import H2OChatError, InputError
 
 BUILDING = ".building-"  # beside the compiled steps: a package being built, named by its key
 BUILDING_STALE = 15 * 60  # seconds: a build's marker older than this belongs to a build that died
+
+
+def claim_build(marker: Path) -> bool:
+    """Whether this process may start the build `marker` names: no other process is building that package (its
+    marker is absent, or stale). The builder removes it when done."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - marker.stat().st_mtime < BUILDING_STALE:
+                return False
+        except FileNotFoundError:  # it has just finished
+            return False
+        marker.touch()
+        return True
 
 
 def user_config_dir() -> Path:

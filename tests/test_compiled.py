@@ -234,6 +234,7 @@ def test_a_step_asked_for_by_many_engines_is_built_by_one_process(model, tmp_pat
     import subprocess
     from types import SimpleNamespace
 
+    from h2o_chat.files import BUILDING_STALE
     from h2o_chat.models import prebuild
     from h2o_chat.models.registry import ModelSpec
 
@@ -251,7 +252,7 @@ def test_a_step_asked_for_by_many_engines_is_built_by_one_process(model, tmp_pat
     assert len(started) == 1
     marker = tmp_path / f".building-{compiled.package_key(model, kind)}"
     assert marker.exists()
-    old = marker.stat().st_mtime - prebuild.BUILDING_STALE - 1
+    old = marker.stat().st_mtime - BUILDING_STALE - 1
     os.utime(marker, (old, old))  # its build died long ago
     build(kind)
     assert len(started) == 2

@@ -17,11 +17,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from h2o_chat.files import BUILDING, BUILDING_STALE
+from h2o_chat.files import BUILDING, claim_build
 
 # what a first start of the embedded model decodes with: a chat's and a piped reply's default sampling (hot,
 # penalized, top-p, filtered) under the default policy, and greedy rows (batch, eval, bench)
@@ -38,22 +37,6 @@ def default_kinds() -> list[dict]:
     return [{**k, "recalls": DEFAULT_POLICY == "recall"} for k in DEFAULT_KINDS]
 
 
-def _claim(marker: Path) -> bool:
-    """Whether this process may start the build `marker` names: no other process is building that package (its
-    marker is absent, or stale). The builder removes it when done."""
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        try:
-            if time.time() - marker.stat().st_mtime < BUILDING_STALE:
-                return False
-        except FileNotFoundError:  # it has just finished
-            return False
-        marker.touch()
-        return True
-
-
 def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable | None:
     """A builder for `Engine.builder`: starts a build of the asked step kind in a process of its own (niced, its
     output in a log beside the packages), unless one is under way (three lanes of one server, or two servers,
@@ -67,7 +50,7 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
         folder = compiled.cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
         marker = folder / f"{BUILDING}{compiled.package_key(loaded.model, kind)}"
-        if not _claim(marker):
+        if not claim_build(marker):
             return
         job = {
             "marker": str(marker),
