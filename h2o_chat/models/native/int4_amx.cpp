@@ -1,8 +1,9 @@
-// An experiment, not part of h2o-chat (scripts/int4_amx/probe.py builds and times it; docs/experiments.md has the
-// figures): a 4-bit weight product for x86 CPUs with AMX (Intel Xeon 4th generation and later), y (M, N) = x (M, K) W^T,
-// W held in the layout PyTorch's own CPU kernel packs it in (`aten::_convert_weight_to_int4pack_for_cpu`, its AVX-512
-// build: blocks of 64 output channels; byte j of a block's row k holds channel j in its low nibble and channel j + 32 in
-// its high one), with bfloat16 scales and zeros per group of 32 input channels, (K / 32, N, 2): w = (q - 8) * scale + zero.
+// h2o-chat's one native kernel (h2o_chat/models/native/__init__.py builds, checks and loads it): a 4-bit weight
+// product for x86 CPUs with AMX (Intel Xeon 4th generation and later), y (M, N) = x (M, K) W^T, for prompt chunks.
+// W is held in the layout PyTorch's own CPU kernel packs it in (`aten::_convert_weight_to_int4pack_for_cpu`, its
+// AVX-512 build: blocks of 64 output channels; byte j of a block's row k holds channel j in its low nibble and
+// channel j + 32 in its high one), with bfloat16 scales and zeros per group of 32 input channels, (K / 32, N, 2):
+// w = (q - 8) * scale + zero.
 //
 // PyTorch's kernel costs time in proportion to the rows beyond a few (it dequantizes the weights again for every
 // block of 4 rows). Here each block of 64 output channels is dequantized once per call into a bfloat16 panel (what
@@ -145,6 +146,6 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
 
 }  // namespace
 
-TORCH_LIBRARY(h2o_probe, m) { m.def("int4_mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor"); }
+TORCH_LIBRARY(h2o_native, m) { m.def("int4_mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(h2o_probe, CPU, m) { m.impl("int4_mm", &int4_mm); }
+TORCH_LIBRARY_IMPL(h2o_native, CPU, m) { m.impl("int4_mm", &int4_mm); }

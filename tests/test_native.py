@@ -1,0 +1,191 @@
+"""The AMX kernel for prompt chunks (models/native): what it computes where it runs, that prompt chunks and only
+they go through it, and that every way it can be missing leaves PyTorch's kernel with the reason."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from h2o_chat.models import cpu_quant, native
+from h2o_chat.models.cpu_quant import GROUP, Int4Linear, quantize_model
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="this torch lacks the int4 CPU kernel"
+)
+
+
+@pytest.fixture
+def decided(monkeypatch):
+    """Set what `native.int4_mm` has decided for this test (an op, or the reason for none); restored after."""
+    saved = dict(native._state)
+
+    def set_(op=None, why=None):
+        native._state.clear()
+        native._state.update({"op": op} if op is not None else {"why": why or "the test says so"})
+
+    yield set_
+    native._state.clear()
+    native._state.update(saved)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """The kernel built here, loaded and checked; skipped where it cannot run (the reason given)."""
+    why = native.unsupported()
+    if why is not None:
+        pytest.skip(f"the AMX kernel cannot run here: {why}")
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    path = native.library_path()
+    if not path.exists():
+        path = native.build(tmp_path_factory.mktemp("native") / native.library_name())
+    op = native.load(path)  # the one the engine loaded, if it has
+    why = native.check(op)
+    assert why is None, why
+    return op
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 21, 300])
+def test_the_kernel_computes_the_product_within_bfloat16s_rounding_of_the_weights_and_each_row_alone(kernel, rows):
+    """Against the float64 product of the weights rounded to bfloat16 (what the kernel multiplies), at a real
+    shape; each row's result is the one it gets alone, and PyTorch's kernel is as close to the exact weights."""
+    torch.manual_seed(1)
+    lin = Int4Linear.from_float(torch.randn(576, 1536) * 0.05)
+    x = torch.randn(rows, 1536).to(torch.bfloat16)
+    got = kernel(x, lin.packed, GROUP, lin.scales_zeros)
+    rounded = lin.dequantize().to(torch.bfloat16).double()
+    want = x.double() @ rounded.t()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 576)
+    assert torch.allclose(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+    exact = x.double() @ lin.dequantize().double().t()
+    theirs = cpu_quant._int4_mm(x, lin.packed, lin.scales_zeros).double()
+    assert (got.double() - exact).abs().max() < 4 * (theirs - exact).abs().max() + 1e-3
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(kernel(x[r : r + 1].contiguous(), lin.packed, GROUP, lin.scales_zeros), got[r : r + 1])
+
+
+def test_the_kernel_refuses_what_it_cannot_compute(kernel):
+    lin = Int4Linear.from_float(torch.randn(96, 64))  # 96 outputs: not whole blocks of 64
+    with pytest.raises(RuntimeError, match="unsupported shape"):
+        kernel(torch.randn(2, 64).to(torch.bfloat16), lin.packed, GROUP, lin.scales_zeros)
+    lin = Int4Linear.from_float(torch.randn(128, 64))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(torch.randn(2, 64), lin.packed, GROUP, lin.scales_zeros)
+
+
+def test_a_wrong_kernel_is_refused_by_the_check():
+    """The boundary check compares one product with PyTorch's kernel: a kernel off by a little is not used."""
+
+    def off(x, packed, group, sz):
+        return (cpu_quant._int4_mm(x, packed, sz).float() * 1.1).to(torch.bfloat16)
+
+    assert "differs from PyTorch's" in native.check(off)
+    assert native.check(lambda x, p, g, sz: cpu_quant._int4_mm(x, p, sz)) is None
+
+
+def _counting(calls: list):
+    def op(x, packed, group, sz):
+        calls.append(x.shape[0])
+        return cpu_quant._int4_mm(x, packed, sz)
+
+    return op
+
+
+def test_prompt_chunks_go_through_the_kernel_and_decode_steps_do_not(decided):
+    """A 4-bit model's prompt chunks (the engine's prefill) multiply through the kernel, every 4-bit linear of
+    every chunk; its decode steps through PyTorch's, batch or not, so that a row decodes alike alone and in a
+    batch. With no kernel, chunks give what they gave through PyTorch's kernel, bit for bit."""
+    from conftest import tiny_model
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.step.decode import Engine
+
+    model = tiny_model("llama", layers=2)
+    with torch.inference_mode():
+        quantize_model(model, "4bit")
+    linears = sum(isinstance(m, Int4Linear) for m in model.modules())  # the head's 4-bit copy among them
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+
+    def read_and_step(steps: int = 3):
+        engine = Engine(model, H2OCache.for_model(model, [make_policy("h2o", 32)] * 2), "eager")
+        logits = engine.prefill(ids, chunk_size=16)
+        return logits, [t for t in engine.tokens(logits, steps)]
+
+    calls: list[int] = []
+    decided(op=_counting(calls))
+    logits, tokens = read_and_step()
+    chunks = 3  # 40 tokens in chunks of 16: 8, 16, 16 (the first chunk takes the remainder)
+    # snap-free h2o reads once; every 4-bit linear once per chunk (the head only for the last position's rows)
+    assert len(calls) == chunks * linears and sorted(set(calls)) == [2, 16, 32]
+    decided(why="off")
+    plain_logits, plain_tokens = read_and_step()
+    assert torch.equal(logits, plain_logits) and tokens == plain_tokens  # the counting op is PyTorch's kernel
+
+
+def test_every_way_the_kernel_is_missing_leaves_pytorchs_with_one_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "library_path", lambda: tmp_path / native.library_name())
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.delenv("H2O_CHAT_NATIVE", raising=False)
+    assert native.int4_mm() is None and native.why_not() == "off unless H2O_CHAT_NATIVE=1"
+    monkeypatch.setenv("H2O_CHAT_NATIVE", "1")
+
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(native, "_state", {})
+    assert native.int4_mm() is None and native.why_not().startswith("this CPU lacks avx512bw")
+    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.FLAGS))
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native.sys, "platform", "linux")
+
+    # not built, no compiler: said; not built, a compiler: one build starts, this process keeps PyTorch's kernel
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(native, "_state", {})
+    assert native.int4_mm() is None and "no C++ compiler" in native.why_not()
+    monkeypatch.setattr(native, "compiler", lambda: "c++")
+    started = []
+    monkeypatch.setattr(native.subprocess, "Popen", lambda *a, **k: started.append(a[0]))
+    for _ in range(2):  # decided once per process; a second process finds the build's marker and starts none
+        monkeypatch.setattr(native, "_state", {})
+        assert native.int4_mm() is None and "being built" in native.why_not()
+        assert native.int4_mm() is None  # asked again: the same decision, no second build
+    assert len(started) == 1 and started[0][-2:] == ["h2o_chat.models.native", "--marker"]
+
+    # a library that does not load: PyTorch's kernel, with the loader's reason
+    path = native.library_path()
+    path.write_bytes(b"not a library")
+    monkeypatch.setattr(native, "load", lambda p: torch.ops.load_library(str(p)))  # as when none is loaded yet
+    monkeypatch.setattr(native, "_state", {})
+    assert native.int4_mm() is None and native.why_not().startswith("it did not load (")
+
+    # a compiler that fails: one line, exit 1, nothing left behind
+    path.unlink()
+
+    def fails(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "int4_amx.cpp:1: error: no such instruction\n")
+
+    monkeypatch.setattr(native.subprocess, "run", fails)
+    assert native.main([]) == 1 and not path.exists()
+
+
+def test_a_chunk_reads_the_same_through_the_kernel_whatever_its_neighbours(kernel, decided):
+    """Where the kernel runs, a batch of prompts read together gives each row what it gets read alone (each row's
+    product is that row's alone), eviction included."""
+    from conftest import tiny_model
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.step.decode import Engine
+
+    decided(op=kernel)
+    model = tiny_model("llama", layers=2)
+    with torch.inference_mode():
+        quantize_model(model, "4bit")
+    ids = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(4))
+
+    def read(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+        engine = Engine(model, H2OCache.for_model(model, [make_policy("h2o", 32)] * rows.shape[0]), "eager")
+        return engine.prefill(rows, chunk_size=chunk)
+
+    together = read(ids, 16)
+    alone = torch.cat([read(ids[i : i + 1], 16) for i in range(3)])
+    assert torch.equal(together, alone)
