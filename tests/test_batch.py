@@ -114,7 +114,7 @@ def test_input_file_errors(fast_load, tmp_path):
         pytest.param(
             "recall",
             marks=pytest.mark.xfail(
-                strict=True,
+                strict=False,  # a numerical difference of unknown source: another CPU's kernels may not show it
                 reason="recall's second read of a prompt refilled into a row of a batch differs from the same prompt "
                 "read alone (first logits up to 0.31 apart on the 2-core Xeon, 2026-11-27); the greedy texts of "
                 "test_rows_in_a_batch_equal_the_same_prompts_alone happen to agree",
