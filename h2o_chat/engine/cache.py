@@ -107,6 +107,7 @@ class H2OCache(CacheViews, CacheProtocol):
         self.forward: fw.Forward | None = None
         self.probe = None  # snap's pass 1 (`snap.Probe`), while it runs
         self.observation = None  # snap's pass 2 (`snap.Observation`), while it runs
+        self.stored_before = False  # recall: a row had stored evicted tokens before this forward (`before_forward`)
 
     @classmethod
     def for_model(
@@ -246,8 +247,15 @@ class H2OCache(CacheViews, CacheProtocol):
         if None in self._budgets():
             self.storage.grow(self.seq.columns + new_tokens, self.seq.rows)
         store = self.store
+        # whether a prompt chunk ranks the store: some recalling row had evicted (so stored) tokens before it, from
+        # the rows' counts alone. Not the store's own count, which includes what this chunk will evict and which a
+        # cache whose storage comes at this forward has not made: a fresh cache skipped ranking its first chunk
+        # where a refilled row of a batch ranked an empty store, and read its prompt otherwise (bit for bit)
+        rows = self.seq.rows
+        self.stored_before = store is not None and any(
+            store.recalled[r] and row.seen > self.limit(r) for r, row in enumerate(rows)
+        )
         if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
-            rows = self.seq.rows
             store.counted(counts, [self.limit(r) for r in range(len(rows))], [row.seen for row in rows])
             due = store.due()
             if due:

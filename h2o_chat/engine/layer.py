@@ -113,7 +113,7 @@ class H2OLayer(CacheLayerMixin):
         values = torch.cat((slots.read("values", stored), value), dim=2) if n else value
         mask = fwd.mask(query.dtype)
         got = None
-        if cache.store is not None and any(cache.store.evicted):  # (host counts: nothing stored yet, no ranking)
+        if cache.store is not None and cache.stored_before:  # (host counts: nothing stored yet, no ranking)
             got = recall_rank.chunk(cache.store, i, query, fwd.real)
         r = 0 if got is None else got.keys.shape[2]
         if got is not None:  # the recall policy: evicted tokens the chunk's queries want, before the slots

@@ -11,8 +11,8 @@ weights as PyTorch packed them (no second copy). Decode steps keep PyTorch's ker
   folder cannot be written), named by its source and the torch version.
 - Checked at its boundary before first use: the CPU's flags, the layout this build of PyTorch packs weights in,
   and one product against PyTorch's kernel. Any failure leaves PyTorch's kernel in place (`why_not` says why).
-- Used only with `H2O_CHAT_NATIVE=1` for now (`off`): with it, one row of a recall batch read its prompt
-  differently from the same prompt alone (docs/experiments.md, "An AMX kernel for 4-bit products").
+- Used only with `H2O_CHAT_NATIVE=1` for now (`off`): it has not yet run a full test suite turned on
+  (docs/experiments.md, "An AMX kernel for 4-bit products").
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def cpu_flags() -> set[str]:
 
 
 def off() -> str | None:
-    """Why prompt chunks do not ask for the kernel at all: it is used only with `H2O_CHAT_NATIVE=1` for now (with
-    it, recall's batch rows stopped reading their prompts exactly as alone: docs/experiments.md)."""
+    """Why prompt chunks do not ask for the kernel at all: it is used only with `H2O_CHAT_NATIVE=1` for now."""
     if os.environ.get("H2O_CHAT_NATIVE", "0") != "1":
         return "off unless H2O_CHAT_NATIVE=1"
     return None
