@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,16 @@ def claim_build(marker: Path) -> bool:
             return False
         marker.touch()
         return True
+
+
+def start_build(args: list[str], log: Path) -> None:
+    """`python -m ARGS` in a process of its own (a build beside a program that goes on): niced, in its own session,
+    its output appended to `log`."""
+    with open(log, "a") as out:  # the child keeps its own handle
+        subprocess.Popen(
+            [sys.executable, "-m", *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=lambda: os.nice(10),
+        )  # fmt: skip
 
 
 def user_config_dir() -> Path:

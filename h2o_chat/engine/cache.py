@@ -247,16 +247,16 @@ class H2OCache(CacheViews, CacheProtocol):
         if None in self._budgets():
             self.storage.grow(self.seq.columns + new_tokens, self.seq.rows)
         store = self.store
-        # whether a prompt chunk ranks the store: some recalling row had evicted (so stored) tokens before it, from
-        # the rows' counts alone. Not the store's own count, which includes what this chunk will evict and which a
-        # cache whose storage comes at this forward has not made: a fresh cache skipped ranking its first chunk
-        # where a refilled row of a batch ranked an empty store, and read its prompt otherwise (bit for bit)
-        rows = self.seq.rows
-        self.stored_before = store is not None and any(
-            store.recalled[r] and row.seen > self.limit(r) for r, row in enumerate(rows)
-        )
+        self.stored_before = False
         if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
-            store.counted(counts, [self.limit(r) for r in range(len(rows))], [row.seen for row in rows])
+            rows = self.seq.rows
+            limits = [self.limit(r) for r in range(len(rows))]
+            # whether a prompt chunk ranks the store: some recalling row had evicted (so stored) tokens before it,
+            # from the rows' counts. Not the store's count, which includes what this chunk will evict and which a
+            # cache whose storage comes at this forward has not made: a fresh cache skipped ranking its first chunk
+            # where a refilled row of a batch ranked an empty store, and read its prompt otherwise (bit for bit)
+            self.stored_before = any(store.recalled[r] and row.seen > limits[r] for r, row in enumerate(rows))
+            store.counted(counts, limits, [row.seen for row in rows])
             due = store.due()
             if due:
                 store.fit(due, self.slots)

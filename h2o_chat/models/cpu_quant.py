@@ -45,6 +45,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from h2o_chat.models import native
+
 GROUP = 32  # input channels per int4 scale/zero (GGUF's block size)
 COMPUTE = torch.bfloat16  # what the packed kernels are fast with
 REFINED = 16  # LM-head outputs per row recomputed in float32 from the int8 table (`Int8Linear._refine`)
@@ -101,8 +103,6 @@ def prompt_products() -> Iterator[None]:
     `model.prompt_products`) go through the AMX kernel where it is turned on and this machine runs it
     (`native.int4_mm`): a chunk of 512 rows costs 7-9x less than through PyTorch's kernel. Decode steps keep
     PyTorch's kernel."""
-    from h2o_chat.models import native
-
     token = _chunk_kernel.set(native.int4_mm())
     try:
         yield
@@ -172,7 +172,7 @@ class Int4Linear(nn.Module):
         result independent of the others."""
         x = x.to(COMPUTE).contiguous()
         kernel = _chunk_kernel.get()
-        if kernel is not None and x.device.type == "cpu" and self.out_features % 64 == 0:
+        if kernel is not None and x.device.type == "cpu" and self.out_features % native.BLOCK == 0:
             return kernel(x, self.packed, GROUP, self.scales_zeros)
         return _int4_mm(x, self.packed, self.scales_zeros)
 
@@ -448,10 +448,10 @@ def quantize_model(
     if head is not None and fmt == "4bit":
         inputs = None if empty or calibration is None else head_inputs(model, calibration)
         table.use_4bit_products(inputs, empty)
-    if fmt == "4bit":
-        model.prompt_products = prompt_products  # the engine reads prompt chunks inside it
     elif head is not None:
         table.refine_top = REFINED
+    if fmt == "4bit":
+        model.prompt_products = prompt_products  # the engine reads prompt chunks inside it
 
 
 @torch.inference_mode()

@@ -14,13 +14,12 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from h2o_chat.files import BUILDING, claim_build
+from h2o_chat.files import BUILDING, claim_build, start_build
 
 # what a first start of the embedded model decodes with: a chat's and a piped reply's default sampling (hot,
 # penalized, top-p, filtered) under the default policy, and greedy rows (batch, eval, bench)
@@ -62,13 +61,7 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
         fd, path = tempfile.mkstemp(dir=folder, prefix=".job-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(job, f)
-        log = open(folder / "build.log", "a")  # noqa: SIM115 -- the child writes it after we return
-        subprocess.Popen(
-            [sys.executable, "-m", "h2o_chat.models.prebuild", "--job", path],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            preexec_fn=lambda: os.nice(10),
-        )  # fmt: skip
-        log.close()
+        start_build(["h2o_chat.models.prebuild", "--job", path], folder / "build.log")
         if status is not None:
             status(f"building the compiled decode step ({kind.describe()}) in the background; eager steps until then")
 

@@ -148,17 +148,11 @@ def load(path: Path) -> Callable:
 
 def _build_in_background(path: Path) -> None:
     """Start `python -m h2o_chat.models.native` in a process of its own (niced; one at a time, by a marker)."""
-    from h2o_chat.files import BUILDING, claim_build
+    from h2o_chat.files import BUILDING, claim_build, start_build
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not claim_build(path.parent / (BUILDING + path.stem)):
-        return
-    with open(path.with_suffix(".log"), "w") as log:
-        subprocess.Popen(
-            [sys.executable, "-m", "h2o_chat.models.native", "--marker"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=lambda: os.nice(10),
-        )  # fmt: skip
+    if claim_build(path.parent / (BUILDING + path.stem)):
+        start_build(["h2o_chat.models.native", "--marker"], path.with_suffix(".log"))
 
 
 def int4_mm(background: bool = True) -> Callable | None:
