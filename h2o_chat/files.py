@@ -8,6 +8,7 @@ private temporary folder, with one note.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -20,6 +21,12 @@ from h2o_chat.errors import H2OChatError, InputError
 
 BUILDING = ".building-"  # beside the compiled steps: a package being built, named by its key
 BUILDING_STALE = 15 * 60  # seconds: a build's marker older than this belongs to a build that died
+
+
+def cxx() -> str | None:
+    """The C++ compiler h2o-chat's builds use, found on the PATH: `$CXX`, else g++, the one inductor uses for the
+    compiled steps (so the kernel and the steps are built alike). None where it is not found."""
+    return shutil.which(os.environ.get("CXX", "g++"))
 
 
 def claim_build(marker: Path) -> bool:

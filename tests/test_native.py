@@ -127,9 +127,9 @@ def test_prompt_chunks_go_through_the_kernel_and_decode_steps_do_not(decided):
 def test_every_way_the_kernel_is_missing_leaves_pytorchs_with_one_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "library_path", lambda: tmp_path / native.library_name())
     monkeypatch.setattr(native, "_state", {})
-    monkeypatch.delenv("H2O_CHAT_NATIVE", raising=False)
-    assert native.int4_mm() is None and native.why_not() == "off unless H2O_CHAT_NATIVE=1"
-    monkeypatch.setenv("H2O_CHAT_NATIVE", "1")
+    monkeypatch.setenv("H2O_CHAT_NATIVE", "0")
+    assert native.int4_mm() is None and native.why_not() == "turned off by H2O_CHAT_NATIVE=0"
+    monkeypatch.delenv("H2O_CHAT_NATIVE")  # on by default
 
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f"})
     monkeypatch.setattr(native, "_state", {})

@@ -12,19 +12,18 @@ embedded model's 540 MB of float32 per token). PyTorch ships the kernels that re
 Both kernels are fast only with bfloat16 activations (their float32 paths are 10-30x slower), so a packed
 linear takes its input in bfloat16 and returns the model's dtype.
 
-Every product of an int4 linear in a decode step goes through the int4 kernel. Its result for a row does not
-depend on the other rows (each output is one float32 multiply-add chain over the input channels, in order,
-whatever the number of rows or how they are tiled), so a row decodes bit for bit the same alone and in a batch.
-Its time grows with the rows, though: a prompt chunk of 512 tokens costs ~150x one. So a prompt chunk's products
-can go through our AMX kernel where the CPU has AMX (`prompt_products`, `native`; for now only with
-`H2O_CHAT_NATIVE=1`): each row's result is again that
-row's alone (a batch of prompts reads as each alone), 7-9x faster for a chunk of 512, its weights rounded to
-bfloat16 before their exact products. A token read in a chunk then differs from the same token decoded by a
-step in the last bits, as it already did through the attention's products: a conversation continued from its
-cache and the same one read fresh agreed on 9 of 12 greedy second replies with either kernel
-(`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds each row differently with the number of rows
-it is given. The weights are held once, in the kernel's own layout (`Int4Linear.values` reads them back through
-the kernel), which both kernels read.
+Every product of an int4 linear in a decode step goes through the int4 kernel. Its result for a row does not depend
+on the other rows (each output is one float32 multiply-add chain over the input channels, in order, whatever the
+number of rows or how they are tiled), so a row decodes bit for bit the same alone and in a batch. Its time grows
+with the rows, though: a prompt chunk of 512 tokens costs ~150x one. So a prompt chunk's products go through our AMX
+kernel where the CPU has AMX (`prompt_products`, `native`; `H2O_CHAT_NATIVE=0` turns it off): each row's result is
+again that row's alone (a batch of prompts reads as each alone), 7-9x faster for a chunk of 512, its weights rounded
+to bfloat16 before their exact products. A token read in a chunk then differs from the same token decoded by a step
+in the last bits, as it already did through the attention's products: a conversation continued from its cache and
+the same one read fresh agreed on 9 of 12 greedy second replies with either kernel
+(`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds each row differently with the number of rows it
+is given. The weights are held once, in the kernel's own layout (`Int4Linear.values` reads them back through the
+kernel), which both kernels read.
 
 The LM head reads a 4-bit copy of its int8 table for its products (`Int8Linear.use_4bit_products`): a decode
 step's largest read halved. Its error is not only noise: a softmax over ~49k noisy logits is biased (the noise's

@@ -10,8 +10,8 @@ embedded texts, a reply, a question, a second reply):
   the same cache and the second reply decoded;
 - fresh: the passage, the first reply and the question read as one prompt by a new cache, then the second reply.
 
-Prints, with PyTorch's kernel for every product (the default) and then with prompt chunks through the AMX kernel (as
-h2o-chat reads them with `H2O_CHAT_NATIVE=1`): how many second replies are the same continued and fresh, the largest
+Prints, with PyTorch's kernel for every product (as with `H2O_CHAT_NATIVE=0`) and then with prompt chunks through
+the AMX kernel (as h2o-chat reads them by default where it runs): how many second replies are the same continued and fresh, the largest
 difference of the first logits, and the seconds spent reading the prompts.
 """
 
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--decode", default="compile", choices=["compile", "eager"])
     args = parser.parse_args()
     MODE[0] = args.decode
-    os.environ["H2O_CHAT_NATIVE"] = "1"  # the kernel is opt-in for now
+    os.environ.pop("H2O_CHAT_NATIVE", None)  # the kernel is on unless it is turned off
     if native.main([]) != 0 or native.int4_mm(background=False) is None:
         raise SystemExit(f"the AMX kernel is not used here: {native.why_not()}")
     torch.set_num_threads(args.threads)

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.engine.step.sampling import draw
+from h2o_chat.files import cxx
 
 # the package's own version: a change to how packages are built or called makes the old ones stale
 FORMAT = 3  # 2: a step reads the first len(span) slots; 3: and ranks the first len(ranked) store entries
@@ -76,9 +77,8 @@ def building() -> bool:
 
 def unavailable() -> str | None:
     """Why a compiled CPU step cannot be built here, or None (a package already built needs no compiler)."""
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}) for the compiled step"
+    if cxx() is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) for the compiled step"
     return None
 
 

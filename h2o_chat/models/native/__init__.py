@@ -11,8 +11,8 @@ weights as PyTorch packed them (no second copy). Decode steps keep PyTorch's ker
   folder cannot be written), named by its source and the torch version.
 - Checked at its boundary before first use: the CPU's flags, the layout this build of PyTorch packs weights in,
   and one product against PyTorch's kernel. Any failure leaves PyTorch's kernel in place (`why_not` says why).
-- Used only with `H2O_CHAT_NATIVE=1` for now (`off`): it has not yet run a full test suite turned on
-  (docs/experiments.md, "An AMX kernel for 4-bit products").
+- On wherever it builds, loads and passes the check; `H2O_CHAT_NATIVE=0` turns it off (`off`), for a
+  comparison or a doubt.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from h2o_chat.files import cxx as compiler  # the compiler inductor builds the compiled steps with
 
 SOURCE = Path(__file__).with_name("int4_amx.cpp")
 FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")  # what the kernel's instructions need
@@ -51,9 +52,9 @@ def cpu_flags() -> set[str]:
 
 
 def off() -> str | None:
-    """Why prompt chunks do not ask for the kernel at all: it is used only with `H2O_CHAT_NATIVE=1` for now."""
-    if os.environ.get("H2O_CHAT_NATIVE", "0") != "1":
-        return "off unless H2O_CHAT_NATIVE=1"
+    """Why prompt chunks do not ask for the kernel at all: `H2O_CHAT_NATIVE=0` turns it off."""
+    if os.environ.get("H2O_CHAT_NATIVE", "1") == "0":
+        return "turned off by H2O_CHAT_NATIVE=0"
     return None
 
 
@@ -86,10 +87,6 @@ def library_path() -> Path:
     return cached
 
 
-def compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
 def build(path: Path | None = None) -> Path:
     """Compile the kernel into `path` (default `library_path()`), whole or not at all. Raises RuntimeError with
     the compiler's last line when it fails."""
@@ -98,7 +95,7 @@ def build(path: Path | None = None) -> Path:
     path = path or library_path()
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or $CXX) was found")
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) was found")
     path.parent.mkdir(parents=True, exist_ok=True)
     lib = cpp_extension.library_paths()[0]
     includes = [arg for p in cpp_extension.include_paths() for arg in ("-isystem", p)]
@@ -169,7 +166,7 @@ def int4_mm(background: bool = True) -> Callable | None:
             path = library_path()
             if not path.exists():
                 if compiler() is None:
-                    why = "no C++ compiler (c++, g++ or $CXX) was found to build it"
+                    why = f"no C++ compiler ({os.environ.get('CXX', 'g++')}) was found to build it"
                 else:  # this process keeps PyTorch's kernel throughout: one kernel for all its prompts
                     if background:
                         _build_in_background(path)
