@@ -326,32 +326,99 @@ def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkey
 def test_a_prompt_read_while_its_lane_shrinks_enters_the_row_it_moved_to(tiny):
     """Rows move when a lane is resized (its busy rows go to the front). A prompt still being read when the lane
     shrank entered the row number it was given, which no longer existed (or was another's): it must follow its
-    row. Three short replies take rows 0-2 and a long prompt row 3; the replies end while it is read, the lane
-    shrinks from 4 rows to 2, and the prompt's reply is still the one it gets alone."""
+    row. Five replies take rows 0-4 (the lane grown to 8) and a long prompt row 5; four replies end while it is
+    read, the lane shrinks from 8 rows to 4 once the long reply of row 0 has decoded `SHRINK_AFTER` steps so,
+    and the prompt's reply is still the one it gets alone. Idle, the lane goes back to one row in one copy."""
     from h2o_chat.app.serve.rows import EngineSettings
 
     prompt = " ".join(f"w{4 + (11 * i) % 250}" for i in range(2000))
-    with serving(tiny, ends=False, rows=4, engine=EngineSettings(decode="eager", chunk_size=16)) as (server, port):
-        alone = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})[1]
-        firsts = [threading.Event() for _ in range(3)]
+    sizes: list[int] = []
+    real_resize = Lane.resize
 
-        def short(i: int) -> None:
-            body = {"model": "m", "prompt": f"w{5 + i} w9", "max_tokens": 30, "stream": True}
+    def resize(lane, rows: int) -> None:
+        sizes.append(rows)
+        real_resize(lane, rows)
+
+    with serving(tiny, ends=False, rows=8, engine=EngineSettings(decode="eager", chunk_size=16)) as (server, port):
+        alone = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})[1]
+        firsts = [threading.Event() for _ in range(5)]
+
+        def reply(i: int) -> None:
+            body = {"model": "m", "prompt": f"w{5 + i} w9", "max_tokens": 400 if i == 0 else 30, "stream": True}
             for _ in client(port).completions.create(**body):
                 firsts[i].set()
 
         threads = []
-        for i in range(3):  # one at a time: rows 0, 1 and 2, the lane grown to 4
-            threads.append(threading.Thread(target=short, args=(i,), daemon=True))
-            threads[-1].start()
-            assert firsts[i].wait(30)
-        status, read = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
-        for th in threads:
-            th.join(30)
-        lanes = get(port, "/v1/stats")[1]["lanes"]
+        Lane.resize = resize
+        try:
+            for i in range(5):  # one at a time: rows 0 to 4, the lane grown to 8
+                threads.append(threading.Thread(target=reply, args=(i,), daemon=True))
+                threads[-1].start()
+                assert firsts[i].wait(30)
+            status, read = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            for th in threads:
+                th.join(60)
+            lanes = get(port, "/v1/stats")[1]["lanes"]
+        finally:
+            Lane.resize = real_resize
     assert status == 200, read
     assert read["choices"][0]["text"] == alone["choices"][0]["text"]
+    # grown one job at a time; to 4 while the prompt was read, to 2 after its reply (row 0 decoding on), idle: 1
+    assert sizes == [2, 4, 8, 4, 2, 1], sizes
     assert [lane["rows"] for lane in lanes] == [1]
+
+
+def test_a_burst_grows_its_lane_once_and_memory_decides_how_far(tiny, monkeypatch):
+    """Jobs arriving together: the lane grows once to the power of two that holds them all, not a doubling (a copy
+    of every row's cache) per job: 1 -> 8 rows, where it went 1 -> 2 -> 4 -> 8. Where memory allows fewer rows,
+    the largest half that fits, and a 503 only when not even a doubling fits. A lane with busy rows in a quarter of
+    it shrinks after `SHRINK_AFTER` of its steps, not at once."""
+    from types import SimpleNamespace
+
+    from h2o_chat.app.serve.api import ApiError
+    from h2o_chat.app.serve.lanes import SHRINK_AFTER, Lanes
+    from h2o_chat.app.serve.rows import EngineSettings, LaneKey
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.errors import H2OChatError
+
+    key, policy = LaneKey("h2o", 16, 1.0, False), make_policy("h2o", 16)
+    sizes: list[int] = []
+    real_resize = Lane.resize
+    monkeypatch.setattr(Lane, "resize", lambda lane, rows: (sizes.append(rows), real_resize(lane, rows))[1])
+    lanes = Lanes(tiny, EngineSettings(decode="eager"), max_rows=8)
+    lane, r = lanes.place(key, policy, 8)  # the default lane: one row
+    lane.jobs[r] = SimpleNamespace(reading=None)
+    for want in (5, 4, 3, 2, 1):  # five more jobs waiting at once, placed in turn
+        lane, r = lanes.place(key, policy, 8, want)
+        lane.jobs[r] = SimpleNamespace(reading=None)
+    assert lane.size == 8 and sizes == [8] and lane.active == 6
+
+    lane.jobs = [lane.jobs[0], *[None] * 7]  # five replies end: 1 of 8 busy
+    for _ in range(SHRINK_AFTER):
+        lanes.tidy(waiting=False)
+        assert lane.size == 8
+        lane.step()
+    lanes.tidy(waiting=False)
+    assert lane.size == 4 and sizes == [8, 4]
+
+    # memory for two more rows at a time only: seven jobs at once get the rows that fit, doubling at most
+    room = tiny.check_budget
+
+    def check_budget(budget, rows, **kw):
+        if rows > 2:
+            raise H2OChatError(f"{rows} more rows do not fit")
+        return room(budget, rows=rows, **kw)
+
+    monkeypatch.setattr(tiny, "check_budget", check_budget)
+    lanes = Lanes(tiny, EngineSettings(decode="eager"), max_rows=8)
+    got = []
+    for want in range(7, 3, -1):
+        lane, r = lanes.place(key, policy, 8, want)
+        lane.jobs[r] = SimpleNamespace(reading=None)
+        got.append(lane.size)
+    assert got == [1, 2, 4, 4]  # a new lane of 1 (+ its reading cache: 2 rows), then doublings of <= 2 rows
+    with pytest.raises(ApiError, match="no memory"):
+        lanes.place(key, policy, 8, 3)  # 4 -> 8 needs four rows more
 
 
 def test_a_stopped_server_frees_its_lanes_and_their_caches(tiny):

@@ -11,8 +11,8 @@ embedded texts, a reply, a question, a second reply):
 - fresh: the passage, the first reply and the question read as one prompt by a new cache, then the second reply.
 
 Prints, with PyTorch's kernel for every product (as with `H2O_CHAT_NATIVE=0`) and then with prompt chunks through
-the AMX kernel (as h2o-chat reads them by default where it runs): how many second replies are the same continued and fresh, the largest
-difference of the first logits, and the seconds spent reading the prompts.
+the AMX kernel (as h2o-chat reads them by default where it runs): how many second replies are the same continued and
+fresh, the largest difference of the first logits, and the seconds spent reading the prompts.
 """
 
 from __future__ import annotations

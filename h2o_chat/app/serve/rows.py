@@ -5,8 +5,8 @@ once by a one-token prefill; a conversation's new tokens are read into a one-row
 from its snapshot, a chunk at a time, while the lane's other rows keep decoding), which then moves into a free
 row in place (`H2OCache.row(r)` views the row, `restore` copies it in, `absorb` takes its bookkeeping back); a
 step decodes every row at once, and a finished reply's row is copied out (`snapshot`) before the next step.
-Rows grow and shrink in powers of two (`Engine.select_rows`), so a captured step is reused while the load is
-steady.
+Rows grow and shrink in powers of two (`Engine.select_rows`; when: lanes.py), so a captured step is reused while
+the load is steady.
 
 A lane serves one cache key (policy, budget) and one sampler shape (top-p, whether candidates are cut): those
 are fixed for a batch's step. Each row has its own temperature, penalty, top-k, min-p and seed.
@@ -134,6 +134,7 @@ class Lane:
         self.closing = False  # takes no new rows: a waiting job needs this lane's place
         self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # each row's next input token
         self.steps = 0
+        self.oversized_since: int | None = None  # the step from which its busy rows fit in a quarter of it
         self.spare = None  # a reading's one-row cache, emptied for the next (`Reading.release`)
         self.notes: list[str] = []  # what its engine had to say (a step that could not be captured), newest last
 
@@ -183,6 +184,7 @@ class Lane:
         self.tokens = self.tokens[torch.tensor(index, device=self.device)].clone()
         for r in range(len(busy), rows):
             self.cache.clear_row(r)
+        self.oversized_since = None
 
     # -- a conversation into a row and out of it ------------------------------------------------------------
     def read(self, state: dict | None, ids: list[int], stop: Callable[[], bool] = lambda: False) -> Reading:

@@ -6,10 +6,10 @@ of the loop:
 
 1. take the jobs submitted since the last turn (a cancelled one is dropped; a client gone mid-reply frees its row
    here, at the next step);
-2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows: lanes.py): a row
-   is theirs, and their conversation's new tokens are read beside it (`rows.Reading`); a prompt that cannot fit is
-   a 503 for that job alone. A job that needs a fifth lane closes the least busy one to new rows, so it waits for
-   that lane's replies, never for ever;
+2. start waiting jobs while rows are free (a lane grows in powers of two up to the server's rows, once for the jobs
+   of its key waiting together: lanes.py): a row is theirs, and their conversation's new tokens are read beside it
+   (`rows.Reading`); a prompt that cannot fit is a 503 for that job alone. A job that needs a fifth lane closes the
+   least busy one to new rows, so it waits for that lane's replies, never for ever;
 3. read prompts for one chunk's worth of tokens (the oldest first: a long prompt a chunk per turn, several short
    ones at once: reading.py); a prompt read moves into its row, and its first token goes out at once;
 4. decode one step of every lane with rows decoding, and hand each row's text to its job (replies.py); a finished
@@ -23,6 +23,7 @@ or new, with a 500 at once.
 
 from __future__ import annotations
 
+import collections
 import gc
 import queue
 import sys
@@ -194,7 +195,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         reserved = 0  # a row kept for an older job that waits for a lane to close
+        wanting = collections.Counter(LaneKey.of(job.req) for job in self.waiting)  # a lane grows once for all
         for job in list(self.waiting):
+            key = LaneKey.of(job.req)
+            wanting[key] -= 1
             if job.cancelled or self.draining:
                 self.waiting.remove(job)
                 self.release(job)
@@ -202,7 +206,7 @@ class Scheduler:
                     self.outbox.send(job, ("error", ApiError(503, SHUTTING_DOWN)))
                 continue
             try:
-                place = self.lanes.place(LaneKey.of(job.req), job.req.policy, self.lanes.max_rows - reserved)
+                place = self.lanes.place(key, job.req.policy, self.lanes.max_rows - reserved, wanting[key] + 1)
                 if place is None:
                     continue  # no row yet: it waits for one (jobs behind it with another key may go first)
                 self.waiting.remove(job)
