@@ -137,6 +137,31 @@ def test_measurement_loops_report_progress_to_the_last_token(single_thread):
     assert len(lines) == 6 and "ms/token" in lines[0]  # measurements stay status lines
 
 
+def test_the_bench_says_how_its_steps_ran(single_thread, monkeypatch):
+    """A compiled step whose package was not built yet ran eagerly in the bench (no build started, none waited
+    for) and its figures were labelled compiled: h2o-8bit on CPU read 36 ms/token "(compile)" against 10.5 once
+    built. The bench now builds the step before timing it; one that cannot be built falls back to eager steps,
+    and the row says eager."""
+    from h2o_chat.engine.step import compiled
+    from h2o_chat.measure.bench import run_decode_bench
+
+    asked = []
+
+    def cannot_build(*args, **kwargs):
+        asked.append(1)
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
+    monkeypatch.setattr(compiled, "unavailable", lambda: None)  # auto resolves to compile
+    monkeypatch.setattr(compiled, "ready", lambda *a: False)  # no package on disk
+    monkeypatch.setattr(compiled, "program", cannot_build)
+    lines: list[str] = []
+    model = tiny_model("llama", seed=3)
+    records = run_decode_bench(model, None, [16], 8, ("h2o-8bit",), steps=2, rounds=1, chunk=8, status=lines.append)
+    assert asked, "the bench timed eager steps without asking for the compiled one"
+    assert [r.decode for r in records] == ["eager"] and "(eager," in lines[-1], lines
+
+
 def test_batched_rows_equal_separate_runs():
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     prompts = [torch.randint(4, 256, (n,)).tolist() for n in (20, 33)]

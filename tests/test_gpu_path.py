@@ -54,7 +54,8 @@ def test_does_not_fit_says_what_would():
     check_fits("llama-2-7b", llama, torch.float16, "4bit", 512, 8 * GB)  # fits: no error
 
 
-def test_throughput_at_equal_memory_on_cpu(tmp_path):
+def test_throughput_at_equal_memory_on_cpu(tmp_path, monkeypatch):
+    from h2o_chat.engine.step import compiled
     from h2o_chat.models.loading import load
 
     folder = random_model("llama-tiny", torch.float32, tmp_path / "tiny")
@@ -79,6 +80,13 @@ def test_throughput_at_equal_memory_on_cpu(tmp_path):
     assert h2o.kv_bytes == h2o.batch * ((32 + 1) * per_slot + 16)
     assert full.kv_bytes == full.batch * ((256 + 16 + 1) * per_slot + 16)  # a full cache: the whole sequence, once
     assert full.decode == h2o.decode == "eager"  # both through the same engine
+    # a compiled step not built yet (auto, no package, nothing building it here): its steps ran eagerly, and the
+    # records say so (they said "compile")
+    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
+    monkeypatch.setattr(compiled, "unavailable", lambda: None)
+    monkeypatch.setattr(compiled, "ready", lambda *a: False)
+    again = run_throughput(loaded, memory_limit=64 * 2**20, prompt_tokens=64, generated_tokens=8, budget=32, chunk=32)
+    assert [r.decode for r in again] == ["eager", "eager"]
 
 
 def test_bench_command_with_a_random_shape(monkeypatch, tmp_path):

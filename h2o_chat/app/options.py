@@ -190,7 +190,7 @@ Decode = Annotated[
     typer.Option(
         help="How decode steps run: auto (graph on CUDA; compile on CPU, eager while its package is built, or "
         "$H2O_CHAT_DECODE) | eager | graph (the step captured as one CUDA graph, in seconds) | compile (CPU: the "
-        "step compiled ahead of time by inductor, once per machine and model, about a minute; CUDA: compiled by "
+        "step compiled ahead of time by inductor, once per machine and model, a few minutes; CUDA: compiled by "
         "inductor at the first step of each run, then captured as one CUDA graph)."
     ),
 ]

@@ -41,7 +41,7 @@ from transformers import DynamicCache, StaticCache
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.step.attention import cache_keyword
-from h2o_chat.engine.step.decode import Engine, sync
+from h2o_chat.engine.step.decode import Engine, resolve_decode, sync
 from h2o_chat.measure import llamacpp
 
 QUANTIZED = ("h2o-8bit", "snap-8bit", "recall-8bit")
@@ -132,8 +132,12 @@ class _Run:
             positions = "rolling" if config == "h2o-rolling" else "absolute"
             self.cache = H2OCache.for_model(model, self.policy, positions, kv_quant=quant)
             self.cache.reserve(total)
-            # *-compiled: the compiled step beside the run's own mode (`--decode`), in the same rounds
-            self.engine = Engine(model, self.cache, "compile" if config in COMPILED else decode)
+            # *-compiled: the compiled step beside the run's own mode (`--decode`), in the same rounds. A compiled
+            # step is timed as it runs once built: one not built yet is built now, its time one-time setup (`auto`
+            # would run it eagerly until a build elsewhere is done, and those steps were labelled compiled)
+            mode = "compile" if config in COMPILED else decode
+            device = next(model.parameters()).device
+            self.engine = Engine(model, self.cache, "compile" if resolve_decode(mode, device) == "compile" else mode)
             self.decode = self.engine.mode
             return
         self.impl, self.policy, self.budget = "sdpa", make_policy("full"), None
@@ -190,6 +194,11 @@ class _Run:
     def setup(self) -> float:
         return self.engine.setup_seconds if self.engine is not None else self.setup_seconds
 
+    @property
+    def mode(self) -> str:
+        """How its steps ran: the engine's mode now (a step that could not be built fell back to eager)."""
+        return self.engine.mode if self.engine is not None else self.decode
+
 
 @torch.inference_mode()
 def run_decode_bench(
@@ -226,7 +235,10 @@ def run_decode_bench(
     measure.total = sum(measure.tokens(c) for c in (*configs, *twin))
 
     def make(config: str) -> _Run:
-        return _Run(config, model, budget, n, batch, decode, gguf)
+        run = _Run(config, model, budget, n, batch, decode, gguf)
+        if run.engine is not None and status is not None:  # a step built now takes minutes: said, not silent
+            run.engine.on_setup = lambda message: status(f"{config}: {message} ...")
+        return run
 
     if device.type != "cuda":
         runs = [make(c) for c in configs]
@@ -299,7 +311,7 @@ class _Measure:
         seen = self.lengths[0] if run.config == "h2o@first" else length
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         if self.status:
-            self.status(f"{run.config:>15} at {seen:>6} seen: {ms:7.2f} ms/token ({run.decode}, rounds of {length})")
+            self.status(f"{run.config:>15} at {seen:>6} seen: {ms:7.2f} ms/token ({run.mode}, rounds of {length})")
         return BenchRecord(
             run.config,
             run.policy.name if run.policy is not None else "full",
@@ -312,7 +324,7 @@ class _Measure:
             self.dtype,
             measured_at=length,
             peak_bytes=peak,
-            decode=run.decode,
+            decode=run.mode,
             setup_seconds=round(run.setup(), 2),
         )
 

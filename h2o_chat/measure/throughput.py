@@ -155,7 +155,8 @@ def run_throughput(
                 torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weights + tracked,
                 memory_limit,
                 device.type,
-                engine.mode,
+                # how the timed steps ran: a compiled step not built yet runs eagerly until a build elsewhere ends
+                "eager" if engine.describe().startswith("eager") else engine.mode,
                 round(engine.setup_seconds, 2),
                 held_before,
                 prefill_peak,

@@ -16,7 +16,8 @@ with the model's own weights as its constants (shared, not copied). Nothing is t
 `torch.compile`d step checked ~10,000 guards a call), one program serves any budget, batch or store size, and a
 program belongs to no engine: engines of one model share it, and it dies with the model.
 
-Building a package takes about a minute for the embedded model on two cores (tracing, then C++ compilation);
+Building a package takes one to four minutes for the embedded model on two cores (tracing, then C++ compilation;
+recall's kinds the longest: 241-260 s on the 2-core Xeon on 2026-11-27);
 `python -m h2o_chat.models.prebuild` builds the embedded model's common kinds at install (`scripts/install.sh`).
 """
 
@@ -464,7 +465,7 @@ _loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {pa
 
 def program(model, cache, sampler, cache_keyword: str, status=None) -> Program:
     """The compiled step for this model and step kind: already loaded, on disk, or built now (`status` is told
-    first: it takes about a minute). A package that cannot be loaded (damaged, or from another build of torch)
+    first: it takes minutes). A package that cannot be loaded (damaged, or from another build of torch)
     is built again, once."""
     kind = StepKind.of(cache, sampler)
     key = package_key(model, kind)
@@ -482,7 +483,7 @@ def program(model, cache, sampler, cache_keyword: str, status=None) -> Program:
                 status(f"the compiled decode step in {path.name} could not be loaded ({reason}): building it again")
             path.unlink(missing_ok=True)
     if status is not None:
-        status(f"compiling the decode step for this CPU ({kind.describe()}; once per machine, about a minute)")
+        status(f"compiling the decode step for this CPU ({kind.describe()}; once per machine, a few minutes)")
     build(model, cache, sampler, cache_keyword, path)
     mine[key] = Program(path, model)
     return mine[key]
