@@ -401,6 +401,18 @@ def test_a_burst_grows_its_lane_once_and_memory_decides_how_far(tiny, monkeypatc
     lanes.tidy(waiting=False)
     assert lane.size == 4 and sizes == [8, 4]
 
+    # a lane opened beside one with 6 of the 8 rows busy holds the 2 rows that can be busy, not its 5 jobs' 8
+    lanes = Lanes(tiny, EngineSettings(decode="eager"), max_rows=8)
+    for want in range(6, 0, -1):
+        lane, r = lanes.place(key, policy, 8, want)
+        lane.jobs[r] = SimpleNamespace(reading=None)
+    other = LaneKey("h2o", 16, 0.9, True)
+    for want in (5, 4):
+        lane, r = lanes.place(other, policy, 8, want)
+        lane.jobs[r] = SimpleNamespace(reading=None)
+        assert lane.key == other and lane.size == 2
+    assert lanes.busy == 8 and lanes.place(other, policy, 8, 3) is None  # the rest wait for a row
+
     # memory for two more rows at a time only: seven jobs at once get the rows that fit, doubling at most
     room = tiny.check_budget
 

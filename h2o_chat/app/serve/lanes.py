@@ -53,7 +53,7 @@ class Lanes:
         every lane busy, the least busy closes to new rows (one at a time) and `WaitForLane` says so: rows
         keep coming to four lanes, so waiting for one to empty by chance could last for ever. `want`: the jobs
         of this key waiting now, this one included: a lane grows (or opens) once to hold them all where it
-        can, not a doubling (a copy of every row) per job."""
+        can (as many of them as `rows` lets be busy), not a doubling (a copy of every row) per job."""
         if self.busy >= rows:
             return None
         lane = next((lane for lane in self._lanes if lane.key == key and not lane.closing), None)
@@ -66,13 +66,14 @@ class Lanes:
                     raise WaitForLane
                 self._lanes.remove(empty)
             # its rows, and the one-row cache its prompts are read into
-            lane = Lane(self.loaded, key, policy, self.settings, rows=self._grown(policy, 0, want, extra=1))
+            size = self._grown(policy, 0, min(want, rows - self.busy), extra=1)
+            lane = Lane(self.loaded, key, policy, self.settings, rows=size)
             self._lanes.append(lane)
         r = lane.free_row()
         if r is None:
             if lane.size >= self.max_rows:
                 return None
-            lane.resize(self._grown(policy, lane.size, lane.active + want))
+            lane.resize(self._grown(policy, lane.size, lane.active + min(want, rows - self.busy)))
             r = lane.free_row()
         return lane, r
 
