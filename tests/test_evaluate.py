@@ -162,6 +162,26 @@ def test_the_bench_says_how_its_steps_ran(single_thread, monkeypatch):
     assert [r.decode for r in records] == ["eager"] and "(eager," in lines[-1], lines
 
 
+def test_an_evaluation_has_its_compiled_step_built_and_keeps_its_figures(single_thread, monkeypatch):
+    """`h2o-chat eval` ran every step eagerly where the step's package was not built (its engines had no builder):
+    2x slower for hours of evaluation. Its engines now ask the model's `step_builder` (set by the command) for a
+    build in the background, once per kind, and decode eagerly meanwhile with the same figures."""
+    from h2o_chat.engine.step import compiled
+
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    policies = [make_policy("h2o", 16), make_policy("full")]
+    plain, _ = ev.streaming_nll(model, ids, policies, prompt_tokens=8, decode="eager")
+    asked: list = []
+    monkeypatch.delenv("H2O_CHAT_DECODE", raising=False)
+    monkeypatch.setattr(compiled, "unavailable", lambda: None)  # auto resolves to compile
+    monkeypatch.setattr(compiled, "ready", lambda *a: False)  # no package on disk
+    model.step_builder = asked.append
+    nll, _ = ev.streaming_nll(model, ids, policies, prompt_tokens=8)
+    assert [type(kind).__name__ for kind in asked] == ["StepKind"]  # asked once, for the step's kind
+    assert torch.equal(nll, plain)  # eager steps meanwhile: the same figures
+
+
 def test_batched_rows_equal_separate_runs():
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     prompts = [torch.randint(4, 256, (n,)).tolist() for n in (20, 33)]

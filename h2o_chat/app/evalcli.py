@@ -65,6 +65,16 @@ Texts = Annotated[
 ]
 
 
+def loaded_for_eval(models: ModelOptions):
+    """The model, whose engines (`evaluate.eval_engine`) get their compiled steps built in the background when
+    their kind is not built yet (said on stderr), as the chat's do: an evaluation runs for minutes or hours."""
+    from h2o_chat.models.prebuild import builder_for
+
+    loaded = models.load()
+    loaded.model.step_builder = builder_for(loaded, status)
+    return loaded
+
+
 @dataclass(frozen=True)
 class Compared:
     """What an evaluation compares with the full cache, and where its records go."""
@@ -182,7 +192,7 @@ def ppl_command(
         from h2o_chat.measure import plots
 
         content = ev.read_text(text)
-        loaded = models.load()
+        loaded = loaded_for_eval(models)
         import torch
 
         ids = ev.token_ids(loaded.tokenizer, content)[:tokens]
@@ -235,7 +245,7 @@ def needle_command(
         from h2o_chat.measure import plots, tasks
 
         texts = _texts(haystack)
-        loaded = models.load()
+        loaded = loaded_for_eval(models)
         trials = tasks.needle_trials(loaded.tokenizer, texts, depths, haystack_tokens, seed)
         longest = max(len(t.ids) for t in trials)
         configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
@@ -282,7 +292,7 @@ def agree_command(
         from h2o_chat.measure import plots, tasks
 
         texts = _texts(text)
-        loaded = models.load()
+        loaded = loaded_for_eval(models)
         items = tasks.agree_prompts(loaded.tokenizer, texts, prompts, prompt_tokens)
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
@@ -358,7 +368,7 @@ def recall_command(
         from h2o_chat.measure import plots
 
         texts = _texts(text, dl.RECALL_TEXTS)
-        loaded = models.load()
+        loaded = loaded_for_eval(models)
         convs = dl.dialogues(loaded.tokenizer, texts, conversations, turns, passage_tokens, seed=seed)
         mean = sum(d.tokens for d in convs) / len(convs)
         status(

@@ -10,7 +10,8 @@
 
 Budgets are tokens per layer and KV head, typed as tokens ("256") or as a share of the reference length
 ("20%": of the text for perplexity, of the longest prompt for needle and agreement). Every cache here comes
-from `make_eval_cache`, so cache options (e.g. how positions are assigned) live in one place.
+from `make_eval_cache`, so cache options (e.g. how positions are assigned) live in one place, and every engine
+from `eval_engine`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ from h2o_chat.files import read_user_text
 SHIPPED = ("alice.txt", "moby_dick.txt")
 DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, and the baselines
 Progress = Callable[[int, int], None] | None  # progress(tokens done, tokens total)
+
+
+def eval_engine(model, cache: H2OCache, decode: str) -> Engine:
+    """An engine for a measurement. A CPU step whose compiled package is not built yet runs eagerly while the
+    model's `step_builder` (the command's `builder_for`, where it set one) builds it in a process of its own:
+    an evaluation then runs compiled from the build's end, not eager to its own end."""
+    engine = Engine(model, cache, decode)
+    engine.builder = getattr(model, "step_builder", None)
+    return engine
 
 
 def _prompt_part(progress: Progress, prompt: int, total: int) -> Progress:
@@ -213,7 +223,7 @@ def streaming_nll(
     G, N, P = len(policies), ids.shape[1], prompt_tokens
     cache = make_eval_cache(model, policies, positions=positions, context=context, kv_quant=kv_quant)
     cache.reserve(N)  # the full cache's rows allocate once
-    engine = Engine(model, cache, decode)
+    engine = eval_engine(model, cache, decode)
     x = ids.to(engine.device).expand(G, -1)  # (G, N)
     nll = torch.empty(G, N - P, device=engine.device)  # filled on the device, read once at the end
     logits = engine.prefill(x[:, :P], progress=_prompt_part(progress, P, N))  # (G, V)
@@ -330,7 +340,7 @@ def greedy_rows(
     policies = [c.policy for c in configs]
     cache = make_eval_cache(model, policies, rows=[P] * len(configs), positions=positions, kv_quant=kv_quant)
     cache.reserve(ids.shape[1] + max_new_tokens)
-    engine = Engine(model, cache, decode)
+    engine = eval_engine(model, cache, decode)
     stops = torch.tensor(sorted(stop_token_ids(tokenizer, model)), dtype=torch.long, device=engine.device)
     L = ids.shape[1]
     total = L + max_new_tokens

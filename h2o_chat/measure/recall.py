@@ -32,7 +32,7 @@ from h2o_chat.engine.policies import STORE_MIN_TIMES, make_policy
 from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.step.generate import stop_token_ids
 from h2o_chat.measure.dialogues import Dialogue
-from h2o_chat.measure.evaluate import BudgetSpec, Progress, make_eval_cache
+from h2o_chat.measure.evaluate import BudgetSpec, Progress, eval_engine, make_eval_cache
 
 DEFAULT_POLICIES = ("h2o", "snap", "recall")
 
@@ -100,7 +100,7 @@ def _turn_by_turn(model, turns: list[list[list[int]]], replies, rows, policies, 
     columns = sum(max(len(row[t]) for row in turns) for t in range(len(turns[0])))  # left padding included
     columns += sum(map(len, replies[0])) + max(len(r.answer) for r in rows) + opts.greedy_tokens
     cache.reserve(columns)  # the full cache allocates once
-    engine = Engine(model, cache, opts.decode)
+    engine = eval_engine(model, cache, opts.decode)
     B = len(rows)
     logits = None
     for t in range(len(turns[0])):
