@@ -229,7 +229,8 @@ def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model
 def test_a_step_asked_for_by_many_engines_is_built_by_one_process(model, tmp_path, monkeypatch):
     """Three lanes of a server (or two servers) asking for one kind of step started three builds of one package
     side by side; now the first claims it (a marker beside the packages, removed when the build ends) and the
-    others leave it to that one, unless its marker is stale (a build that died)."""
+    others leave it to that one, unless its marker is stale (a build that died). A build that ended without a
+    package (failed) is not started again by the builder that started it: an evaluation's engines share one."""
     import os
     import subprocess
     from types import SimpleNamespace
@@ -258,6 +259,11 @@ def test_a_step_asked_for_by_many_engines_is_built_by_one_process(model, tmp_pat
     assert len(started) == 2
     build(compiled.StepKind(quantized=True))  # another package: built beside it
     assert len(started) == 3
+    marker.unlink()  # that build ended without a package (it failed): this builder does not start it again
+    build(kind)
+    assert len(started) == 3
+    prebuild.builder_for(loaded)(kind)  # another builder (a new conversation, or lane) tries it once more
+    assert len(started) == 4
 
 
 def test_steps_and_prompt_chunks_leave_a_core_to_a_build_beside_them(model, tmp_path, monkeypatch):

@@ -39,9 +39,11 @@ def default_kinds() -> list[dict]:
 def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable | None:
     """A builder for `Engine.builder`: starts a build of the asked step kind in a process of its own (niced, its
     output in a log beside the packages), unless one is under way (three lanes of one server, or two servers,
-    started three builds of one package); None where the model is not on the CPU."""
+    started three builds of one package) or this builder's own build of it failed (an evaluation's many
+    engines would each start it again); None where the model is not on the CPU."""
     if loaded.device.type != "cpu":
         return None
+    started: set = set()  # kinds this builder started a build of
 
     def start(kind) -> None:
         from h2o_chat.engine.step import compiled
@@ -49,8 +51,11 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
         folder = compiled.cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
         marker = folder / f"{BUILDING}{compiled.package_key(loaded.model, kind)}"
+        if kind in started and not marker.exists():
+            return  # its build ended without a package (it failed: build.log says why): not again for each engine
         if not claim_build(marker):
             return
+        started.add(kind)
         job = {
             "marker": str(marker),
             "spec": dataclasses.asdict(loaded.spec),
