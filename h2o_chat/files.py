@@ -23,10 +23,15 @@ BUILDING = ".building-"  # beside the compiled steps: a package being built, nam
 BUILDING_STALE = 15 * 60  # seconds: a build's marker older than this belongs to a build that died
 
 
+def cxx_name() -> str:
+    """The C++ compiler h2o-chat's builds use: `$CXX`, else g++, the one inductor uses for the compiled steps (so
+    the kernel and the steps are built alike)."""
+    return os.environ.get("CXX", "g++")
+
+
 def cxx() -> str | None:
-    """The C++ compiler h2o-chat's builds use, found on the PATH: `$CXX`, else g++, the one inductor uses for the
-    compiled steps (so the kernel and the steps are built alike). None where it is not found."""
-    return shutil.which(os.environ.get("CXX", "g++"))
+    """`cxx_name()` found on the PATH, or None."""
+    return shutil.which(cxx_name())
 
 
 def claim_build(marker: Path) -> bool:

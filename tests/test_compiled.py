@@ -176,10 +176,13 @@ def test_auto_compiles_on_cpu_and_decodes_eagerly_while_a_package_is_built(model
     engine.builder = asked.append
     list(engine.tokens(engine.prefill(torch.tensor([_prompts(1)[0]])), 10))
     assert engine._compiled.program is None and asked == [compiled.StepKind()]
-    assert engine.describe() == "eager (the compiled step is being built)"
+    assert engine.describe() == "eager (the compiled step is being built)" and engine.stepping == "eager"
+    engine.builder = None  # nothing builds it (a library's engine): not said to be built
+    assert engine.describe() == "eager (the compiled step is not built)" and engine.stepping == "eager"
     monkeypatch.setattr(compiled, "ready", lambda *a: True)  # built: the next step runs it
     list(engine.tokens(engine.prefill(torch.tensor([[5, 6, 7]])), 3))
     assert engine._compiled.program is not None and engine.describe().startswith("compiled")
+    assert engine.stepping == "compile"
 
 
 def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model, monkeypatch):

@@ -138,7 +138,6 @@ class _Run:
             mode = "compile" if config in COMPILED else decode
             device = next(model.parameters()).device
             self.engine = Engine(model, self.cache, "compile" if resolve_decode(mode, device) == "compile" else mode)
-            self.decode = self.engine.mode
             return
         self.impl, self.policy, self.budget = "sdpa", make_policy("full"), None
         if config == "dynamic":
@@ -196,8 +195,8 @@ class _Run:
 
     @property
     def mode(self) -> str:
-        """How its steps ran: the engine's mode now (a step that could not be built fell back to eager)."""
-        return self.engine.mode if self.engine is not None else self.decode
+        """How its steps ran (an engine's step that could not be built fell back to eager)."""
+        return self.engine.stepping if self.engine is not None else self.decode
 
 
 @torch.inference_mode()

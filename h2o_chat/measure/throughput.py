@@ -155,8 +155,7 @@ def run_throughput(
                 torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weights + tracked,
                 memory_limit,
                 device.type,
-                # how the timed steps ran: a compiled step not built yet runs eagerly until a build elsewhere ends
-                "eager" if engine.describe().startswith("eager") else engine.mode,
+                engine.stepping,  # how the timed steps ran (eagerly, where the compiled step was not built)
                 round(engine.setup_seconds, 2),
                 held_before,
                 prefill_peak,

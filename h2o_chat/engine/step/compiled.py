@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.engine.step.sampling import draw
-from h2o_chat.files import cxx
+from h2o_chat.files import cxx, cxx_name
 
 # the package's own version: a change to how packages are built or called makes the old ones stale
 FORMAT = 3  # 2: a step reads the first len(span) slots; 3: and ranks the first len(ranked) store entries
@@ -79,7 +79,7 @@ def building() -> bool:
 def unavailable() -> str | None:
     """Why a compiled CPU step cannot be built here, or None (a package already built needs no compiler)."""
     if cxx() is None:
-        return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) for the compiled step"
+        return f"no C++ compiler ({cxx_name()}) for the compiled step"
     return None
 
 

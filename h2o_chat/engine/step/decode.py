@@ -113,6 +113,14 @@ class Engine(PromptReading):
         self.on_setup: Callable[[str], None] | None = None  # told before a capture starts
 
     # -- description ------------------------------------------------------------------------------
+    @property
+    def stepping(self) -> str:
+        """How its steps run now: its mode, or eager while its compiled step is not ready (being built elsewhere,
+        or, with no `builder`, by nobody). What a measurement's figures are labelled with."""
+        if self.mode == "compile" and self._compiled.program is None and self._compiled.asked:
+            return "eager"
+        return self.mode
+
     def describe(self) -> str:
         """For the panel: how decode steps run."""
         what = {"graph": ("CUDA graph", "captured"), "compile": ("compiled", "compiled")}.get(self.mode)
@@ -120,8 +128,8 @@ class Engine(PromptReading):
             what = ("compiled CUDA graph", "captured")
         if what is None:
             return "eager"
-        if self.mode == "compile" and self._compiled.program is None and self._compiled.asked:
-            return "eager (the compiled step is being built)"
+        if self.stepping == "eager":
+            return f"eager (the compiled step is {'being built' if self.builder else 'not built'})"
         if self.captures:
             return f"{what[0]} ({self.captures} {what[1]}, {self.setup_seconds:.1f} s)"
         return what[0]

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from h2o_chat.files import cxx as compiler  # the compiler inductor builds the compiled steps with
+from h2o_chat.files import cxx_name
 
 SOURCE = Path(__file__).with_name("int4_amx.cpp")
 FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")  # what the kernel's instructions need
@@ -95,7 +96,7 @@ def build(path: Path | None = None) -> Path:
     path = path or library_path()
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) was found")
+        raise RuntimeError(f"no C++ compiler ({cxx_name()}) was found")
     path.parent.mkdir(parents=True, exist_ok=True)
     lib = cpp_extension.library_paths()[0]
     includes = [arg for p in cpp_extension.include_paths() for arg in ("-isystem", p)]
@@ -166,7 +167,7 @@ def int4_mm(background: bool = True) -> Callable | None:
             path = library_path()
             if not path.exists():
                 if compiler() is None:
-                    why = f"no C++ compiler ({os.environ.get('CXX', 'g++')}) was found to build it"
+                    why = f"no C++ compiler ({cxx_name()}) was found to build it"
                 else:  # this process keeps PyTorch's kernel throughout: one kernel for all its prompts
                     if background:
                         _build_in_background(path)
