@@ -1,5 +1,6 @@
-"""The AMX kernel for prompt chunks (models/native): what it computes where it runs, that prompt chunks and only
-they go through it, and that every way it can be missing leaves PyTorch's kernel with the reason."""
+"""The AMX kernels for 4-bit products (models/native): what they compute where they run, that prompt chunks go
+through the chunks' kernel and decode steps (eager or compiled) through the steps' one, a row alike alone and in a
+batch, and that every way the library can be missing leaves PyTorch's kernel with the reason."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def decided(monkeypatch):
-    """Set what `native.int4_mm` has decided for this test (an op, or the reason for none); restored after."""
+    """Set what `native.int4_mm` has decided for this test (the chunks' op and the steps' `mv`, or the reason for
+    none); restored after."""
     saved = dict(native._state)
 
-    def set_(op=None, why=None):
+    def set_(op=None, why=None, mv=None):
         native._state.clear()
-        native._state.update({"op": op} if op is not None else {"why": why or "the test says so"})
+        native._state.update({"op": op, "mv": mv} if op is not None else {"why": why or "the test says so"})
 
     yield set_
     native._state.clear()
@@ -45,6 +47,35 @@ def kernel(tmp_path_factory):
     why = native.check(op)
     assert why is None, why
     return op
+
+
+@pytest.fixture(scope="module")
+def step_kernel(kernel):
+    """The decode steps' kernel (`int4_mv`), checked as the engine checks it."""
+    op = torch.ops.h2o_native.int4_mv
+    assert native.check(op) is None
+    return op
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+def test_the_step_kernel_takes_exact_products_and_gives_each_row_what_it_gets_alone(step_kernel, rows):
+    """Exact products per group of 32 (no weight rounded): against the float64 product of the exactly dequantized
+    weights, within the rounding of its bfloat16 output, as close as PyTorch's kernel; every row's result is the
+    one it gets alone, in one tile of rows or across two."""
+    torch.manual_seed(2)
+    lin = Int4Linear.from_float(torch.randn(576, 1536) * 0.05)
+    x = torch.randn(rows, 1536).to(torch.bfloat16)
+    got = step_kernel(x, lin.packed, GROUP, lin.scales_zeros)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 576)
+    exact = x.double() @ lin.dequantize().double().t()
+    theirs = cpu_quant._int4_mm(x, lin.packed, lin.scales_zeros).double()
+    error = (got.double() - exact).abs()
+    assert (error <= exact.abs() * 2**-8 + 1e-4).all()  # the output's bfloat16 rounding: 2^-9 of it
+    assert error.max() <= 1.5 * (theirs - exact).abs().max()
+    # PyTorch's kernel rounds each weight to float32 first: the two differ in the last bits only
+    assert (got.double() - theirs).abs().max() <= 2**-7 * exact.abs().max()
+    for r in range(rows):
+        assert torch.equal(step_kernel(x[r : r + 1].contiguous(), lin.packed, GROUP, lin.scales_zeros), got[r : r + 1])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 21, 300])
@@ -93,10 +124,10 @@ def _counting(calls: list):
     return op
 
 
-def test_prompt_chunks_go_through_the_kernel_and_decode_steps_do_not(decided):
-    """A 4-bit model's prompt chunks (the engine's prefill) multiply through the kernel, every 4-bit linear of
-    every chunk; its decode steps through PyTorch's, batch or not, so that a row decodes alike alone and in a
-    batch. With no kernel, chunks give what they gave through PyTorch's kernel, bit for bit."""
+def test_prompt_chunks_go_through_the_chunks_kernel_and_decode_steps_through_the_steps_one(decided):
+    """A 4-bit model's prompt chunks (the engine's prefill) multiply through the chunks' kernel, every 4-bit linear
+    of every chunk; its decode steps through the steps' kernel, every linear of every step, whatever the rows.
+    With no library, both give what they gave through PyTorch's kernel, bit for bit."""
     from conftest import tiny_model
     from h2o_chat.engine.cache import H2OCache
     from h2o_chat.engine.policies import make_policy
@@ -108,20 +139,51 @@ def test_prompt_chunks_go_through_the_kernel_and_decode_steps_do_not(decided):
     linears = sum(isinstance(m, Int4Linear) for m in model.modules())  # the head's 4-bit copy among them
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
 
-    def read_and_step(steps: int = 3):
+    def read_and_step(steps: int = 4):
         engine = Engine(model, H2OCache.for_model(model, [make_policy("h2o", 32)] * 2), "eager")
         logits = engine.prefill(ids, chunk_size=16)
         return logits, [t for t in engine.tokens(logits, steps)]
 
-    calls: list[int] = []
-    decided(op=_counting(calls))
+    chunk_calls: list[int] = []
+    step_calls: list[int] = []
+    decided(op=_counting(chunk_calls), mv=_counting(step_calls))
     logits, tokens = read_and_step()
     chunks = 3  # 40 tokens in chunks of 16: 8, 16, 16 (the first chunk takes the remainder)
     # snap-free h2o reads once; every 4-bit linear once per chunk (the head only for the last position's rows)
-    assert len(calls) == chunks * linears and sorted(set(calls)) == [2, 16, 32]
+    assert len(chunk_calls) == chunks * linears and sorted(set(chunk_calls)) == [2, 16, 32]
+    assert len(step_calls) >= 3 * linears and len(step_calls) % linears == 0 and set(step_calls) == {2}
     decided(why="off")
     plain_logits, plain_tokens = read_and_step()
-    assert torch.equal(logits, plain_logits) and tokens == plain_tokens  # the counting op is PyTorch's kernel
+    assert torch.equal(logits, plain_logits) and tokens == plain_tokens  # the counting ops are PyTorch's kernel
+
+
+def test_a_row_decodes_through_the_step_kernel_bit_for_bit_as_it_does_alone(kernel, step_kernel, decided):
+    """Where the library runs, a 4-bit model's rows decoded together get, at every step, the logits each gets
+    decoded alone: the step kernel's time is flat in the rows without giving up batch = alone."""
+    from conftest import tiny_model
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.step.decode import Engine
+
+    decided(op=kernel, mv=step_kernel)
+    model = tiny_model("llama", layers=2)
+    with torch.inference_mode():
+        quantize_model(model, "4bit")
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(5))
+
+    def decode(rows: torch.Tensor) -> list[torch.Tensor]:
+        engine = Engine(model, H2OCache.for_model(model, [make_policy("h2o", 16)] * rows.shape[0]), "eager")
+        token = engine.first_tokens(engine.prefill(rows, chunk_size=8))
+        out = []
+        for i in range(12):  # past the budget: eviction on the way
+            logits, _ = engine.decode(token if i == 0 else None)
+            out.append(logits.clone())
+        return out
+
+    together = decode(ids)
+    alone = [decode(ids[i : i + 1]) for i in range(3)]
+    for step, logits in enumerate(together):
+        assert torch.equal(logits, torch.cat([a[step] for a in alone])), step
 
 
 def test_every_way_the_kernel_is_missing_leaves_pytorchs_with_one_reason(monkeypatch, tmp_path):
@@ -189,3 +251,97 @@ def test_a_chunk_reads_the_same_through_the_kernel_whatever_its_neighbours(kerne
     together = read(ids, 16)
     alone = torch.cat([read(ids[i : i + 1], 16) for i in range(3)])
     assert torch.equal(together, alone)
+
+
+def test_a_compiled_step_calls_the_step_kernel_and_decodes_as_the_eager_step(kernel, step_kernel, decided):
+    """The compiled step of a 4-bit model calls the steps' kernel (through AOTInductor's proxy for an operator of
+    ours) and keeps the eager step's tokens; its package is keyed by the kernel, so a process multiplying through
+    PyTorch's kernel never loads a step that calls ours (or the other way round)."""
+    import zipfile
+
+    from conftest import tiny_model
+    from h2o_chat.engine.cache import H2OCache
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.step import compiled
+    from h2o_chat.engine.step.decode import Engine
+
+    if compiled.unavailable() is not None:
+        pytest.skip(compiled.unavailable())
+    model = tiny_model("llama", layers=2, seed=8)
+    with torch.inference_mode():
+        quantize_model(model, "4bit")
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(6))
+
+    def run(mode: str):
+        engine = Engine(model, H2OCache.for_model(model, [make_policy("h2o", 16)] * 2), mode)
+        return [t for t in engine.tokens(engine.prefill(ids, chunk_size=8), 24)], engine
+
+    decided(op=kernel, mv=step_kernel)
+    want, _ = run("eager")
+    got, engine = run("compile")
+    assert engine._compiled.program is not None and got == want
+    with zipfile.ZipFile(engine._compiled.program.path) as z:
+        wrapper = next(n for n in z.namelist() if n.endswith("wrapper.json"))
+        assert b"h2o_native::int4_mv" in z.read(wrapper)
+    kind = compiled.StepKind.of(engine.cache, engine.sampler)
+    ours = compiled.package_key(model, kind)
+    decided(why="off")
+    assert compiled.package_key(model, kind) != ours
+
+
+def test_a_step_built_by_a_process_of_its_own_calls_the_kernel_the_asking_process_calls(decided, monkeypatch, tmp_path):
+    """A compiled step built beside a chat (`builder_for`) must land under the key the chat looks for: the job
+    says which kernel the asking process multiplies with, and a build for a process on PyTorch's kernel turns
+    the library off for itself (else it would build a step calling ours, which the asker never loads)."""
+    import json
+    import os
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from conftest import tiny_model
+    from h2o_chat.engine.step import compiled
+    from h2o_chat.models import loading, prebuild
+    from h2o_chat.models.registry import ModelSpec
+
+    started: list = []
+    monkeypatch.setattr(compiled, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a[0]))
+    model = tiny_model("llama", layers=1)
+    with torch.inference_mode():
+        quantize_model(model, "4bit")
+    spec = ModelSpec(name="tiny", source="x")
+    loaded = SimpleNamespace(model=model, device=torch.device("cpu"), spec=spec, dtype=torch.float32, quantize="4bit")
+    keys = []
+    for decision, ours in ((dict(why="off"), False), (dict(op=_counting([]), mv=_counting([])), True)):
+        decided(**decision)
+        prebuild.builder_for(loaded)(compiled.StepKind())
+        job = json.loads(Path(started[-1][-1]).read_text())
+        assert job["native"] is ours
+        keys.append(compiled.package_key(model, compiled.StepKind()))
+    assert len(started) == 2 and keys[0] != keys[1]  # two kernels, two packages
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append(os.environ.get("H2O_CHAT_NATIVE"))
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(loading, "load", load)
+    monkeypatch.setenv("H2O_CHAT_NATIVE", "1")  # restored after the test, whatever the job set
+    for native_flag in (True, False):
+        with pytest.raises(RuntimeError, match="loaded"):
+            prebuild.run_job({"spec": {"name": "tiny", "source": "x"}, "native": native_flag, "kinds": []})
+    assert seen == ["1", "0"]
+
+
+def test_chunks_only_keeps_pytorchs_kernel_for_the_steps(kernel, monkeypatch):
+    """`H2O_CHAT_NATIVE=chunks`: prompt chunks through the library, decode steps through PyTorch's kernel (and a
+    compiled step's package says so)."""
+    if not native.library_path().exists():
+        pytest.skip("the library is not built where the engine looks for it")
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("H2O_CHAT_NATIVE", "chunks")
+    assert native.int4_mm() is not None and native.int4_mv() is None and native.products() == "pytorch"
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.delenv("H2O_CHAT_NATIVE")
+    assert native.int4_mv() is not None and native.products() == native.library_name()

@@ -12,18 +12,19 @@ embedded model's 540 MB of float32 per token). PyTorch ships the kernels that re
 Both kernels are fast only with bfloat16 activations (their float32 paths are 10-30x slower), so a packed
 linear takes its input in bfloat16 and returns the model's dtype.
 
-Every product of an int4 linear in a decode step goes through the int4 kernel. Its result for a row does not depend
-on the other rows (each output is one float32 multiply-add chain over the input channels, in order, whatever the
-number of rows or how they are tiled), so a row decodes bit for bit the same alone and in a batch. Its time grows
-with the rows, though: a prompt chunk of 512 tokens costs ~150x one. So a prompt chunk's products go through our AMX
-kernel where the CPU has AMX (`prompt_products`, `native`; `H2O_CHAT_NATIVE=0` turns it off): each row's result is
-again that row's alone (a batch of prompts reads as each alone), 7-9x faster for a chunk of 512, its weights rounded
-to bfloat16 before their exact products. A token read in a chunk then differs from the same token decoded by a step
-in the last bits, as it already did through the attention's products: a conversation continued from its cache and
-the same one read fresh agreed on 9 of 12 greedy second replies with either kernel
-(`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds each row differently with the number of rows it
-is given. The weights are held once, in the kernel's own layout (`Int4Linear.values` reads them back through the
-kernel), which both kernels read.
+Every product of an int4 linear goes through one of two kernels, and a row's result never depends on the other
+rows, so a row decodes bit for bit the same alone and in a batch, and a batch of prompts reads as each alone:
+- PyTorch's kernel: each output one float32 multiply-add chain over the input channels, in order. Its time grows
+  with the rows: 8 rows cost ~3.5x one, a prompt chunk of 512 ~150x.
+- where the CPU has AMX, our library's (`native`; `H2O_CHAT_NATIVE=0` turns it off), which every product of the
+  process then takes: decode steps through `int4_mv` (exact products per group: as fast as PyTorch's for one row,
+  ~3x faster for 8), prompt chunks through `int4_mm` (`prompt_products`: the weights rounded to bfloat16 before
+  their exact products, 7-9x faster for a chunk of 512).
+A token read in a chunk differs from the same token decoded by a step in the last bits, as it already did through
+the attention's products: a conversation continued from its cache and the same one read fresh agreed on 9 of 12
+greedy second replies with either chunk kernel (`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds
+each row differently with the number of rows it is given. The weights are held once, in PyTorch's layout
+(`Int4Linear.values` reads them back through its kernel), which all the kernels read.
 
 The LM head reads a 4-bit copy of its int8 table for its products (`Int8Linear.use_4bit_products`): a decode
 step's largest read halved. Its error is not only noise: a softmax over ~49k noisy logits is biased (the noise's
@@ -99,9 +100,9 @@ _chunk_kernel: ContextVar[Callable | None] = ContextVar("chunk_kernel", default=
 @contextmanager
 def prompt_products() -> Iterator[None]:
     """The 4-bit products inside (a prompt chunk's: the engine reads every chunk of a 4-bit model inside this, as
-    `model.prompt_products`) go through the AMX kernel where it is turned on and this machine runs it
-    (`native.int4_mm`): a chunk of 512 rows costs 7-9x less than through PyTorch's kernel. Decode steps keep
-    PyTorch's kernel."""
+    `model.prompt_products`) go through the AMX kernel for chunks where it is turned on and this machine runs it
+    (`native.int4_mm`): a chunk of 512 rows costs 7-9x less than through PyTorch's kernel. Products outside (decode
+    steps) go through `native.int4_mv` there."""
     token = _chunk_kernel.set(native.int4_mm())
     try:
         yield
@@ -168,9 +169,10 @@ class Int4Linear(nn.Module):
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """(M, K) -> (M, N) bfloat16 through the packed kernel, bias not added: any number of rows, each row's
-        result independent of the others."""
+        result independent of the others. Inside `prompt_products` the chunks' kernel; outside, the steps' one:
+        ours where the library is used in this process (decided once), else PyTorch's."""
         x = x.to(COMPUTE).contiguous()
-        kernel = _chunk_kernel.get()
+        kernel = _chunk_kernel.get() or native.int4_mv()
         if kernel is not None and x.device.type == "cpu" and self.out_features % native.BLOCK == 0:
             return kernel(x, self.packed, GROUP, self.scales_zeros)
         return _int4_mm(x, self.packed, self.scales_zeros)
@@ -451,6 +453,7 @@ def quantize_model(
         table.refine_top = REFINED
     if fmt == "4bit":
         model.prompt_products = prompt_products  # the engine reads prompt chunks inside it
+        model.step_products = native.products  # the kernel its steps call: a compiled step's package says which
 
 
 @torch.inference_mode()

@@ -47,6 +47,7 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
 
     def start(kind) -> None:
         from h2o_chat.engine.step import compiled
+        from h2o_chat.models import native
 
         folder = compiled.cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
@@ -61,6 +62,7 @@ def builder_for(loaded, status: Callable[[str], None] | None = None) -> Callable
             "spec": dataclasses.asdict(loaded.spec),
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "quantize": loaded.quantize,
+            "native": native.products() != "pytorch",  # the 4-bit kernel this process's steps call
             "kinds": [dataclasses.asdict(kind)],
         }
         fd, path = tempfile.mkstemp(dir=folder, prefix=".job-", suffix=".json")
@@ -82,6 +84,8 @@ def run_job(job: dict) -> list[Path]:
     from h2o_chat.models.registry import ModelSpec
 
     torch.set_num_threads(1)  # beside a process that decodes
+    if not job.get("native", True):  # the asking process multiplies through PyTorch's kernel: so does its step
+        os.environ["H2O_CHAT_NATIVE"] = "0"
     paths = []
     try:
         loaded = load(ModelSpec(**job["spec"]), device="cpu", dtype=job.get("dtype"), quantize=job.get("quantize"))

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""The AMX kernel for prompt chunks (h2o_chat/models/native) against PyTorch's CPU kernel, by rows.
+"""The AMX kernels (h2o_chat/models/native: chunks' int4_mm, steps' int4_mv) against PyTorch's CPU kernel, by rows.
 
     python scripts/int4_amx/probe.py [--threads 2] [--rows 1,2,4,8,16,48,512]
 
 Builds the kernel as h2o-chat does (into a temporary folder), checks it as h2o-chat does before first use (the
 CPU, the packed layout, one product), then for each of the embedded model's linear shapes and each row count prints
-both kernels' best time of five (microseconds), their largest difference from the float32 product of the
-dequantized weights, and whether a row's result is the same alone as in the batch.
+the three kernels' best time of five (microseconds, weights in cache), their largest difference from the float32
+product of the dequantized weights, and whether a row's result is the same alone as in the batch (both of ours).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def main() -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
     print(f"{model}, {args.threads} threads, torch {torch.__version__}\n", file=sys.stderr)
-    print("| N x K | rows | PyTorch us | AMX us | AMX / PyTorch | max error PyTorch / AMX | row alone = in batch |")
+    steps = torch.ops.h2o_native.int4_mv
+    print("| N x K | rows | PyTorch us | int4_mm us | int4_mv us | max error PyTorch / mm / mv | alone = in batch |")
     print("|---|---:|---:|---:|---:|---|---|")
     generator = torch.Generator().manual_seed(0)
     for N, K in SHAPES:
@@ -67,14 +68,17 @@ def main() -> None:
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K, generator=generator).to(torch.bfloat16)
             theirs, mine = _int4_mm(x, lin.packed, lin.scales_zeros), ours(x, lin.packed, GROUP, lin.scales_zeros)
+            step = steps(x, lin.packed, GROUP, lin.scales_zeros)
             ref = x.float() @ exact.t()
             alone = ours(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
+            step_alone = steps(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
             calls = 200 if M < 100 else 20
             t_theirs = best(lambda x=x, w=lin: _int4_mm(x, w.packed, w.scales_zeros), calls)
             t_ours = best(lambda x=x, w=lin: ours(x, w.packed, GROUP, w.scales_zeros), calls)
-            err = f"{(theirs.float() - ref).abs().max():.3g} / {(mine.float() - ref).abs().max():.3g}"
-            print(f"| {N} x {K} | {M} | {t_theirs:.0f} | {t_ours:.0f} | {t_ours / t_theirs:.2f}x | {err} | "
-                  f"{torch.equal(alone, mine[-1:])} |")  # fmt: skip
+            t_step = best(lambda x=x, w=lin: steps(x, w.packed, GROUP, w.scales_zeros), calls)
+            err = " / ".join(f"{(y.float() - ref).abs().max():.3g}" for y in (theirs, mine, step))
+            same = torch.equal(alone, mine[-1:]) and torch.equal(step_alone, step[-1:])
+            print(f"| {N} x {K} | {M} | {t_theirs:.0f} | {t_ours:.0f} | {t_step:.0f} | {err} | {same} |")
 
 
 if __name__ == "__main__":

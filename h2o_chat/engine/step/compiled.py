@@ -274,8 +274,16 @@ def package_key(model, kind: StepKind) -> str:
         "source": _source_hash(),
         "model": model_fingerprint(model),
         "kind": dataclasses.asdict(kind),
+        "products": _products(model),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _products(model) -> str | None:
+    """The kernel the model's 4-bit products call in this process (a 4-bit model on CPU says, as
+    `model.step_products`), which its compiled step then calls."""
+    products = getattr(model, "step_products", None)
+    return None if products is None else products()
 
 
 @functools.cache

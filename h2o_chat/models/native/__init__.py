@@ -1,22 +1,30 @@
-"""Our one native kernel: 4-bit weight products of prompt chunks on CPUs with AMX (`int4_amx.cpp`).
+"""Our one native library: 4-bit weight products on CPUs with AMX (`int4_amx.cpp`), two kernels.
 
-PyTorch's CPU kernel for 4-bit weights costs time in proportion to the rows it multiplies (a 512-token chunk ~150x
-one row). This one dequantizes each block of weights once per call and multiplies every row against it with AMX:
-a chunk of 512 rows costs 7-9x less (docs/experiments.md, "An AMX kernel for 4-bit products"). It reads the
-weights as PyTorch packed them (no second copy). Decode steps keep PyTorch's kernel (`cpu_quant.prompt_products`).
+PyTorch's CPU kernel for 4-bit weights costs time in proportion to the rows it multiplies (8 rows ~3.5x one, a
+512-token chunk ~150x). Ours, per block of 64 output channels, dequantizes the weights once and multiplies every row
+against them with AMX (docs/experiments.md, "An AMX kernel for 4-bit products"); it reads the weights as PyTorch
+packed them (no second copy). Each row's result is the one it gets alone, whatever the rows beside it.
 
+- `int4_mm`, prompt chunks: the weights rounded to bfloat16 in a panel, then exact products: 7-9x faster than
+  PyTorch's for a chunk of 512.
+- `int4_mv`, decode steps: the products exact per group of 32 input channels (no weight rounded; the nibbles become
+  bfloat16 by a table lookup), as fast as PyTorch's kernel for one row and flat in the rows up to 16 (8 rows 3x
+  faster). Every decode step's product goes through it, so a row decodes bit for bit the same alone and in a batch.
 - Built with the system's C++ compiler against the installed torch: at install (`python -m h2o_chat.models.native`,
   which `scripts/install.sh` runs) or, when missing, by a process of its own started at first use, while the
-  asking process keeps PyTorch's kernel. Kept beside this module (or under the cache folder when the package's
-  folder cannot be written), named by its source and the torch version.
+  asking process keeps PyTorch's kernel throughout (its prompts and its steps). Kept beside this module (or under
+  the cache folder when the package's folder cannot be written), named by its source and the torch version.
 - Checked at its boundary before first use: the CPU's flags, the layout this build of PyTorch packs weights in,
-  and one product against PyTorch's kernel. Any failure leaves PyTorch's kernel in place (`why_not` says why).
+  and one product of each kernel against PyTorch's, a row alone against the same row in a batch. Any failure
+  leaves PyTorch's kernel in place (`why_not` says why).
 - On wherever it builds, loads and passes the check; `H2O_CHAT_NATIVE=0` turns it off (`off`), for a
-  comparison or a doubt.
+  comparison or a doubt; `H2O_CHAT_NATIVE=chunks` keeps it for prompt chunks only (one row's decode step is
+  ~5% faster through PyTorch's kernel, a batch's much slower).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -38,7 +46,8 @@ ARCH = ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 BLOCK = 64  # output channels per packed block: a linear's outputs must be a multiple
 GROUP = 32  # input channels per scale and zero (cpu_quant.GROUP: the only group the kernel takes)
 BUILD_TIMEOUT = 600  # seconds
-_state: dict = {}  # "op": the loaded kernel, or "why": why not (decided once per process)
+_state: dict = {}  # "op" and "mv": the loaded kernels, or "why": why not (decided once per process)
+_fakes: set = set()  # the operators whose output shape is registered (once per process)
 _lock = threading.Lock()
 
 
@@ -53,7 +62,7 @@ def cpu_flags() -> set[str]:
 
 
 def off() -> str | None:
-    """Why prompt chunks do not ask for the kernel at all: `H2O_CHAT_NATIVE=0` turns it off."""
+    """Why 4-bit products do not ask for the library at all: `H2O_CHAT_NATIVE=0` turns it off."""
     if os.environ.get("H2O_CHAT_NATIVE", "1") == "0":
         return "turned off by H2O_CHAT_NATIVE=0"
     return None
@@ -69,6 +78,7 @@ def unsupported() -> str | None:
     return None
 
 
+@functools.cache
 def library_name() -> str:
     """The built kernel's file name: by its source and the torch it is built against."""
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
@@ -114,8 +124,9 @@ def build(path: Path | None = None) -> Path:
 
 
 def check(op: Callable) -> str | None:
-    """Why the loaded kernel must not be used here, or None: the packed layout it reads is this build of
-    PyTorch's, and its product agrees with PyTorch's kernel (to within bfloat16's rounding of the weights)."""
+    """Why the loaded kernel `op` must not be used here, or None: the packed layout it reads is this build of
+    PyTorch's, its product agrees with PyTorch's kernel (to within bfloat16's rounding of the weights), and a row's
+    result is the same alone as in a batch."""
     N, K = 2 * BLOCK, 2 * GROUP
     q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -131,6 +142,8 @@ def check(op: Callable) -> str | None:
     theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros).float()
     if not torch.allclose(ours, theirs, rtol=0.02, atol=0.02 * theirs.abs().max().item()):
         return f"its product differs from PyTorch's (by {(ours - theirs).abs().max().item():.3g})"
+    if not torch.equal(op(x[-1:].contiguous(), packed, GROUP, scales_zeros).float(), ours[-1:]):
+        return "a row's product differs alone and in a batch"
     return None
 
 
@@ -138,10 +151,17 @@ def load(path: Path) -> Callable:
     """The kernel's operator, loading the library at `path` unless a library of the kernel is loaded already (a
     second one would register the operator twice, which aborts the process)."""
     try:
-        return torch.ops.h2o_native.int4_mm
+        torch.ops.h2o_native.int4_mv  # noqa: B018 (loaded already?)
     except (AttributeError, RuntimeError):
         torch.ops.load_library(str(path))
-        return torch.ops.h2o_native.int4_mm
+    for name in {"int4_mm", "int4_mv"} - _fakes:  # their output's shape, for a compiled step (torch.export)
+        torch.library.register_fake(f"h2o_native::{name}", _fake_product)
+        _fakes.add(name)
+    return torch.ops.h2o_native.int4_mm
+
+
+def _fake_product(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def _build_in_background(path: Path) -> None:
@@ -175,18 +195,32 @@ def int4_mm(background: bool = True) -> Callable | None:
             else:
                 try:
                     op = load(path)
-                    why = check(op)
+                    why = check(op) or check(torch.ops.h2o_native.int4_mv)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
-                    _state["op"] = op
+                    steps = os.environ.get("H2O_CHAT_NATIVE") != "chunks"  # chunks only: steps keep PyTorch's
+                    _state.update(op=op, mv=torch.ops.h2o_native.int4_mv if steps else None)
                     return op
         _state["why"] = why
         return None
 
 
+def int4_mv(background: bool = True) -> Callable | None:
+    """The decode steps' kernel, with `int4_mm`'s signature, or None where the library is not used (`int4_mm`
+    decides, once per process)."""
+    int4_mm(background)
+    return _state.get("mv")
+
+
+def products() -> str:
+    """Which kernel this process's decode steps multiply 4-bit weights with: the library's file name, or "pytorch"
+    (a compiled step's package is keyed by it: the step calls that kernel)."""
+    return library_name() if int4_mv() is not None else "pytorch"
+
+
 def why_not() -> str | None:
-    """Why prompt chunks use PyTorch's kernel in this process (once `int4_mm` has been asked), or None."""
+    """Why 4-bit products use PyTorch's kernel in this process (once `int4_mm` has been asked), or None."""
     return _state.get("why")
 
 
@@ -197,14 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         why = unsupported()
         if why is not None:
-            print(f"the AMX kernel for prompt chunks is not built: {why}", file=sys.stderr)
+            print(f"the AMX kernels for 4-bit products are not built: {why}", file=sys.stderr)
             return 0
         if not path.exists():
             build(path)
         print(path)
         return 0
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-        print(f"the AMX kernel for prompt chunks was not built: {e}", file=sys.stderr)
+        print(f"the AMX kernels for 4-bit products were not built: {e}", file=sys.stderr)
         return 1
     finally:
         if "--marker" in args:
