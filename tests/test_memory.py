@@ -314,3 +314,15 @@ def test_the_throughput_bench_frees_one_configuration_before_the_next(monkeypatc
     finally:
         gc.enable()
     assert alive == [0, 0], alive
+
+
+def test_the_tracked_peak_prints_nothing_on_the_terminal(capfd):
+    """The profiler that tracks CPU allocations prints "profiler_start" / "profiler_stop" from C++ at each
+    measurement: the throughput bench's and prompt bench's terminal filled with them. Its start and stop now
+    write to the null device; standard error works again after."""
+    import sys
+
+    assert cpu_peak_bytes(lambda: torch.ones(250_000) + 1) >= 1_000_000
+    print("after", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "profiler" not in err and "after" in err

@@ -18,10 +18,12 @@ Operators per layer and chunk count every ATen operator dispatched for one middl
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -71,6 +73,25 @@ class OperatorCount(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _no_fd2() -> Iterator[None]:
+    """The process's standard error (the descriptor, which C++ writes to) sent to the null device inside."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 (a closed or captured stream): nothing to hide
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """The largest sum of live CPU allocations while fn runs (allocations by operators, frees as the
     profiler's memory events record them, in time order). Garbage left by earlier work is collected first: an
@@ -83,8 +104,14 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
 
     gc.collect()
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _no_fd2():  # its C++ side prints "profiler_start" / "profiler_stop" to the terminal at each
+        prof.start()
+    try:
         fn()
+    finally:
+        with _no_fd2():
+            prof.stop()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
