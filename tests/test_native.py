@@ -345,3 +345,20 @@ def test_chunks_only_keeps_pytorchs_kernel_for_the_steps(kernel, monkeypatch):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.delenv("H2O_CHAT_NATIVE")
     assert native.int4_mv() is not None and native.products() == native.library_name()
+
+
+def test_the_weights_description_says_when_the_products_go_through_our_kernels(decided):
+    """The panel, the piped summary and the bench's header describe the weights; they say "AMX kernels" where
+    this process multiplies through the library, so that a figure says which kernel made it."""
+    from conftest import tiny_model
+    from h2o_chat.models.loading import Loaded
+    from h2o_chat.models.registry import ModelSpec
+
+    model = tiny_model("llama", layers=1)
+    with torch.inference_mode():
+        quantize_model(model, "4bit")
+    loaded = Loaded(model, None, ModelSpec(name="tiny", source="x"), torch.device("cpu"), torch.float32, "4bit")
+    decided(op=_counting([]), mv=_counting([]))
+    assert loaded.weights == "int4 groups of 32 (LM head too, AMX kernels), int8 embedding"
+    decided(why="off")
+    assert loaded.weights == "int4 groups of 32 (LM head too), int8 embedding"

@@ -45,13 +45,17 @@ class Loaded:
 
     @property
     def weights(self) -> str:
-        """The weights' format, for the panel and records: 'float32', 'int4 groups of 32 (LM head too), int8
-        embedding', ..."""
+        """The weights' format, for the panel and records: 'float32', 'int4 groups of 32 (LM head too, AMX
+        kernels), int8 embedding' (the products through our library: `models.native`), ..."""
         if self.quantize == "none":
             return str(self.dtype).removeprefix("torch.")
         if self.device.type == "cuda":
             return "nf4 (bitsandbytes)" if self.quantize == "4bit" else "int8 (bitsandbytes)"
-        return "int4 groups of 32 (LM head too), int8 embedding" if self.quantize == "4bit" else "int8 per channel"
+        if self.quantize != "4bit":
+            return "int8 per channel"
+        products = getattr(self.model, "step_products", None)  # our AMX kernels, where this process uses them
+        amx = products is not None and products() != "pytorch"
+        return f"int4 groups of 32 (LM head too{', AMX kernels' if amx else ''}), int8 embedding"
 
     @property
     def context(self) -> int | None:
