@@ -44,10 +44,46 @@ void configure(int rows) {
   _tile_loadconfig(&c);
 }
 
+// x's tile (its rows `stride` bytes apart, 32 bfloat16 each) times a panel's 16 pairs of input channels (a row of
+// 64 output channels x 2), summed into the output tiles tmm0-3.
+inline void multiply_tile(const uint16_t* x, int64_t stride, const uint16_t* panel) {
+  _tile_loadd(4, x, stride);
+  _tile_loadd(5, panel, BN * 4);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, panel + 32, BN * 4);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(7, panel + 64, BN * 4);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_loadd(5, panel + 96, BN * 4);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// The output tiles into c (rows x 64 float32).
+inline void store_tiles(float* c) {
+  _tile_stored(0, c, BN * 4);
+  _tile_stored(1, c + 16, BN * 4);
+  _tile_stored(2, c + 32, BN * 4);
+  _tile_stored(3, c + 48, BN * 4);
+}
+
 bool amx_permitted() {
   // Linux hands AMX's tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
+}
+
+// What both kernels take: x (M, K) bfloat16, the weights of N (whole blocks of 64) by K (groups of 32) packed as
+// PyTorch packs them, their scales and zeros; and a CPU that lets this process use AMX.
+void check_arguments(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: (M, K) contiguous bfloat16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: (N, K / 2) uint8");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K, "packed holds ", packed.size(1) * 2, " input channels, x has ", K);
+  TORCH_CHECK(N % BN == 0 && K % TK == 0 && group == TK, "unsupported shape N ", N, " K ", K, " group ", group);
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.dim() == 3 && scales_zeros.size(0) == K / group && scales_zeros.size(1) == N,
+              "scales_zeros: (K / group, N, 2) bfloat16");
+  TORCH_CHECK(amx_permitted(), "the kernel needs AMX, which this CPU or kernel does not give");
 }
 
 // The block of 64 output channels at `packed` (K rows of 32 bytes), dequantized into panel[K / 2][64][2]: pairs
@@ -87,15 +123,8 @@ void dequantize_block(const uint8_t* packed, const at::BFloat16* sz, int64_t N, 
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: (M, K) contiguous bfloat16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: (N, K / 2) uint8");
+  check_arguments(x, packed, group, scales_zeros);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K, "packed holds ", packed.size(1) * 2, " input channels, x has ", K);
-  TORCH_CHECK(N % BN == 0 && K % TK == 0 && group == TK, "unsupported shape N ", N, " K ", K, " group ", group);
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.dim() == 3 && scales_zeros.size(0) == K / group && scales_zeros.size(1) == N,
-              "scales_zeros: (K / group, N, 2) bfloat16");
-  TORCH_CHECK(amx_permitted(), "the kernel needs AMX, which this CPU or kernel does not give");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -120,21 +149,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
         _tile_zero(3);
         const uint16_t* a = xs + m0 * K;
         for (int64_t k0 = 0; k0 < K; k0 += TK) {
-          const uint16_t* p = panel.data() + (k0 / 2) * BN * 2;
-          _tile_loadd(4, a + k0, K * 2);
-          _tile_loadd(5, p, BN * 4);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, p + 32, BN * 4);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, p + 64, BN * 4);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, p + 96, BN * 4);
-          _tile_dpbf16ps(3, 4, 5);
+          multiply_tile(a + k0, K * 2, panel.data() + (k0 / 2) * BN * 2);
         }
-        _tile_stored(0, c, BN * 4);
-        _tile_stored(1, c + 16, BN * 4);
-        _tile_stored(2, c + 32, BN * 4);
-        _tile_stored(3, c + 48, BN * 4);
+        store_tiles(c);
         for (int r = 0; r < rows; ++r) {
           at::BFloat16* out = ys + (m0 + r) * N + b * BN;
           for (int j = 0; j < BN; ++j) out[j] = static_cast<at::BFloat16>(c[r * BN + j]);
@@ -169,15 +186,8 @@ void dequantize_group(const uint8_t* packed, int64_t g, const __m512i lut, uint1
 }
 
 at::Tensor int4_mv(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: (M, K) contiguous bfloat16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: (N, K / 2) uint8");
+  check_arguments(x, packed, group, scales_zeros);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / TK;
-  TORCH_CHECK(packed.size(1) * 2 == K, "packed holds ", packed.size(1) * 2, " input channels, x has ", K);
-  TORCH_CHECK(N % BN == 0 && K % TK == 0 && group == TK, "unsupported shape N ", N, " K ", K, " group ", group);
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.dim() == 3 && scales_zeros.size(0) == K / group && scales_zeros.size(1) == N,
-              "scales_zeros: (K / group, N, 2) bfloat16");
-  TORCH_CHECK(amx_permitted(), "the kernel needs AMX, which this CPU or kernel does not give");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -220,19 +230,8 @@ at::Tensor int4_mv(const at::Tensor& x, const at::Tensor& packed, int64_t group,
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
-          _tile_loadd(4, xs + m0 * K + g * TK, K * 2);
-          _tile_loadd(5, panel, BN * 4);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, panel + 32, BN * 4);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, panel + 64, BN * 4);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, panel + 96, BN * 4);
-          _tile_dpbf16ps(3, 4, 5);
-          _tile_stored(0, c, BN * 4);
-          _tile_stored(1, c + 16, BN * 4);
-          _tile_stored(2, c + 32, BN * 4);
-          _tile_stored(3, c + 48, BN * 4);
+          multiply_tile(xs + m0 * K + g * TK, K * 2, panel);
+          store_tiles(c);
           __m512 scale[4], zero[4];
           const uint32_t* pairs = sz + g * N + b * BN;
           for (int t = 0; t < 4; ++t) {
