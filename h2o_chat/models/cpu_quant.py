@@ -16,10 +16,10 @@ Every product of an int4 linear goes through one of two kernels, and a row's res
 rows, so a row decodes bit for bit the same alone and in a batch, and a batch of prompts reads as each alone:
 - PyTorch's kernel: each output one float32 multiply-add chain over the input channels, in order. Its time grows
   with the rows: 8 rows cost ~3.5x one, a prompt chunk of 512 ~150x.
-- where the CPU has AMX, our library's (`native`; `H2O_CHAT_NATIVE=0` turns it off), which every product of the
-  process then takes: decode steps through `int4_mv` (exact products per group: as fast as PyTorch's for one row,
-  ~3x faster for 8), prompt chunks through `int4_mm` (`prompt_products`: the weights rounded to bfloat16 before
-  their exact products, 7-9x faster for a chunk of 512).
+- where the CPU has AMX, our library's (`native`; `H2O_CHAT_NATIVE=0` turns it off, `=chunks` keeps it for prompt
+  chunks only), which every product of the process then takes: decode steps through `int4_mv` (exact products per
+  group: as fast as PyTorch's for one row, ~3x faster for 8), prompt chunks through `int4_mm` (`prompt_products`:
+  the weights rounded to bfloat16 before their exact products, 7-9x faster for a chunk of 512).
 A token read in a chunk differs from the same token decoded by a step in the last bits, as it already did through
 the attention's products: a conversation continued from its cache and the same one read fresh agreed on 9 of 12
 greedy second replies with either chunk kernel (`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds

@@ -53,8 +53,9 @@ class Loaded:
             return "nf4 (bitsandbytes)" if self.quantize == "4bit" else "int8 (bitsandbytes)"
         if self.quantize != "4bit":
             return "int8 per channel"
-        products = getattr(self.model, "step_products", None)  # our AMX kernels, where this process uses them
-        amx = products is not None and products() != "pytorch"
+        from h2o_chat.models import native
+
+        amx = native.products() != "pytorch"  # the kernel this process's 4-bit products go through
         return f"int4 groups of 32 (LM head too{', AMX kernels' if amx else ''}), int8 embedding"
 
     @property

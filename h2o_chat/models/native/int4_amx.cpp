@@ -185,6 +185,13 @@ void dequantize_group(const uint8_t* packed, int64_t g, const __m512i lut, uint1
   }
 }
 
+// 16 pairs of bfloat16 (32 bits each: a channel's scale and zero, or two neighbouring inputs) as two float32
+// vectors, the first and the second of each pair.
+inline void split_pairs(__m512i v, __m512& first, __m512& second) {
+  first = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  second = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
+}
+
 at::Tensor int4_mv(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros) {
   check_arguments(x, packed, group, scales_zeros);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / TK;
@@ -197,10 +204,9 @@ at::Tensor int4_mv(const at::Tensor& x, const at::Tensor& packed, int64_t group,
   std::vector<float> sums(M * G);  // each row's sum of x over each group, in one fixed order
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
-      const __m512i v = _mm512_loadu_si512(xs + m * K + g * TK);
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
-      sums[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      __m512 even, odd;
+      split_pairs(_mm512_loadu_si512(xs + m * K + g * TK), even, odd);
+      sums[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
     }
   }
   alignas(64) uint16_t table[32];
@@ -234,11 +240,7 @@ at::Tensor int4_mv(const at::Tensor& x, const at::Tensor& packed, int64_t group,
           store_tiles(c);
           __m512 scale[4], zero[4];
           const uint32_t* pairs = sz + g * N + b * BN;
-          for (int t = 0; t < 4; ++t) {
-            const __m512i v = _mm512_loadu_si512(pairs + 16 * t);  // 16 channels' (scale, zero)
-            scale[t] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            zero[t] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
-          }
+          for (int t = 0; t < 4; ++t) split_pairs(_mm512_loadu_si512(pairs + 16 * t), scale[t], zero[t]);
           for (int r = 0; r < rows; ++r) {
             const __m512 s = _mm512_set1_ps(sums[(m0 + r) * G + g]);
             for (int t = 0; t < 4; ++t) {
