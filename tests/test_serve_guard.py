@@ -326,45 +326,67 @@ def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkey
 def test_a_prompt_read_while_its_lane_shrinks_enters_the_row_it_moved_to(tiny):
     """Rows move when a lane is resized (its busy rows go to the front). A prompt still being read when the lane
     shrank entered the row number it was given, which no longer existed (or was another's): it must follow its
-    row. Five replies take rows 0-4 (the lane grown to 8) and a long prompt row 5; four replies end while it is
-    read, the lane shrinks from 8 rows to 4 once the long reply of row 0 has decoded `SHRINK_AFTER` steps so,
-    and the prompt's reply is still the one it gets alone. Idle, the lane goes back to one row in one copy."""
+    row. Five replies take rows 0-4 (the lane grown to 8) and a long prompt row 5; the clients of replies 1-4
+    leave once that prompt's reading has begun, the lane shrinks from 8 rows to 4 while it is read, once the
+    reply of row 0 has decoded `SHRINK_AFTER` steps so, and the prompt's reply is still the one it gets alone.
+    To 2 rows after that reply, and idle (row 0's client gone too) back to one row in one copy. Replies end when
+    their clients leave, not after a number of tokens: the tiny model decodes a few hundred tokens in less time
+    than the next client takes to join on some machines, and the lane never reached 8 rows."""
+    from h2o_chat.app.serve.reading import Reader
     from h2o_chat.app.serve.rows import EngineSettings
 
     prompt = " ".join(f"w{4 + (11 * i) % 250}" for i in range(2000))
-    sizes: list[int] = []
-    real_resize = Lane.resize
-
-    def resize(lane, rows: int) -> None:
-        sizes.append(rows)
-        real_resize(lane, rows)
+    sizes: list[tuple[int, bool]] = []  # each resize: the rows, and whether a prompt was being read
+    real_resize, real_begin = Lane.resize, Reader.begin
+    reading, replied = threading.Event(), threading.Event()
 
     with serving(tiny, ends=False, rows=8, engine=EngineSettings(decode="eager", chunk_size=16)) as (server, port):
+
+        def resize(lane, rows: int) -> None:
+            sizes.append((rows, bool(server.scheduler.reader.readings)))
+            real_resize(lane, rows)
+
+        def begin(reader, job, lane, r) -> None:
+            real_begin(reader, job, lane, r)
+            if len(job.turn.ids) > 1000:  # the long prompt (the replies' prompts are read this way too)
+                reading.set()
+
         alone = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})[1]
         firsts = [threading.Event() for _ in range(5)]
 
         def reply(i: int) -> None:
-            body = {"model": "m", "prompt": f"w{5 + i} w9", "max_tokens": 400 if i == 0 else 30, "stream": True}
-            for _ in client(port).completions.create(**body):
-                firsts[i].set()
+            body = {"model": "m", "prompt": RUNS_ON, "max_tokens": 20_000, "temperature": 0, "stream": True}
+            with client(port).completions.create(**body) as stream:
+                for _ in stream:
+                    firsts[i].set()
+                    if i and reading.is_set():
+                        break  # replies 1-4: their clients leave while the prompt is read
+                    if not i and replied.is_set() and sizes[-1][0] == 2:
+                        break  # row 0's, once its lane has shrunk to 2 rows after the prompt's reply
 
         threads = []
-        Lane.resize = resize
+        Lane.resize, Reader.begin = resize, begin
         try:
             for i in range(5):  # one at a time: rows 0 to 4, the lane grown to 8
                 threads.append(threading.Thread(target=reply, args=(i,), daemon=True))
                 threads[-1].start()
                 assert firsts[i].wait(30)
             status, read = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            replied.set()
             for th in threads:
                 th.join(60)
+                assert not th.is_alive()
+            deadline = time.monotonic() + 30  # the row of a client gone is freed at the engine's next turn
+            while get(port, "/v1/stats")[1]["lanes"][0]["rows"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
             lanes = get(port, "/v1/stats")[1]["lanes"]
         finally:
-            Lane.resize = real_resize
+            Lane.resize, Reader.begin = real_resize, real_begin
     assert status == 200, read
     assert read["choices"][0]["text"] == alone["choices"][0]["text"]
-    # grown one job at a time; to 4 while the prompt was read, to 2 after its reply (row 0 decoding on), idle: 1
-    assert sizes == [2, 4, 8, 4, 2, 1], sizes
+    # grown one job at a time with no prompt being read; to 4 while the prompt was read, to 2 after its reply
+    # (row 0 decoding on), idle: 1
+    assert sizes == [(2, False), (4, False), (8, False), (4, True), (2, False), (1, False)], sizes
     assert [lane["rows"] for lane in lanes] == [1]
 
 
