@@ -577,7 +577,10 @@ def test_a_filling_cache_steps_over_what_it_holds_and_decides_as_over_every_slot
     budget, and while every row has room its token takes the first empty slot without ranking any (`evict.append`):
     the first turns of a chat at a large budget were read at the budget's cost. Over a left-padded batch of three
     filling, then evicting: the same logits and every token in the same slot as reading and ranking every slot, for
-    h2o, snap, sink and recall (its store ranked beside the slots)."""
+    h2o, snap, sink and recall (its store ranked beside the slots: every token in the same entry too). Reading
+    fewer slots sums in another order (last-bit differences, ~3e-6 here); recall's store rounds what it keeps to
+    int8, and on some CPUs (an AVX2 EPYC) such a difference put two stored values one step of int8 apart, which
+    moved its later logits by up to ~3e-3: recall's logits are compared to within what one such step can move."""
     from h2o_chat.engine import forward
 
     model = tiny_model("llama", seed=12)
@@ -609,10 +612,14 @@ def test_a_filling_cache_steps_over_what_it_holds_and_decides_as_over_every_slot
             for i in range(110):  # 27 + 110 columns: through widths 32 .. 128 and past the budget of 100
                 out, tokens = engine.decode(tokens if i == 0 else None)
                 logits.append(out.clone())
-            runs.append((torch.stack(logits), cache.slots.pos.clone()))
-        (read, held), (read_all, held_all) = runs
+            stored = None if cache.store is None else cache.store.pos.clone()
+            runs.append((torch.stack(logits), cache.slots.pos.clone(), stored))
+        (read, held, stored), (read_all, held_all, stored_all) = runs
         assert torch.equal(held, held_all), name  # every token in the same slot
-        torch.testing.assert_close(read, read_all, atol=1e-5, rtol=1e-5, msg=name)
+        assert (stored is None) == (name != "recall")
+        assert stored is None or torch.equal(stored, stored_all), name  # and in the same entry of the store
+        tolerance = 1e-2 if name == "recall" else 1e-5
+        torch.testing.assert_close(read, read_all, atol=tolerance, rtol=tolerance, msg=name)
     assert {32, 64, 96, None} <= set(widths), sorted(set(widths), key=str)
 
 
