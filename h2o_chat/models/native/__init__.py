@@ -125,15 +125,29 @@ def build(path: Path | None = None) -> Path:
 
 def check(op: Callable) -> str | None:
     """Why the loaded kernel `op` must not be used here, or None: the packed layout it reads is this build of
-    PyTorch's, its product agrees with PyTorch's kernel (to within bfloat16's rounding of the weights), and a row's
-    result is the same alone as in a batch."""
+    PyTorch's (`packs_as_read`) and its products agree with PyTorch's kernel's (`compare`)."""
+    if not packs_as_read():
+        return "this build of PyTorch packs 4-bit weights in another layout than the kernel reads"
+    return compare(op)
+
+
+def packs_as_read() -> bool:
+    """Whether this build of PyTorch packs 4-bit weights as the kernel reads them (its AVX-512 layout: an AVX2-only
+    CPU gets another)."""
     N, K = 2 * BLOCK, 2 * GROUP
     q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     blocks = q.view(N // BLOCK, BLOCK, K)
     expect = (blocks[:, : BLOCK // 2] | (blocks[:, BLOCK // 2 :] << 4)).transpose(1, 2)
-    if packed.shape != (N, K // 2) or not torch.equal(packed.view(N // BLOCK, K, BLOCK // 2).int(), expect):
-        return "this build of PyTorch packs 4-bit weights in another layout than the kernel reads"
+    return packed.shape == (N, K // 2) and torch.equal(packed.view(N // BLOCK, K, BLOCK // 2).int(), expect)
+
+
+def compare(op: Callable) -> str | None:
+    """Why `op`'s products must not be used, or None: they agree with PyTorch's kernel (to within bfloat16's
+    rounding of the weights) on weights PyTorch packed, and a row's result is the same alone as in a batch."""
+    N, K = 2 * BLOCK, 2 * GROUP
+    q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     generator = torch.Generator().manual_seed(0)
     uniform = torch.rand(K // GROUP, N, 2, generator=generator)  # (K / G, N, 2): scales in (0, 0.1), zeros +-0.5
     scales_zeros = (uniform * torch.tensor([0.1, 1.0]) - torch.tensor([0.0, 0.5])).to(torch.bfloat16).contiguous()
