@@ -1,6 +1,7 @@
-"""The AMX kernels for 4-bit products (models/native): what they compute where they run, that prompt chunks go
-through the chunks' kernel and decode steps (eager or compiled) through the steps' one, a row alike alone and in a
-batch, and that every way the library can be missing leaves PyTorch's kernel with the reason."""
+"""Our kernels for 4-bit products (models/native: AMX's two, or AVX2's for prompt chunks, whichever this CPU
+builds): what they compute where they run, that prompt chunks go through the chunks' kernel and decode steps (eager
+or compiled) through the steps' one, a row alike alone and in a batch, and that every way the library can be
+missing leaves PyTorch's kernel with the reason."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def decided(monkeypatch):
 
     def set_(op=None, why=None, mv=None):
         native._state.clear()
-        native._state.update({"op": op, "mv": mv} if op is not None else {"why": why or "the test says so"})
+        if op is not None:
+            native._state.update(op=op, mv=mv, block=native.pytorch_block())
+        else:
+            native._state.update(why=why or "the test says so")
 
     yield set_
     native._state.clear()
@@ -37,7 +41,7 @@ def kernel(tmp_path_factory):
     """The kernel built here, loaded and checked; skipped where it cannot run (the reason given)."""
     why = native.unsupported()
     if why is not None:
-        pytest.skip(f"the AMX kernel cannot run here: {why}")
+        pytest.skip(f"our kernels cannot run here: {why}")
     if native.compiler() is None:
         pytest.skip("no C++ compiler")
     path = native.library_path()
@@ -52,6 +56,8 @@ def kernel(tmp_path_factory):
 @pytest.fixture(scope="module")
 def step_kernel(kernel):
     """The decode steps' kernel (`int4_mv`), checked as the engine checks it."""
+    if not native.kernels().steps:
+        pytest.skip(f"the library built for this CPU ({native.kernels().name}) has no decode steps' kernel")
     op = torch.ops.h2o_native.int4_mv
     assert native.check(op) is None
     return op
@@ -80,14 +86,16 @@ def test_the_step_kernel_takes_exact_products_and_gives_each_row_what_it_gets_al
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 21, 300])
 def test_the_kernel_computes_the_product_within_bfloat16s_rounding_of_the_weights_and_each_row_alone(kernel, rows):
-    """Against the float64 product of the weights rounded to bfloat16 (what the kernel multiplies), at a real
-    shape; each row's result is the one it gets alone, and PyTorch's kernel is as close to the exact weights."""
+    """Against the float64 product of the weights the kernel multiplies (AMX's: rounded to bfloat16; AVX2's: exact),
+    at a real shape; each row's result is the one it gets alone, and PyTorch's kernel is as close to the exact
+    weights."""
     torch.manual_seed(1)
     lin = Int4Linear.from_float(torch.randn(576, 1536) * 0.05)
     x = torch.randn(rows, 1536).to(torch.bfloat16)
     got = kernel(x, lin.packed, GROUP, lin.scales_zeros)
-    rounded = lin.dequantize().to(torch.bfloat16).double()
-    want = x.double() @ rounded.t()
+    weights = lin.dequantize()
+    multiplied = (weights.to(torch.bfloat16) if native.kernels() is native.AMX else weights).double()
+    want = x.double() @ multiplied.t()
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 576)
     assert torch.allclose(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
     exact = x.double() @ lin.dequantize().double().t()
@@ -98,12 +106,38 @@ def test_the_kernel_computes_the_product_within_bfloat16s_rounding_of_the_weight
 
 
 def test_the_kernel_refuses_what_it_cannot_compute(kernel):
-    lin = Int4Linear.from_float(torch.randn(96, 64))  # 96 outputs: not whole blocks of 64
+    block = native.pytorch_block()
+    lin = Int4Linear.from_float(torch.randn(block * 3 // 2, 64))  # not whole blocks of outputs
     with pytest.raises(RuntimeError, match="unsupported shape"):
         kernel(torch.randn(2, 64).to(torch.bfloat16), lin.packed, GROUP, lin.scales_zeros)
     lin = Int4Linear.from_float(torch.randn(128, 64))
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(torch.randn(2, 64), lin.packed, GROUP, lin.scales_zeros)
+
+
+def test_the_avx2_kernel_reads_either_layout_pytorch_packs_in_and_sums_alike(kernel):
+    """AVX2's chunks' kernel reads weights packed in blocks of 32 output channels (PyTorch's AVX2 layout) or 64 (its
+    AVX-512 one, on CPUs with AVX-512 but no AMX): the same weights give the same products, bit for bit, since
+    each output is summed in the same order whatever the layout; and a block it does not read is refused."""
+    if native.kernels() is not native.AVX2:
+        pytest.skip("the library built here is not AVX2's")
+    torch.manual_seed(3)
+    lin = Int4Linear.from_float(torch.randn(192, 576) * 0.05)
+    weights = lin.dequantize()
+    scales_zeros = lin.scales_zeros
+    x = torch.randn(13, 576).to(torch.bfloat16)
+    # the 4-bit values back from the scales: q = round((w - zero) / scale) + 8, exact for weights made from them
+    s, z = scales_zeros[..., 0].float().t(), scales_zeros[..., 1].float().t()  # (N, K / 32)
+    q = ((weights.view(192, -1, 32) - z[..., None]) / s[..., None] + 8).round().view(192, 576).to(torch.int32)
+    assert q.min() >= 0 and q.max() <= 15
+    products = {}
+    for block in (32, 64):
+        packed = native.packing(q, block).reshape(192, 288).to(torch.uint8).contiguous()
+        products[block] = torch.ops.h2o_native.int4_mm(x, packed, GROUP, scales_zeros, block)
+    assert torch.equal(products[32], products[64])
+    assert torch.equal(products[native.pytorch_block()], kernel(x, lin.packed, GROUP, scales_zeros))
+    with pytest.raises(RuntimeError, match="block: 32 or 64"):
+        torch.ops.h2o_native.int4_mm(x, lin.packed, GROUP, scales_zeros, 16)
 
 
 def test_a_wrong_kernel_is_refused_by_the_check():
@@ -204,10 +238,13 @@ def test_every_way_the_kernel_is_missing_leaves_pytorchs_with_one_reason(monkeyp
     assert native.int4_mm() is None and native.why_not() == "turned off by H2O_CHAT_NATIVE=0"
     monkeypatch.delenv("H2O_CHAT_NATIVE")  # on by default
 
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx2"})  # neither AMX's nor AVX2's whole
     monkeypatch.setattr(native, "_state", {})
-    assert native.int4_mm() is None and native.why_not().startswith("this CPU lacks avx512bw")
-    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.FLAGS))
+    assert native.int4_mm() is None and native.why_not() == "this CPU lacks fma"
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
+    assert native.kernels() is native.AVX2 and native.library_name().startswith("int4_avx2-")
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", *native.AMX.flags})
+    assert native.kernels() is native.AMX and native.library_name().startswith("int4_amx-")
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(native.sys, "platform", "linux")
 
@@ -355,12 +392,16 @@ def test_chunks_only_keeps_pytorchs_kernel_for_the_steps(kernel, monkeypatch):
     assert native.int4_mm() is not None and native.int4_mv() is None and native.products() == "pytorch"
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.delenv("H2O_CHAT_NATIVE")
-    assert native.int4_mv() is not None and native.products() == native.library_name()
+    if native.kernels().steps:
+        assert native.int4_mv() is not None and native.products() == native.library_name()
+    else:  # AVX2's library: prompt chunks only, whatever the setting
+        assert native.int4_mm() is not None and native.int4_mv() is None and native.products() == "pytorch"
 
 
 def test_the_weights_description_says_when_the_products_go_through_our_kernels(decided):
-    """The panel, the piped summary and the bench's header describe the weights; they say "AMX kernels" where
-    this process multiplies through the library, so that a figure says which kernel made it."""
+    """The panel, the piped summary and the bench's header describe the weights; they say "AMX kernels" (or "AVX2
+    kernel for prompt chunks") where this process multiplies through the library, so that a figure says which
+    kernel made it."""
     from conftest import tiny_model
     from h2o_chat.models.loading import Loaded
     from h2o_chat.models.registry import ModelSpec
@@ -369,7 +410,10 @@ def test_the_weights_description_says_when_the_products_go_through_our_kernels(d
     with torch.inference_mode():
         quantize_model(model, "4bit")
     loaded = Loaded(model, None, ModelSpec(name="tiny", source="x"), torch.device("cpu"), torch.float32, "4bit")
+    name = native.kernels().name.upper()  # AMX, or AVX2: the library this CPU builds
     decided(op=_counting([]), mv=_counting([]))
-    assert loaded.weights == "int4 groups of 32 (LM head too, AMX kernels), int8 embedding"
+    assert loaded.weights == f"int4 groups of 32 (LM head too, {name} kernels), int8 embedding"
+    decided(op=_counting([]))  # chunks only (AVX2's library, or H2O_CHAT_NATIVE=chunks)
+    assert loaded.weights == f"int4 groups of 32 (LM head too, {name} kernel for prompt chunks), int8 embedding"
     decided(why="off")
     assert loaded.weights == "int4 groups of 32 (LM head too), int8 embedding"

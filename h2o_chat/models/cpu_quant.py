@@ -19,7 +19,9 @@ rows, so a row decodes bit for bit the same alone and in a batch, and a batch of
 - where the CPU has AMX, our library's (`native`; `H2O_CHAT_NATIVE=0` turns it off, `=chunks` keeps it for prompt
   chunks only), which every product of the process then takes: decode steps through `int4_mv` (exact products per
   group: as fast as PyTorch's for one row, ~3x faster for 8), prompt chunks through `int4_mm` (`prompt_products`:
-  the weights rounded to bfloat16 before their exact products, 7-9x faster for a chunk of 512).
+  the weights rounded to bfloat16 before their exact products, 7-9x faster for a chunk of 512). Where the CPU has
+  AVX2 and FMA but no AMX, the library's AVX2 build reads prompt chunks (exact weights, ~2x faster for a chunk of
+  37 rows or more) and decode steps keep PyTorch's kernel.
 A token read in a chunk differs from the same token decoded by a step in the last bits, as it already did through
 the attention's products: a conversation continued from its cache and the same one read fresh agreed on 9 of 12
 greedy second replies with either chunk kernel (`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds
@@ -173,7 +175,7 @@ class Int4Linear(nn.Module):
         ours where the library is used in this process (decided once), else PyTorch's."""
         x = x.to(COMPUTE).contiguous()
         kernel = _chunk_kernel.get() or native.int4_mv()
-        if kernel is not None and x.device.type == "cpu" and self.out_features % native.BLOCK == 0:
+        if kernel is not None and x.device.type == "cpu" and self.out_features % native.block() == 0:
             return kernel(x, self.packed, GROUP, self.scales_zeros)
         return _int4_mm(x, self.packed, self.scales_zeros)
 

@@ -55,8 +55,8 @@ class Loaded:
             return "int8 per channel"
         from h2o_chat.models import native
 
-        amx = native.products() != "pytorch"  # the kernel this process's 4-bit products go through
-        return f"int4 groups of 32 (LM head too{', AMX kernels' if amx else ''}), int8 embedding"
+        kernels = native.label()  # the kernels this process's 4-bit products go through (None: PyTorch's)
+        return f"int4 groups of 32 (LM head too{f', {kernels}' if kernels else ''}), int8 embedding"
 
     @property
     def context(self) -> int | None:

@@ -1,15 +1,23 @@
-"""Our one native library: 4-bit weight products on CPUs with AMX (`int4_amx.cpp`), two kernels.
+"""Our native library: 4-bit weight products on x86 CPUs, built for the CPU it runs on from one of two sources.
 
 PyTorch's CPU kernel for 4-bit weights costs time in proportion to the rows it multiplies (8 rows ~3.5x one, a
-512-token chunk ~150x). Ours, per block of 64 output channels, dequantizes the weights once and multiplies every row
-against them with AMX (docs/experiments.md, "An AMX kernel for 4-bit products"); it reads the weights as PyTorch
-packed them (no second copy). Each row's result is the one it gets alone, whatever the rows beside it.
+512-token chunk ~150x). Ours dequantize each block of output channels once per call and multiply every row against
+it; they read the weights as PyTorch packed them (no second copy). Each row's result is the one it gets alone,
+whatever the rows beside it.
 
+With AMX (Intel Xeon 4th generation and later), `int4_amx.cpp`, two kernels (docs/experiments.md, "An AMX kernel
+for 4-bit products"):
 - `int4_mm`, prompt chunks: the weights rounded to bfloat16 in a panel, then exact products: 7-9x faster than
   PyTorch's for a chunk of 512.
 - `int4_mv`, decode steps: the products exact per group of 32 input channels (no weight rounded; the nibbles become
   bfloat16 by a table lookup), as fast as PyTorch's kernel for one row and flat in the rows up to 16 (8 rows 3x
   faster). Every decode step's product goes through it, so a row decodes bit for bit the same alone and in a batch.
+
+With AVX2 and FMA but no AMX (AMD EPYC, Intel before Sapphire Rapids), `int4_avx2.cpp`: `int4_mm` for prompt
+chunks only, exact weights in a float32 panel and fused multiply-adds, each output summed in the input channels'
+order: ~2x faster than PyTorch's for a chunk of 37 rows or more. Decode steps keep PyTorch's kernel there, as fast
+for one row (experiments.md, "Prompt chunks on CPUs without AMX").
+
 - Built with the system's C++ compiler against the installed torch: at install (`python -m h2o_chat.models.native`,
   which `scripts/install.sh` runs) or, when missing, by a process of its own started at first use, while the
   asking process keeps PyTorch's kernel throughout (its prompts and its steps). Kept beside this module (or under
@@ -19,7 +27,7 @@ packed them (no second copy). Each row's result is the one it gets alone, whatev
   leaves PyTorch's kernel in place (`why_not` says why).
 - On wherever it builds, loads and passes the check; `H2O_CHAT_NATIVE=0` turns it off (`off`), for a
   comparison or a doubt; `H2O_CHAT_NATIVE=chunks` keeps it for prompt chunks only (one row's decode step is
-  ~5% faster through PyTorch's kernel, a batch's much slower).
+  ~5% faster through PyTorch's kernel with AMX, a batch's much slower).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,10 +49,42 @@ import torch
 from h2o_chat.files import cxx as compiler  # the compiler inductor builds the compiled steps with
 from h2o_chat.files import cxx_name
 
-SOURCE = Path(__file__).with_name("int4_amx.cpp")
-FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")  # what the kernel's instructions need
-ARCH = ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
-BLOCK = 64  # output channels per packed block: a linear's outputs must be a multiple
+
+@dataclass(frozen=True)
+class Kernels:
+    """One source of the library: the CPU flags its instructions need and the compiler's flags for them, the blocks
+    of output channels it reads weights packed in (PyTorch packs in blocks of 64 where its kernel uses AVX-512, of
+    32 with AVX2; a linear's outputs must be a multiple), whether its `int4_mm` is told the block (its last
+    argument) and whether it has a decode steps' kernel (`int4_mv`)."""
+
+    name: str
+    source: Path
+    flags: tuple[str, ...]
+    arch: tuple[str, ...]
+    blocks: tuple[int, ...]
+    told_block: bool
+    steps: bool
+
+
+AMX = Kernels(
+    "amx",
+    Path(__file__).with_name("int4_amx.cpp"),
+    ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"),
+    ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    blocks=(64,),
+    told_block=False,
+    steps=True,
+)
+AVX2 = Kernels(
+    "avx2",
+    Path(__file__).with_name("int4_avx2.cpp"),
+    ("avx2", "fma"),
+    ("-mavx2", "-mfma"),
+    blocks=(32, 64),
+    told_block=True,
+    steps=False,
+)
+SOURCES = (AMX, AVX2)  # the first whose flags the CPU has is built
 GROUP = 32  # input channels per scale and zero (cpu_quant.GROUP: the only group the kernel takes)
 BUILD_TIMEOUT = 600  # seconds
 _state: dict = {}  # "op" and "mv": the loaded kernels, or "why": why not (decided once per process)
@@ -51,6 +92,7 @@ _fakes: set = set()  # the operators whose output shape is registered (once per 
 _lock = threading.Lock()
 
 
+@functools.cache
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -68,21 +110,61 @@ def off() -> str | None:
     return None
 
 
+def kernels() -> Kernels:
+    """The source built for this CPU: the first of `SOURCES` whose instructions it has (AVX2's, the least, when
+    it has none: `unsupported` then says what it lacks)."""
+    flags = cpu_flags()
+    return next((k for k in SOURCES if set(k.flags) <= flags), SOURCES[-1])
+
+
+def block() -> int:
+    """The packed block of output channels the library used in this process reads (a linear's outputs must be a
+    multiple of it to go through the library)."""
+    return _state.get("block", 64)
+
+
+@functools.cache
+def pytorch_block() -> int | None:
+    """The block of output channels this build of PyTorch packs 4-bit weights in on this CPU (byte j of a block's
+    row k holding channel j in its low nibble and channel j + block / 2 in its high one): 64 (its AVX-512 kernel),
+    32 (AVX2), or None (another layout)."""
+    for BLOCK in (64, 32):
+        K = 2 * GROUP
+        N = 2 * BLOCK
+        q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        if packed.shape == (N, K // 2) and torch.equal(packed.view(N // BLOCK, K, BLOCK // 2).int(), packing(q, BLOCK)):
+            return BLOCK
+    return None
+
+
+def packing(q: torch.Tensor, block: int) -> torch.Tensor:
+    """4-bit values q (N, K) packed as PyTorch packs them in blocks of `block` output channels: (N / block, K,
+    block / 2) bytes."""
+    N, K = q.shape
+    blocks = q.view(N // block, block, K)
+    return (blocks[:, : block // 2] | (blocks[:, block // 2 :] << 4)).transpose(1, 2)
+
+
 def unsupported() -> str | None:
     """Why the kernel cannot run on this machine at all (nothing built or loaded), or None."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return f"it is built for Linux on x86-64, not {sys.platform} on {platform.machine()}"
-    missing = [f for f in FLAGS if f not in cpu_flags()]
+    missing = [f for f in kernels().flags if f not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     return None
 
 
-@functools.cache
 def library_name() -> str:
     """The built kernel's file name: by its source and the torch it is built against."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    return f"int4_amx-{key}.so"
+    return _library_name(kernels())
+
+
+@functools.cache
+def _library_name(source: Kernels) -> str:
+    key = hashlib.sha256(source.source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return f"int4_{source.name}-{key}.so"
 
 
 def library_path() -> Path:
@@ -103,7 +185,7 @@ def build(path: Path | None = None) -> Path:
     the compiler's last line when it fails."""
     from torch.utils import cpp_extension
 
-    path = path or library_path()
+    path, source = path or library_path(), kernels()
     cxx = compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler ({cxx_name()}) was found")
@@ -113,8 +195,8 @@ def build(path: Path | None = None) -> Path:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        command = [cxx, "-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w", abi, *ARCH, *includes]
-        command += [str(SOURCE), "-o", str(out), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        command = [cxx, "-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w", abi, *source.arch, *includes]
+        command += [str(source.source), "-o", str(out), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -132,20 +214,14 @@ def check(op: Callable) -> str | None:
 
 
 def packs_as_read() -> bool:
-    """Whether this build of PyTorch packs 4-bit weights as the kernel reads them (its AVX-512 layout: an AVX2-only
-    CPU gets another)."""
-    N, K = 2 * BLOCK, 2 * GROUP
-    q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    blocks = q.view(N // BLOCK, BLOCK, K)
-    expect = (blocks[:, : BLOCK // 2] | (blocks[:, BLOCK // 2 :] << 4)).transpose(1, 2)
-    return packed.shape == (N, K // 2) and torch.equal(packed.view(N // BLOCK, K, BLOCK // 2).int(), expect)
+    """Whether this build of PyTorch packs 4-bit weights in a layout the kernel built for this CPU reads."""
+    return pytorch_block() in kernels().blocks
 
 
 def compare(op: Callable) -> str | None:
     """Why `op`'s products must not be used, or None: they agree with PyTorch's kernel (to within bfloat16's
     rounding of the weights) on weights PyTorch packed, and a row's result is the same alone as in a batch."""
-    N, K = 2 * BLOCK, 2 * GROUP
+    N, K = 128, 2 * GROUP
     q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     generator = torch.Generator().manual_seed(0)
@@ -162,12 +238,16 @@ def compare(op: Callable) -> str | None:
 
 
 def load(path: Path) -> Callable:
-    """The kernel's operator, loading the library at `path` unless a library of the kernel is loaded already (a
-    second one would register the operator twice, which aborts the process)."""
+    """The chunks' kernel, `op(x, packed, group, scales_zeros)`, loading the library at `path` unless a library of
+    the kernel is loaded already (a second one would register the operator twice, which aborts the process); told
+    PyTorch's block where its source takes it (AVX2's, which only prompt chunks call, never a compiled step)."""
     try:
-        torch.ops.h2o_native.int4_mv  # noqa: B018 (loaded already?)
+        torch.ops.h2o_native.int4_mm  # noqa: B018 (loaded already?)
     except (AttributeError, RuntimeError):
         torch.ops.load_library(str(path))
+    source = kernels()
+    if source.told_block:
+        return functools.partial(torch.ops.h2o_native.int4_mm, block=pytorch_block() or source.blocks[0])
     for name in {"int4_mm", "int4_mv"} - _fakes:  # their output's shape, for a compiled step (torch.export)
         torch.library.register_fake(f"h2o_native::{name}", _fake_product)
         _fakes.add(name)
@@ -209,12 +289,14 @@ def int4_mm(background: bool = True) -> Callable | None:
             else:
                 try:
                     op = load(path)
-                    why = check(op) or check(torch.ops.h2o_native.int4_mv)
+                    steps = torch.ops.h2o_native.int4_mv if kernels().steps else None
+                    why = check(op) or (check(steps) if steps is not None else None)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
-                    steps = os.environ.get("H2O_CHAT_NATIVE") != "chunks"  # chunks only: steps keep PyTorch's
-                    _state.update(op=op, mv=torch.ops.h2o_native.int4_mv if steps else None)
+                    if os.environ.get("H2O_CHAT_NATIVE") == "chunks":  # chunks only: steps keep PyTorch's
+                        steps = None
+                    _state.update(op=op, mv=steps, block=pytorch_block())
                     return op
         _state["why"] = why
         return None
@@ -233,6 +315,15 @@ def products() -> str:
     return library_name() if int4_mv() is not None else "pytorch"
 
 
+def label() -> str | None:
+    """What the weights' description says of the kernels this process's 4-bit products go through: "AMX kernels"
+    (chunks and steps), "AVX2 kernel for prompt chunks" (steps through PyTorch's), or None (PyTorch's only)."""
+    if int4_mm() is None:
+        return None
+    name = kernels().name.upper()
+    return f"{name} kernels" if int4_mv() is not None else f"{name} kernel for prompt chunks"
+
+
 def why_not() -> str | None:
     """Why 4-bit products use PyTorch's kernel in this process (once `int4_mm` has been asked), or None."""
     return _state.get("why")
@@ -245,14 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         why = unsupported()
         if why is not None:
-            print(f"the AMX kernels for 4-bit products are not built: {why}", file=sys.stderr)
+            print(f"h2o-chat's kernels for 4-bit products are not built: {why}", file=sys.stderr)
             return 0
         if not path.exists():
             build(path)
         print(path)
         return 0
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-        print(f"the AMX kernels for 4-bit products were not built: {e}", file=sys.stderr)
+        print(f"h2o-chat's kernels for 4-bit products were not built: {e}", file=sys.stderr)
         return 1
     finally:
         if "--marker" in args:
