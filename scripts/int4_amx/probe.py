@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The AMX kernels (h2o_chat/models/native: chunks' int4_mm, steps' int4_mv) against PyTorch's CPU kernel, by rows.
+"""Our 4-bit kernels (h2o_chat/models/native: chunks' int4_mm, steps' int4_mv; AVX2's build has int4_mm only)
+against PyTorch's CPU kernel, by rows.
 
     python scripts/int4_amx/probe.py [--threads 2] [--rows 1,2,4,8,16,48,512]
 
@@ -58,7 +59,7 @@ def main() -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
     print(f"{model}, {args.threads} threads, torch {torch.__version__}\n", file=sys.stderr)
-    steps = torch.ops.h2o_native.int4_mv
+    steps = torch.ops.h2o_native.int4_mv if native.kernels().steps else None  # AVX2's library: chunks only
     print("| N x K | rows | PyTorch us | int4_mm us | int4_mv us | max error PyTorch / mm / mv | alone = in batch |")
     print("|---|---:|---:|---:|---:|---|---|")
     generator = torch.Generator().manual_seed(0)
@@ -68,17 +69,20 @@ def main() -> None:
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K, generator=generator).to(torch.bfloat16)
             theirs, mine = _int4_mm(x, lin.packed, lin.scales_zeros), ours(x, lin.packed, GROUP, lin.scales_zeros)
-            step = steps(x, lin.packed, GROUP, lin.scales_zeros)
             ref = x.float() @ exact.t()
             alone = ours(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
-            step_alone = steps(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
             calls = 200 if M < 100 else 20
             t_theirs = best(lambda x=x, w=lin: _int4_mm(x, w.packed, w.scales_zeros), calls)
             t_ours = best(lambda x=x, w=lin: ours(x, w.packed, GROUP, w.scales_zeros), calls)
-            t_step = best(lambda x=x, w=lin: steps(x, w.packed, GROUP, w.scales_zeros), calls)
-            err = " / ".join(f"{(y.float() - ref).abs().max():.3g}" for y in (theirs, mine, step))
-            same = torch.equal(alone, mine[-1:]) and torch.equal(step_alone, step[-1:])
-            print(f"| {N} x {K} | {M} | {t_theirs:.0f} | {t_ours:.0f} | {t_step:.0f} | {err} | {same} |")
+            results, same, t_step = [theirs, mine], torch.equal(alone, mine[-1:]), "-"
+            if steps is not None:
+                step = steps(x, lin.packed, GROUP, lin.scales_zeros)
+                step_alone = steps(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
+                t_step = f"{best(lambda x=x, w=lin: steps(x, w.packed, GROUP, w.scales_zeros), calls):.0f}"
+                results.append(step)
+                same = same and torch.equal(step_alone, step[-1:])
+            err = " / ".join(f"{(y.float() - ref).abs().max():.3g}" for y in results)
+            print(f"| {N} x {K} | {M} | {t_theirs:.0f} | {t_ours:.0f} | {t_step} | {err} | {same} |")
 
 
 if __name__ == "__main__":
