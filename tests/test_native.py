@@ -1,7 +1,7 @@
-"""Our kernels for 4-bit products (models/native: AMX's two, or AVX2's for prompt chunks, whichever this CPU
-builds): what they compute where they run, that prompt chunks go through the chunks' kernel and decode steps (eager
-or compiled) through the steps' one, a row alike alone and in a batch, and that every way the library can be
-missing leaves PyTorch's kernel with the reason."""
+"""Our kernels for 4-bit products (models/native: AMX's two or AVX2's two, whichever this CPU builds): what they
+compute where they run, that prompt chunks go through the chunks' kernel and decode steps (eager or compiled)
+through the steps' one, a row alike alone and in a batch, and that every way the library can be missing leaves
+PyTorch's kernel with the reason."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def decided(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    """The kernel built here, loaded and checked; skipped where it cannot run (the reason given)."""
+def kernels(tmp_path_factory):
+    """The kernels built here, loaded; skipped where they cannot run (the reason given)."""
     why = native.unsupported()
     if why is not None:
         pytest.skip(f"our kernels cannot run here: {why}")
@@ -47,20 +47,23 @@ def kernel(tmp_path_factory):
     path = native.library_path()
     if not path.exists():
         path = native.build(tmp_path_factory.mktemp("native") / native.library_name())
-    op = native.load(path)  # the one the engine loaded, if it has
-    why = native.check(op)
+    ops = native.load(path)  # the ones the engine loaded, if it has: (chunks', steps')
+    why = native.check(ops[0])
     assert why is None, why
-    return op
+    return ops
 
 
 @pytest.fixture(scope="module")
-def step_kernel(kernel):
+def kernel(kernels):
+    """The prompt chunks' kernel (`int4_mm`), checked as the engine checks it."""
+    return kernels[0]
+
+
+@pytest.fixture(scope="module")
+def step_kernel(kernels):
     """The decode steps' kernel (`int4_mv`), checked as the engine checks it."""
-    if not native.kernels().steps:
-        pytest.skip(f"the library built for this CPU ({native.kernels().name}) has no decode steps' kernel")
-    op = torch.ops.h2o_native.int4_mv
-    assert native.check(op) is None
-    return op
+    assert native.check(kernels[1]) is None
+    return kernels[1]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
@@ -116,9 +119,10 @@ def test_the_kernel_refuses_what_it_cannot_compute(kernel):
 
 
 def test_the_avx2_kernel_reads_either_layout_pytorch_packs_in_and_sums_alike(kernel):
-    """AVX2's chunks' kernel reads weights packed in blocks of 32 output channels (PyTorch's AVX2 layout) or 64 (its
-    AVX-512 one, on CPUs with AVX-512 but no AMX): the same weights give the same products, bit for bit, since
-    each output is summed in the same order whatever the layout; and a block it does not read is refused."""
+    """AVX2's kernels (chunks' and steps') read weights packed in blocks of 32 output channels (PyTorch's AVX2
+    layout) or 64 (its AVX-512 one, on CPUs with AVX-512 but no AMX): the same weights give the same products, bit
+    for bit, since each output is summed in the same order whatever the layout; and a block they do not read is
+    refused."""
     if native.kernels() is not native.AVX2:
         pytest.skip("the library built here is not AVX2's")
     torch.manual_seed(3)
@@ -130,14 +134,20 @@ def test_the_avx2_kernel_reads_either_layout_pytorch_packs_in_and_sums_alike(ker
     s, z = scales_zeros[..., 0].float().t(), scales_zeros[..., 1].float().t()  # (N, K / 32)
     q = ((weights.view(192, -1, 32) - z[..., None]) / s[..., None] + 8).round().view(192, 576).to(torch.int32)
     assert q.min() >= 0 and q.max() <= 15
-    products = {}
-    for block in (32, 64):
-        packed = native.packing(q, block).reshape(192, 288).to(torch.uint8).contiguous()
-        products[block] = torch.ops.h2o_native.int4_mm(x, packed, GROUP, scales_zeros, block)
-    assert torch.equal(products[32], products[64])
-    assert torch.equal(products[native.pytorch_block()], kernel(x, lin.packed, GROUP, scales_zeros))
-    with pytest.raises(RuntimeError, match="block: 32 or 64"):
-        torch.ops.h2o_native.int4_mm(x, lin.packed, GROUP, scales_zeros, 16)
+    ours = native.pytorch_block()
+    for name in ("int4_mm", "int4_mv"):  # the chunks' kernel and the steps' one
+        op, products = getattr(torch.ops.h2o_native, name), {}
+        for block in (32, 64):
+            packed = native.packing(q, block).reshape(192, 288).to(torch.uint8).contiguous()
+            products[block] = op(x, packed, GROUP, scales_zeros, block)
+        assert torch.equal(products[32], products[64]), name
+        assert torch.equal(products[ours], op(x, lin.packed, GROUP, scales_zeros, ours))
+        with pytest.raises(RuntimeError, match="block: 32 or 64"):
+            op(x, lin.packed, GROUP, scales_zeros, 16)
+    assert torch.equal(
+        kernel(x, lin.packed, GROUP, scales_zeros),
+        torch.ops.h2o_native.int4_mm(x, lin.packed, GROUP, scales_zeros, ours),
+    )
 
 
 def test_a_wrong_kernel_is_refused_by_the_check():
@@ -392,16 +402,13 @@ def test_chunks_only_keeps_pytorchs_kernel_for_the_steps(kernel, monkeypatch):
     assert native.int4_mm() is not None and native.int4_mv() is None and native.products() == "pytorch"
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.delenv("H2O_CHAT_NATIVE")
-    if native.kernels().steps:
-        assert native.int4_mv() is not None and native.products() == native.library_name()
-    else:  # AVX2's library: prompt chunks only, whatever the setting
-        assert native.int4_mm() is not None and native.int4_mv() is None and native.products() == "pytorch"
+    assert native.int4_mv() is not None and native.products() == native.library_name()
 
 
 def test_the_weights_description_says_when_the_products_go_through_our_kernels(decided):
-    """The panel, the piped summary and the bench's header describe the weights; they say "AMX kernels" (or "AVX2
-    kernel for prompt chunks") where this process multiplies through the library, so that a figure says which
-    kernel made it."""
+    """The panel, the piped summary and the bench's header describe the weights; they say "AMX kernels" or "AVX2
+    kernels" (or "... kernel for prompt chunks" under `H2O_CHAT_NATIVE=chunks`) where this process multiplies
+    through the library, so that a figure says which kernel made it."""
     from conftest import tiny_model
     from h2o_chat.models.loading import Loaded
     from h2o_chat.models.registry import ModelSpec
@@ -413,7 +420,7 @@ def test_the_weights_description_says_when_the_products_go_through_our_kernels(d
     name = native.kernels().name.upper()  # AMX, or AVX2: the library this CPU builds
     decided(op=_counting([]), mv=_counting([]))
     assert loaded.weights == f"int4 groups of 32 (LM head too, {name} kernels), int8 embedding"
-    decided(op=_counting([]))  # chunks only (AVX2's library, or H2O_CHAT_NATIVE=chunks)
+    decided(op=_counting([]))  # chunks only (H2O_CHAT_NATIVE=chunks)
     assert loaded.weights == f"int4 groups of 32 (LM head too, {name} kernel for prompt chunks), int8 embedding"
     decided(why="off")
     assert loaded.weights == "int4 groups of 32 (LM head too), int8 embedding"

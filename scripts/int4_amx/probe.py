@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Our 4-bit kernels (h2o_chat/models/native: chunks' int4_mm, steps' int4_mv; AVX2's build has int4_mm only)
+"""Our 4-bit kernels (h2o_chat/models/native: chunks' int4_mm, steps' int4_mv; AMX's or AVX2's build)
 against PyTorch's CPU kernel, by rows.
 
     python scripts/int4_amx/probe.py [--threads 2] [--rows 1,2,4,8,16,48,512]
@@ -26,16 +26,17 @@ from h2o_chat.models.cpu_quant import GROUP, Int4Linear, _int4_mm
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # the embedded model's joined q/k/v, o, gate/up, down
 
 
-def load_kernel(folder: Path):
-    """The kernel built into `folder`, loaded and checked; exits with the reason where it cannot run here."""
+def load_kernels(folder: Path):
+    """The kernels built into `folder` (chunks', steps'), loaded and checked; exits with the reason where they
+    cannot run here."""
     why = native.unsupported()
     if why is not None:
-        raise SystemExit(f"the kernel cannot run here: {why}")
-    op = native.load(native.build(folder / native.library_name()))
-    why = native.check(op)
+        raise SystemExit(f"the kernels cannot run here: {why}")
+    ops = native.load(native.build(folder / native.library_name()))
+    why = native.check(ops[0]) or native.check(ops[1])
     if why is not None:
-        raise SystemExit(f"the kernel must not be used here: {why}")
-    return op
+        raise SystemExit(f"the kernels must not be used here: {why}")
+    return ops
 
 
 def best(fn, calls: int) -> float:
@@ -55,11 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        ours = load_kernel(Path(tmp))
+        ours, steps = load_kernels(Path(tmp))
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
     print(f"{model}, {args.threads} threads, torch {torch.__version__}\n", file=sys.stderr)
-    steps = torch.ops.h2o_native.int4_mv if native.kernels().steps else None  # AVX2's library: chunks only
     print("| N x K | rows | PyTorch us | int4_mm us | int4_mv us | max error PyTorch / mm / mv | alone = in batch |")
     print("|---|---:|---:|---:|---:|---|---|")
     generator = torch.Generator().manual_seed(0)
@@ -75,12 +75,11 @@ def main() -> None:
             t_theirs = best(lambda x=x, w=lin: _int4_mm(x, w.packed, w.scales_zeros), calls)
             t_ours = best(lambda x=x, w=lin: ours(x, w.packed, GROUP, w.scales_zeros), calls)
             results, same, t_step = [theirs, mine], torch.equal(alone, mine[-1:]), "-"
-            if steps is not None:
-                step = steps(x, lin.packed, GROUP, lin.scales_zeros)
-                step_alone = steps(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
-                t_step = f"{best(lambda x=x, w=lin: steps(x, w.packed, GROUP, w.scales_zeros), calls):.0f}"
-                results.append(step)
-                same = same and torch.equal(step_alone, step[-1:])
+            step = steps(x, lin.packed, GROUP, lin.scales_zeros)
+            step_alone = steps(x[-1:].contiguous(), lin.packed, GROUP, lin.scales_zeros)
+            t_step = f"{best(lambda x=x, w=lin: steps(x, w.packed, GROUP, w.scales_zeros), calls):.0f}"
+            results.append(step)
+            same = same and torch.equal(step_alone, step[-1:])
             err = " / ".join(f"{(y.float() - ref).abs().max():.3g}" for y in results)
             print(f"| {N} x {K} | {M} | {t_theirs:.0f} | {t_ours:.0f} | {t_step} | {err} | {same} |")
 

@@ -13,10 +13,12 @@ for 4-bit products"):
   bfloat16 by a table lookup), as fast as PyTorch's kernel for one row and flat in the rows up to 16 (8 rows 3x
   faster). Every decode step's product goes through it, so a row decodes bit for bit the same alone and in a batch.
 
-With AVX2 and FMA but no AMX (AMD EPYC, Intel before Sapphire Rapids), `int4_avx2.cpp`: `int4_mm` for prompt
-chunks only, exact weights in a float32 panel and fused multiply-adds, each output summed in the input channels'
-order: ~2x faster than PyTorch's for a chunk of 37 rows or more. Decode steps keep PyTorch's kernel there, as fast
-for one row (experiments.md, "Prompt chunks on CPUs without AMX").
+With AVX2 and FMA but no AMX (AMD EPYC, Intel before Sapphire Rapids), `int4_avx2.cpp`, two kernels too
+(experiments.md, "Prompt chunks on CPUs without AMX" and "Decode steps on CPUs without AMX"):
+- `int4_mm`, prompt chunks: exact weights in a float32 panel and fused multiply-adds, each output summed in the
+  input channels' order: ~2x faster than PyTorch's for a chunk of 37 rows or more.
+- `int4_mv`, decode steps: each group of 32 input channels summed over the nibbles themselves and scaled once per
+  group (no weight dequantized): ~1.5x faster than PyTorch's kernel for one row and for 8.
 
 - Built with the system's C++ compiler against the installed torch: at install (`python -m h2o_chat.models.native`,
   which `scripts/install.sh` runs) or, when missing, by a process of its own started at first use, while the
@@ -54,8 +56,8 @@ from h2o_chat.files import cxx_name
 class Kernels:
     """One source of the library: the CPU flags its instructions need and the compiler's flags for them, the blocks
     of output channels it reads weights packed in (PyTorch packs in blocks of 64 where its kernel uses AVX-512, of
-    32 with AVX2; a linear's outputs must be a multiple), whether its `int4_mm` is told the block (its last
-    argument) and whether it has a decode steps' kernel (`int4_mv`)."""
+    32 with AVX2; a linear's outputs must be a multiple) and whether its kernels are told the block (their last
+    argument). Each has a prompt chunks' kernel (`int4_mm`) and a decode steps' one (`int4_mv`)."""
 
     name: str
     source: Path
@@ -63,7 +65,6 @@ class Kernels:
     arch: tuple[str, ...]
     blocks: tuple[int, ...]
     told_block: bool
-    steps: bool
 
 
 AMX = Kernels(
@@ -73,7 +74,6 @@ AMX = Kernels(
     ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
     blocks=(64,),
     told_block=False,
-    steps=True,
 )
 AVX2 = Kernels(
     "avx2",
@@ -82,7 +82,6 @@ AVX2 = Kernels(
     ("-mavx2", "-mfma"),
     blocks=(32, 64),
     told_block=True,
-    steps=False,
 )
 SOURCES = (AMX, AVX2)  # the first whose flags the CPU has is built
 GROUP = 32  # input channels per scale and zero (cpu_quant.GROUP: the only group the kernel takes)
@@ -237,24 +236,28 @@ def compare(op: Callable) -> str | None:
     return None
 
 
-def load(path: Path) -> Callable:
-    """The chunks' kernel, `op(x, packed, group, scales_zeros)`, loading the library at `path` unless a library of
-    the kernel is loaded already (a second one would register the operator twice, which aborts the process); told
-    PyTorch's block where its source takes it (AVX2's, which only prompt chunks call, never a compiled step)."""
+def load(path: Path) -> tuple[Callable, Callable]:
+    """The chunks' kernel and the steps' one, each `op(x, packed, group, scales_zeros)`, loading the library at
+    `path` unless a library of the kernels is loaded already (a second one would register the operators twice,
+    which aborts the process); told PyTorch's block where the source takes it (AVX2's). Their output's shape is
+    registered, for a compiled step (torch.export), which records the block as a constant."""
     try:
         torch.ops.h2o_native.int4_mm  # noqa: B018 (loaded already?)
     except (AttributeError, RuntimeError):
         torch.ops.load_library(str(path))
-    source = kernels()
-    if source.told_block:
-        return functools.partial(torch.ops.h2o_native.int4_mm, block=pytorch_block() or source.blocks[0])
-    for name in {"int4_mm", "int4_mv"} - _fakes:  # their output's shape, for a compiled step (torch.export)
+    for name in {"int4_mm", "int4_mv"} - _fakes:
         torch.library.register_fake(f"h2o_native::{name}", _fake_product)
         _fakes.add(name)
-    return torch.ops.h2o_native.int4_mm
+    chunks, steps = torch.ops.h2o_native.int4_mm, torch.ops.h2o_native.int4_mv
+    if kernels().told_block:
+        block = pytorch_block() or kernels().blocks[0]
+        return functools.partial(chunks, block=block), functools.partial(steps, block=block)
+    return chunks, steps
 
 
-def _fake_product(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+def _fake_product(
+    x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor, block: int | None = None
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
@@ -288,9 +291,8 @@ def int4_mm(background: bool = True) -> Callable | None:
                     why = "it is being built for this machine (the next start uses it)"
             else:
                 try:
-                    op = load(path)
-                    steps = torch.ops.h2o_native.int4_mv if kernels().steps else None
-                    why = check(op) or (check(steps) if steps is not None else None)
+                    op, steps = load(path)
+                    why = check(op) or check(steps)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
@@ -316,8 +318,9 @@ def products() -> str:
 
 
 def label() -> str | None:
-    """What the weights' description says of the kernels this process's 4-bit products go through: "AMX kernels"
-    (chunks and steps), "AVX2 kernel for prompt chunks" (steps through PyTorch's), or None (PyTorch's only)."""
+    """What the weights' description says of the kernels this process's 4-bit products go through: "AMX kernels" or
+    "AVX2 kernels" (chunks and steps), "AMX kernel for prompt chunks" (`H2O_CHAT_NATIVE=chunks`: steps through
+    PyTorch's), or None (PyTorch's only)."""
     if int4_mm() is None:
         return None
     name = kernels().name.upper()

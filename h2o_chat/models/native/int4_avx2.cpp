@@ -1,5 +1,6 @@
 // h2o-chat's native library for x86 CPUs without AMX but with AVX2 and FMA (AMD EPYC before Zen 4, Intel before
-// Sapphire Rapids): the 4-bit weight products of prompt chunks, y (M, N) = x (M, K) W^T (`int4_mm`).
+// Sapphire Rapids): the 4-bit weight products y (M, N) = x (M, K) W^T of prompt chunks (`int4_mm`) and of decode
+// steps (`int4_mv`, below).
 // h2o_chat/models/native/__init__.py builds, checks and loads it where int4_amx.cpp cannot run.
 // W is held in the layout PyTorch's own CPU kernel packs it in (`aten::_convert_weight_to_int4pack_for_cpu`: blocks
 // of `block` output channels, 32 where PyTorch's kernel uses AVX2 and 64 where it uses AVX-512; byte j of a block's
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -145,12 +147,121 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
   return y.to(at::kBFloat16);
 }
 
+// Decode steps (`int4_mv`): a few rows, where a panel's round trip through memory costs more than it saves, and
+// where turning nibbles into floats costs more than the products. So each group of 32 input channels is summed
+// over the nibbles themselves, q in 0..15 (one conversion, no multiply per weight), and scaled once per group:
+// y += scale * sum(x q) + (zero - 8 scale) * sum(x) (the sum of x per row and group computed once per call). Each
+// output's chains are the same whatever the rows beside it: a row's product is the one it gets alone.
+// R rows of x (float32, `ldx` apart; their sums per group in xsum, `K / 32` apart) times V * 8 channels of the run
+// at `bytes` (its row k at bytes + k * stride; V = 4: all its 32 channels, V = 2: those of its bytes 8h to 8h + 7),
+// added into y (`ldy` apart, zeroed by the caller). The run's 16 bytes hold channels c_lo + 0-15 in their low
+// nibbles and c_hi + 0-15 in their high ones. Every loop over rows and vectors is unrolled (the accumulators stay
+// in registers: R * V <= 12).
+template <int R, int V>
+void multiply_run(const float* x, int64_t ldx, const float* xsum, const uint8_t* bytes, int64_t stride,
+                  const at::BFloat16* sz, int64_t N, int64_t c_lo, int64_t c_hi, int64_t h, int64_t K, float* y,
+                  int64_t ldy) {
+  static_assert(R * V <= 12 && (V == 2 || V == 4));
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  const int64_t groups = K / GK;
+  const int64_t first = V == 4 ? 0 : h;  // the first 8-byte half read
+  int64_t channel[V];  // vector j: the 8 channels of nibbles (j / 2 ? high : low) of bytes 8 (first + j % 2) + 0-7
+#pragma GCC unroll 4
+  for (int j = 0; j < V; ++j) channel[j] = (j < V / 2 ? c_lo : c_hi) + 8 * (first + j % (V / 2));
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[R][V];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm256_setzero_ps();
+    const uint8_t* w = bytes + g * GK * stride + 8 * first;
+    for (int64_t k = g * GK; k < (g + 1) * GK; ++k, w += stride) {
+      __m256 q[V];
+#pragma GCC unroll 2
+      for (int half = 0; half < V / 2; ++half) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * half)));
+        q[half] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));       // low nibbles
+        q[V / 2 + half] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));  // high ones
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, q[j], acc[r][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) {  // 8 (scale, zero) pairs of bfloat16: the bfloat16 is a float32's high half
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + (g * N + channel[j]) * 2));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      const __m256 offset = _mm256_fnmadd_ps(eight, scale, _mm256_castsi256_ps(_mm256_and_si256(pairs, high)));
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        float* out = y + r * ldy + channel[j];
+        const __m256 sum = _mm256_fmadd_ps(acc[r][j], scale, _mm256_loadu_ps(out));
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(offset, _mm256_broadcast_ss(xsum + r * groups + g), sum));
+      }
+    }
+  }
+}
+
+using RunFn = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, const at::BFloat16*, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, float*, int64_t);
+// A run's 32 channels for 1-3 rows (its conversions shared by the rows), or half of them for up to 6.
+constexpr RunFn WHOLE[4] = {nullptr, multiply_run<1, 4>, multiply_run<2, 4>, multiply_run<3, 4>};
+constexpr RunFn HALVES[7] = {nullptr,           multiply_run<1, 2>, multiply_run<2, 2>, multiply_run<3, 2>,
+                             multiply_run<4, 2>, multiply_run<5, 2>, multiply_run<6, 2>};
+
+at::Tensor int4_mv(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros,
+                   int64_t block) {
+  check_arguments(x, packed, group, scales_zeros, block);
+  const int64_t BN = block;
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  if (M == 0) return at::empty({M, N}, x.options());
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::zeros({M, N}, xf.options());
+  const float* xs = xf.data_ptr<float>();
+  std::vector<float> xsums(M * (K / GK));  // each row's sum per group, in the input channels' order
+  for (int64_t i = 0; i < M * (K / GK); ++i) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < GK; ++k) sum += xs[i * GK + k];
+    xsums[i] = sum;
+  }
+  const float* xsum = xsums.data();
+  float* ys = y.data_ptr<float>();
+  const uint8_t* ws = packed.data_ptr<uint8_t>();
+  const at::BFloat16* sz = scales_zeros.data_ptr<at::BFloat16>();
+  const int64_t runs = BN / 32;  // 16-byte runs per block row
+  at::parallel_for(0, N / BN * runs, runs, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / runs, r = u % runs, n0 = b * BN;
+      const uint8_t* bytes = ws + b * BN * (K / 2) + 16 * r;
+      const int64_t c_lo = n0 + 16 * r, c_hi = n0 + BN / 2 + 16 * r;
+      if (M <= 3) {
+        WHOLE[M](xs, K, xsum, bytes, BN / 2, sz, N, c_lo, c_hi, 0, K, ys, N);
+        continue;
+      }
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t m = 0; m < M; m += 6) {
+          const int rows = static_cast<int>(std::min<int64_t>(6, M - m));
+          HALVES[rows](xs + m * K, K, xsum + m * (K / GK), bytes, BN / 2, sz, N, c_lo, c_hi, h, K, ys + m * N, N);
+        }
+      }
+    }
+  });
+  return y.to(at::kBFloat16);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(h2o_native, m) {
   m.def("int4_mm(Tensor x, Tensor packed, int group, Tensor scales_zeros, int block) -> Tensor");
+  m.def("int4_mv(Tensor x, Tensor packed, int group, Tensor scales_zeros, int block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(h2o_native, CPU, m) {
   m.impl("int4_mm", &int4_mm);
+  m.impl("int4_mv", &int4_mv);
 }
