@@ -128,13 +128,17 @@ def pytorch_block() -> int | None:
     row k holding channel j in its low nibble and channel j + block / 2 in its high one): 64 (its AVX-512 kernel),
     32 (AVX2), or None (another layout)."""
     for BLOCK in (64, 32):
-        K = 2 * GROUP
-        N = 2 * BLOCK
-        q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        N, K = 2 * BLOCK, 2 * GROUP
+        q = _pattern(N, K)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         if packed.shape == (N, K // 2) and torch.equal(packed.view(N // BLOCK, K, BLOCK // 2).int(), packing(q, BLOCK)):
             return BLOCK
     return None
+
+
+def _pattern(N: int, K: int) -> torch.Tensor:
+    """4-bit values (N, K) int32 that tell every output and input channel apart (the checks' test weights)."""
+    return ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32).contiguous()
 
 
 def packing(q: torch.Tensor, block: int) -> torch.Tensor:
@@ -221,8 +225,7 @@ def compare(op: Callable) -> str | None:
     """Why `op`'s products must not be used, or None: they agree with PyTorch's kernel (to within bfloat16's
     rounding of the weights) on weights PyTorch packed, and a row's result is the same alone as in a batch."""
     N, K = 128, 2 * GROUP
-    q = ((torch.arange(N)[:, None] * 7 + torch.arange(K)[None, :] * 3) % 16).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_pattern(N, K), 1)
     generator = torch.Generator().manual_seed(0)
     uniform = torch.rand(K // GROUP, N, 2, generator=generator)  # (K / G, N, 2): scales in (0, 0.1), zeros +-0.5
     scales_zeros = (uniform * torch.tensor([0.1, 1.0]) - torch.tensor([0.0, 0.5])).to(torch.bfloat16).contiguous()
