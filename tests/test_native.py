@@ -24,10 +24,10 @@ def decided(monkeypatch):
     none); restored after."""
     saved = dict(native._state)
 
-    def set_(op=None, why=None, mv=None):
+    def set_(op=None, why=None, mv=None, attention=None):
         native._state.clear()
         if op is not None:
-            native._state.update(op=op, mv=mv, block=native.pytorch_block())
+            native._state.update(op=op, mv=mv, attention=attention, block=native.pytorch_block())
         else:
             native._state.update(why=why or "the test says so")
 
@@ -250,10 +250,10 @@ def test_every_way_the_kernel_is_missing_leaves_pytorchs_with_one_reason(monkeyp
 
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx2"})  # neither AMX's nor AVX2's whole
     monkeypatch.setattr(native, "_state", {})
-    assert native.int4_mm() is None and native.why_not() == "this CPU lacks fma"
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
+    assert native.int4_mm() is None and native.why_not() == "this CPU lacks fma, f16c"
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     assert native.kernels() is native.AVX2 and native.library_name().startswith("int4_avx2-")
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", *native.AMX.flags})
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c", *native.AMX.flags})
     assert native.kernels() is native.AMX and native.library_name().startswith("int4_amx-")
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(native.sys, "platform", "linux")
@@ -312,9 +312,9 @@ def test_a_chunk_reads_the_same_through_the_kernel_whatever_its_neighbours(kerne
 
 
 def test_a_compiled_step_calls_the_step_kernel_and_decodes_as_the_eager_step(kernel, step_kernel, decided):
-    """The compiled step of a 4-bit model calls the steps' kernel (through AOTInductor's proxy for an operator of
-    ours) and keeps the eager step's tokens; its package is keyed by the kernel, so a process multiplying through
-    PyTorch's kernel never loads a step that calls ours (or the other way round)."""
+    """The compiled step of a 4-bit model calls the steps' kernel and the decode attention (through AOTInductor's
+    proxy for an operator of ours) and keeps the eager step's tokens; its package is keyed by the kernels, so a
+    process multiplying through PyTorch's kernel never loads a step that calls ours (or the other way round)."""
     import zipfile
 
     from conftest import tiny_model
@@ -334,13 +334,13 @@ def test_a_compiled_step_calls_the_step_kernel_and_decodes_as_the_eager_step(ker
         engine = Engine(model, H2OCache.for_model(model, [make_policy("h2o", 16)] * 2), mode)
         return [t for t in engine.tokens(engine.prefill(ids, chunk_size=8), 24)], engine
 
-    decided(op=kernel, mv=step_kernel)
+    decided(op=kernel, mv=step_kernel, attention=torch.ops.h2o_native.decode_attention)
     want, _ = run("eager")
     got, engine = run("compile")
     assert engine._compiled.program is not None and got == want
     with zipfile.ZipFile(engine._compiled.program.path) as z:
-        wrapper = next(n for n in z.namelist() if n.endswith("wrapper.json"))
-        assert b"h2o_native::int4_mv" in z.read(wrapper)
+        wrapper = z.read(next(n for n in z.namelist() if n.endswith("wrapper.json")))
+        assert b"h2o_native::int4_mv" in wrapper and b"h2o_native::decode_attention" in wrapper
     kind = compiled.StepKind.of(engine.cache, engine.sampler)
     ours = compiled.package_key(model, kind)
     decided(why="off")
@@ -424,3 +424,99 @@ def test_the_weights_description_says_when_the_products_go_through_our_kernels(d
     assert loaded.weights == f"int4 groups of 32 (LM head too, {name} kernel for prompt chunks), int8 embedding"
     decided(why="off")
     assert loaded.weights == "int4 groups of 32 (LM head too), int8 embedding"
+
+
+def _slots(B, Hq, H, S, D, Dv, quantized, seed=0):
+    """A decode step's inputs over S slots, about a fifth of them empty: query, keys, values, valid, scales, new."""
+    from h2o_chat.engine.storage.quant import quantize
+
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(B, Hq, 1, D, generator=g)
+    keys, values = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, Dv, generator=g)
+    valid = torch.rand(B, 1, S, generator=g) > 0.2
+    new = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, Dv, generator=g)
+    scales = None
+    if quantized:
+        (keys, kscale), (values, vscale) = quantize(keys), quantize(values)
+        scales = kscale, vscale
+    return query, keys, values, valid, scales, new
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "8bit"])
+@pytest.mark.parametrize(
+    ("Hq", "H", "D", "Dv", "width"),
+    [(9, 3, 64, 64, 96), (8, 2, 80, 80, 37), (4, 4, 128, 128, 64), (7, 1, 64, 32, 9), (4, 2, 64, 64, None)],
+)
+def test_the_decode_attention_kernel_gives_pytorchs_output_and_mass(
+    kernels, monkeypatch, quantized, Hq, H, D, Dv, width
+):
+    """The library's decode attention (attention.cpp) against PyTorch's operations in `attention_over_slots`:
+    grouped query heads (3, 4, 7 per KV head, and none), head sizes not a multiple of 32, a width short of the
+    slots or every slot but the spare, empty slots, float32 and 8-bit slots. The engine calls it for its steps."""
+    from h2o_chat.engine.step import attention
+
+    query, keys, values, valid, scales, new = _slots(3, Hq, H, 101, D, Dv, quantized)
+    calls = []
+    op = torch.ops.h2o_native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda: lambda *a: calls.append(1) or op(*a))
+    ours = attention.attention_over_slots(query, keys, values, D**-0.5, valid, None, scales, new=new, width=width)
+    assert calls
+    monkeypatch.setattr(native, "decode_attention", lambda: None)  # PyTorch's operations
+    theirs = attention.attention_over_slots(query, keys, values, D**-0.5, valid, None, scales, new=new, width=width)
+    assert ours[0].shape == theirs[0].shape and ours[1].shape == theirs[1].shape
+    torch.testing.assert_close(ours[0], theirs[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ours[1], theirs[1], atol=2e-6, rtol=1e-5)
+    S = width or keys.shape[2] - 1
+    empty = ~valid[:, :, :S].expand(-1, H, -1)
+    assert torch.equal(ours[1][..., :S][empty], torch.zeros_like(ours[1][..., :S][empty]))  # no mass to empty slots
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "8bit"])
+def test_a_row_attends_bit_for_bit_alike_alone_in_a_batch_and_at_any_width(kernels, quantized):
+    """A row's output and mass depend on its own slots only: the same in a batch as alone, and whatever width of
+    at least its held slots the step reads (a batch reads as wide as its fullest row)."""
+    op = torch.ops.h2o_native.decode_attention
+    query, keys, values, valid, scales, new = _slots(4, 6, 2, 130, 64, 64, quantized, seed=3)
+    valid[1, :, 45:] = False  # row 1 holds tokens in its first 45 slots only
+    qg = (query * 0.125).view(4, 2, 3, 64)
+
+    def run(rows, width):
+        cut = [None if t is None else t[rows, :, :width] for t in (keys, values, valid, *(scales or (None, None)))]
+        return op(qg[rows], *cut, new[0][rows], new[1][rows])
+
+    out, mass = run(slice(None), 129)
+    for width in (45, 48, 100, 129):
+        alone, alone_mass = run(slice(1, 2), width)
+        assert torch.equal(alone, out[1:2])
+        assert torch.equal(alone_mass[..., :45], mass[1:2, :, :45]) and torch.equal(
+            alone_mass[..., -1], mass[1:2, :, -1]
+        )
+
+
+def test_a_wrong_decode_attention_is_refused_by_the_check(kernels):
+    """The check the engine runs before using the library catches an attention that is off (mass shifted by one
+    slot, or the keys read with the values' scales), and passes the real one."""
+    op = torch.ops.h2o_native.decode_attention
+    assert native.check_attention(op) is None
+
+    def shifted(*args):
+        out, mass = op(*args)
+        return out, mass.roll(1, dims=-1)
+
+    def misscaled(q, keys, values, valid, kscale, vscale, new_k, new_v):
+        return op(q, keys, values, valid, vscale, vscale, new_k, new_v)  # the values' scales for the keys
+
+    assert "differs" in native.check_attention(shifted)
+    assert "differs" in native.check_attention(misscaled)
+
+
+def test_the_decode_attention_refuses_what_it_cannot_compute(kernels):
+    op = torch.ops.h2o_native.decode_attention
+    query, keys, values, valid, scales, new = _slots(1, 2, 2, 16, 64, 64, True)
+    qg = query.view(1, 2, 1, 64)
+    with pytest.raises(RuntimeError, match="with their scales"):
+        op(qg, keys, values, valid, None, None, *new)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        op(qg[..., :60], keys[..., :60], values, valid, *scales, new[0][..., :60], new[1])
+    with pytest.raises(RuntimeError, match="float32 or int8"):
+        op(qg, keys.half(), values.half(), valid, None, None, *new)

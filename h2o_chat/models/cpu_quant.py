@@ -456,7 +456,6 @@ def quantize_model(
         table.refine_top = REFINED
     if fmt == "4bit":
         model.prompt_products = prompt_products  # the engine reads prompt chunks inside it
-        model.step_products = native.products  # the kernel its steps call: a compiled step's package says which
 
 
 @torch.inference_mode()

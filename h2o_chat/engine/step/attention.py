@@ -5,7 +5,9 @@ the query heads that share a KV head; per batch row, where the official code sum
 
 - `attention_over_slots`: a decode step. The new token already sits in its layer's spare slot, so attention
   runs over the slots, empty ones masked: all of them on CUDA (static shapes: the step can be captured as a
-  graph), on a CPU the first ones its rows can hold. One fp32 softmax gives the output and the mass.
+  graph), on a CPU the first ones its rows can hold. One fp32 softmax gives the output and the mass. On a CPU
+  where our native library is used, one call of its `decode_attention` does it all, each row and KV head reading
+  its slots once (float32 or 8-bit), instead of seven operations over every row with a barrier after each.
 - `attention_with_mass`: a prompt chunk of T queries over the filled slots and the chunk's own keys (causal
   among them, padding masked by one additive mask built once per chunk). The output comes from PyTorch's
   fused `scaled_dot_product_attention` when the mass is not needed, and on CUDA (where the fused kernel is much
@@ -73,6 +75,12 @@ def attention_over_slots(
     B, Hq, T, D = query.shape
     H, S = keys.shape[1], keys.shape[2]
     qg = (query * scaling).reshape(B, H, (Hq // H) * T, D)  # query heads of a group share their KV head
+    kernel = _native_attention(qg, keys, values, recalled, new)
+    if kernel is not None:  # one pass per row and KV head over its slots (models/native/attention.cpp)
+        S = S - 1 if width is None else width
+        scales = (None, None) if scales is None else (scales[0][:, :, :S], scales[1][:, :, :S])
+        out, mass = kernel(qg, keys[:, :, :S], values[:, :, :S], valid[..., :S], *scales, *new)
+        return out.reshape(B, Hq, T, -1).transpose(1, 2), mass
     if new is not None:  # the slots before the spare (or the first `width`), then the new token in the spare's place
         S = S - 1 if width is None else width
         keys, values, valid = keys[:, :, :S], values[:, :, :S], valid[..., :S]
@@ -107,6 +115,20 @@ def attention_over_slots(
         rest = probs[..., S:]
         out += (rest if rest.dtype == out.dtype else rest.to(out.dtype)) @ recalled.values
     return out.reshape(B, Hq, T, -1).transpose(1, 2), held.sum(dim=-2)
+
+
+def _native_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, recalled, new):
+    """The library's decode attention where it serves this step (on CPU, float32 queries over float32 or 8-bit
+    slots, nothing recalled), else None: PyTorch's operations below."""
+    if qg.device.type != "cpu" or recalled is not None or new is None or qg.dtype != torch.float32:
+        return None
+    if keys.dtype not in (torch.float32, torch.int8) or new[0].dtype != torch.float32 or new[1].dtype != torch.float32:
+        return None
+    if qg.shape[-1] % 8 or values.shape[-1] % 8:
+        return None
+    from h2o_chat.models import native
+
+    return native.decode_attention()
 
 
 def fused_attention(

@@ -280,10 +280,13 @@ def package_key(model, kind: StepKind) -> str:
 
 
 def _products(model) -> str | None:
-    """The kernel the model's 4-bit products call in this process (a 4-bit model on CPU says, as
-    `model.step_products`), which its compiled step then calls."""
-    products = getattr(model, "step_products", None)
-    return None if products is None else products()
+    """What a compiled step on CPU calls of our library in this process (its 4-bit products' kernel, its attention),
+    so that a process never loads a step calling kernels it does not use; None on a GPU."""
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    from h2o_chat.models import native
+
+    return native.products() + (" and its attention" if native.decode_attention() is not None else "")
 
 
 @functools.cache

@@ -1,0 +1,316 @@
+// A decode step's attention on x86 CPUs (AVX2, FMA and F16C; built into both of the library's builds), for the H2O cache:
+// one query per row and head over the first W slots of its layer plus the step's own key, returning the output and
+// each key's softmax mass summed over the query heads that share its KV head. h2o_chat/engine/step/attention.py
+// (`attention_over_slots`) calls it where PyTorch would run two batched products, a masked fill, a concatenation
+// and a softmax, each over every row and head with a barrier between them; here each (row, KV head) reads its keys
+// and values once, stored in float32 or in 8 bits with a float16 scale per token (`--kv-quant 8bit`, read as int8
+// and widened in registers: a quarter of the bytes). Empty slots are neither read nor given mass.
+//
+// Each output's arithmetic depends only on its row's slots, not on W nor on the rows beside it (logits summed over
+// the head's channels in their order, softmax sums in lanes by slot index, the step's own key added last): a row
+// alone decodes as it does in a batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// e^x for 8 floats (Cephes' expf: 2^n times a degree-5 polynomial on [-ln 2 / 2, ln 2 / 2]; ~1 ulp). -inf gives 0
+// through the caller's mask, not here (below -88.4 this returns ~1e-38).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+}
+
+// One (row, KV head): its G queries (D channels each, scaled), its W slots (`k` and `v` their first, `sk` and `sv`
+// elements apart; `kscale`/`vscale` a float16 scale per slot, `ss` apart, or null), which hold a token
+// (`valid`, `sm` apart), and the step's own key and value.
+template <typename T>
+struct Head {
+  const float* q;
+  int64_t G, D, Dv, W;
+  const T* k;
+  const T* v;
+  int64_t sk, sv;
+  const at::Half* kscale;
+  const at::Half* vscale;
+  int64_t ss;
+  const float* ks;  // kscale and vscale widened (null: float32 slots)
+  const float* vs;
+  const bool* valid;
+  int64_t sm;
+  const float* new_k;
+  const float* new_v;
+};
+
+// logits[g * P + s] = q_g . k_s (x its scale), -inf for an empty slot, for GT queries from g0: 4 slots at a time,
+// each key's 8 channels read (and widened) once for the GT queries, 4 GT sums in registers. Each logit is summed
+// alike whatever its place among the 4 (a lane of the same reduction).
+template <typename T, int GT>
+void logits(const Head<T>& h, int64_t P, int64_t g0, float* out) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t s0 = 0; s0 < h.W; s0 += 4) {
+    const int64_t n = std::min<int64_t>(4, h.W - s0);
+    const T* key[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) key[j] = h.k + (s0 + (j < n ? j : 0)) * h.sk;
+    __m256 acc[GT][4];
+#pragma GCC unroll 3
+    for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < h.D; d += 8) {
+      __m256 qv[GT];
+#pragma GCC unroll 3
+      for (int g = 0; g < GT; ++g) qv[g] = _mm256_loadu_ps(h.q + (g0 + g) * h.D + d);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kv = load8(key[j] + d);
+#pragma GCC unroll 3
+        for (int g = 0; g < GT; ++g) acc[g][j] = _mm256_fmadd_ps(qv[g], kv, acc[g][j]);
+      }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < GT; ++g) {
+      // per 128-bit half: (sum of a_j's 4 channels) for j = 0-3; the halves added: the 4 dot products
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+      alignas(16) float dot[4];
+      _mm_store_ps(dot, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      float* row = out + (g0 + g) * P;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t s = s0 + j;
+        row[s] = h.valid[s * h.sm] ? (h.ks == nullptr ? dot[j] : dot[j] * h.ks[s]) : minus_inf;
+      }
+    }
+  }
+}
+
+// out[g][d0 + 0 .. 8 NV - 1] = sum over held slots of p[g][s] * scale_v[s] * v[s][...] + p_new[g] * new_v[...],
+// for GT queries from g0 (their sums in registers, each slot's values read once for them)
+template <typename T, int GT, int NV>
+void weigh(const Head<T>& h, const float* probs, int64_t P, const float* own, int64_t g0, int64_t d0, float* out) {
+  __m256 acc[GT][NV];
+#pragma GCC unroll 3
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < h.W; ++s) {
+    if (!h.valid[s * h.sm]) continue;
+    const float scale = h.vs == nullptr ? 1.0f : h.vs[s];
+    __m256 w[GT];
+#pragma GCC unroll 3
+    for (int g = 0; g < GT; ++g) w[g] = _mm256_set1_ps(probs[(g0 + g) * P + s] * scale);
+    const T* row = h.v + s * h.sv + d0;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __m256 vv = load8(row + 8 * j);
+#pragma GCC unroll 3
+      for (int g = 0; g < GT; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], vv, acc[g][j]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < GT; ++g) {
+    const __m256 p = _mm256_set1_ps(own[g0 + g]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __m256 mine = _mm256_loadu_ps(h.new_v + d0 + 8 * j);
+      _mm256_storeu_ps(out + (g0 + g) * h.Dv + d0 + 8 * j, _mm256_fmadd_ps(p, mine, acc[g][j]));
+    }
+  }
+}
+
+template <typename T, int NV>
+void weigh_queries(const Head<T>& h, const float* probs, int64_t P, const float* own, int64_t d0, float* out) {
+  int64_t g0 = 0;
+  for (; g0 + 3 <= h.G; g0 += 3) weigh<T, 3, NV>(h, probs, P, own, g0, d0, out);
+  if (h.G - g0 == 2) weigh<T, 2, NV>(h, probs, P, own, g0, d0, out);
+  if (h.G - g0 == 1) weigh<T, 1, NV>(h, probs, P, own, g0, d0, out);
+}
+
+// One (row, KV head): out (G, Dv), mass (W + 1), with `scratch` for G x P logits (P: W rounded up to 8) and the
+// scales widened
+template <typename T>
+void attend(Head<T> h, float* out, float* mass, std::vector<float>& scratch) {
+  const int64_t P = (h.W + 7) / 8 * 8;
+  scratch.resize(h.G * P + h.G + 2 * h.W);
+  float* probs = scratch.data();
+  float* own = probs + h.G * P;  // each query's probability of the step's own token
+  if (h.kscale != nullptr) {  // each slot's scales widened once (F16C)
+    float* ks = own + h.G;
+    float* vs = ks + h.W;
+    for (int64_t s = 0; s < h.W; ++s) {
+      ks[s] = _cvtsh_ss(h.kscale[s * h.ss].x);
+      vs[s] = _cvtsh_ss(h.vscale[s * h.ss].x);
+    }
+    h.ks = ks;
+    h.vs = vs;
+  }
+  int64_t g0 = 0;
+  for (; g0 + 3 <= h.G; g0 += 3) logits<T, 3>(h, P, g0, probs);
+  if (h.G - g0 == 2) logits<T, 2>(h, P, g0, probs);
+  if (h.G - g0 == 1) logits<T, 1>(h, P, g0, probs);
+  for (int64_t i = 0; i < h.G; ++i)
+    for (int64_t s = h.W; s < P; ++s) probs[i * P + s] = -std::numeric_limits<float>::infinity();  // padding
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < h.G; ++g) {
+    float* p = probs + g * P;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < h.D; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(h.q + g * h.D + d), _mm256_loadu_ps(h.new_k + d), acc);
+    const float mine = hsum(acc);
+    __m256 top = _mm256_set1_ps(mine);
+    for (int64_t s = 0; s < P; s += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + s));
+    const __m256 m = _mm256_set1_ps(hmax(top));
+    __m256 sums = _mm256_setzero_ps();
+    for (int64_t s = 0; s < P; s += 8) {
+      const __m256 x = _mm256_loadu_ps(p + s);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, minus_inf, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(p + s, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    const float e_own = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mine - hmax(top))));
+    const float inverse = 1.0f / (hsum(sums) + e_own);
+    const __m256 iv = _mm256_set1_ps(inverse);
+    for (int64_t s = 0; s < P; s += 8) _mm256_storeu_ps(p + s, _mm256_mul_ps(_mm256_loadu_ps(p + s), iv));
+    own[g] = e_own * inverse;
+  }
+  for (int64_t s = 0; s <= h.W; ++s) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < h.G; ++g) total += s < h.W ? probs[g * P + s] : own[g];
+    mass[s] = total;
+  }
+  int64_t d0 = 0;
+  for (; d0 + 32 <= h.Dv; d0 += 32) weigh_queries<T, 4>(h, probs, P, own, d0, out);
+  for (; d0 < h.Dv; d0 += 8) weigh_queries<T, 1>(h, probs, P, own, d0, out);
+}
+
+// q (B, H, G, D) float32, the queries of KV head h (scaled); keys (B, H, W, D) and values (B, H, W, Dv), float32 or
+// int8 with kscale/vscale (B, H, W, 1) float16; valid (B, 1, W) bool; new_k (B, H, 1, D) and new_v (B, H, 1, Dv)
+// float32. Returns (output (B, H, G, Dv) float32, mass (B, H, W + 1) float32: the slots', then the new token's).
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& keys,
+                                                    const at::Tensor& values, const at::Tensor& valid,
+                                                    const std::optional<at::Tensor>& kscale,
+                                                    const std::optional<at::Tensor>& vscale, const at::Tensor& new_k,
+                                                    const at::Tensor& new_v) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: (B, H, G, D) float32");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && keys.size(1) == H &&
+                  values.size(0) == B && values.size(1) == H && keys.size(2) == values.size(2) && keys.size(3) == D,
+              "keys (B, H, W, D) and values (B, H, W, Dv) for q (B, H, G, D)");
+  const int64_t W = keys.size(2), Dv = values.size(3);
+  TORCH_CHECK(D % 8 == 0 && Dv % 8 == 0, "head sizes must be multiples of 8, not ", D, " and ", Dv);
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "keys and values: each slot's channels contiguous");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values of one dtype");
+  const bool quantized = keys.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized || keys.scalar_type() == at::kFloat, "keys and values: float32 or int8");
+  TORCH_CHECK(quantized == (kscale.has_value() && vscale.has_value()), "int8 keys and values come with their scales");
+  if (quantized) {
+    for (const at::Tensor* s : {&*kscale, &*vscale})
+      TORCH_CHECK(s->scalar_type() == at::kHalf && s->dim() == 4 && s->size(0) == B && s->size(1) == H &&
+                      s->size(2) == W && s->stride(2) == kscale->stride(2) && s->stride(1) == kscale->stride(1) &&
+                      s->stride(0) == kscale->stride(0),
+                  "scales: (B, H, W, 1) float16, both laid out alike");
+  }
+  TORCH_CHECK(valid.dim() == 3 && valid.scalar_type() == at::kBool && valid.size(0) == B && valid.size(1) == 1 &&
+                  valid.size(2) == W,
+              "valid: (B, 1, W) bool");
+  TORCH_CHECK(new_k.scalar_type() == at::kFloat && new_v.scalar_type() == at::kFloat && new_k.dim() == 4 &&
+                  new_v.dim() == 4 && new_k.size(0) == B && new_k.size(1) == H && new_k.size(2) == 1 &&
+                  new_k.size(3) == D && new_v.size(0) == B && new_v.size(1) == H && new_v.size(2) == 1 &&
+                  new_v.size(3) == Dv && new_k.stride(3) == 1 && new_v.stride(3) == 1,
+              "new_k (B, H, 1, D), new_v (B, H, 1, Dv) float32");
+  at::Tensor out = at::empty({B, H, G, Dv}, q.options());
+  at::Tensor mass = at::empty({B, H, W + 1}, q.options());
+  const auto run = [&](auto* kind) {
+    using T = std::remove_pointer_t<decltype(kind)>;
+    const T* kp = static_cast<const T*>(keys.data_ptr());
+    const T* vp = static_cast<const T*>(values.data_ptr());
+    const at::Half* ksp = quantized ? kscale->data_ptr<at::Half>() : nullptr;
+    const at::Half* vsp = quantized ? vscale->data_ptr<at::Half>() : nullptr;
+    const bool* mp = valid.data_ptr<bool>();
+    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scratch;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, hh = i % H;
+        const int64_t so = quantized ? b * kscale->stride(0) + hh * kscale->stride(1) : 0;
+        const Head<T> head{q.data_ptr<float>() + i * G * D,
+                           G,
+                           D,
+                           Dv,
+                           W,
+                           kp + b * keys.stride(0) + hh * keys.stride(1),
+                           vp + b * values.stride(0) + hh * values.stride(1),
+                           keys.stride(2),
+                           values.stride(2),
+                           ksp == nullptr ? nullptr : ksp + so,
+                           vsp == nullptr ? nullptr : vsp + so,
+                           quantized ? kscale->stride(2) : 0,
+                           nullptr,
+                           nullptr,
+                           mp + b * valid.stride(0),
+                           valid.stride(2),
+                           new_k.data_ptr<float>() + b * new_k.stride(0) + hh * new_k.stride(1),
+                           new_v.data_ptr<float>() + b * new_v.stride(0) + hh * new_v.stride(1)};
+        attend(head, out.data_ptr<float>() + i * G * Dv, mass.data_ptr<float>() + i * (W + 1), scratch);
+      }
+    });
+  };
+  if (quantized) {
+    run(static_cast<int8_t*>(nullptr));
+  } else {
+    run(static_cast<float*>(nullptr));
+  }
+  return {out, mass};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor keys, Tensor values, Tensor valid, Tensor? kscale, Tensor? vscale, "
+      "Tensor new_k, Tensor new_v) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(h2o_native, CPU, m) { m.impl("decode_attention", &decode_attention); }
