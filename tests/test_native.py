@@ -455,13 +455,14 @@ def test_the_decode_attention_kernel_gives_pytorchs_output_and_mass(
     slots or every slot but the spare, empty slots, float32 and 8-bit slots. The engine calls it for its steps."""
     from h2o_chat.engine.step import attention
 
+    assert attention._native == (native.decode_attention, native.products)  # handed over on import
     query, keys, values, valid, scales, new = _slots(3, Hq, H, 101, D, Dv, quantized)
     calls = []
     op = torch.ops.h2o_native.decode_attention
-    monkeypatch.setattr(native, "decode_attention", lambda: lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setattr(attention, "_native", (lambda: lambda *a: calls.append(1) or op(*a), native.products))
     ours = attention.attention_over_slots(query, keys, values, D**-0.5, valid, None, scales, new=new, width=width)
     assert calls
-    monkeypatch.setattr(native, "decode_attention", lambda: None)  # PyTorch's operations
+    monkeypatch.setattr(attention, "_native", None)  # PyTorch's operations
     theirs = attention.attention_over_slots(query, keys, values, D**-0.5, valid, None, scales, new=new, width=width)
     assert ours[0].shape == theirs[0].shape and ours[1].shape == theirs[1].shape
     torch.testing.assert_close(ours[0], theirs[0], atol=2e-6, rtol=1e-5)

@@ -25,6 +25,7 @@ whose attention is not "h2o", and the cache refuses an update outside a forward 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,11 +125,28 @@ def _native_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         return None
     if keys.dtype not in (torch.float32, torch.int8) or new[0].dtype != torch.float32 or new[1].dtype != torch.float32:
         return None
-    if qg.shape[-1] % 8 or values.shape[-1] % 8:
+    if qg.shape[-1] % 8 or values.shape[-1] % 8 or _native is None:
         return None
-    from h2o_chat.models import native
+    return _native[0]()
 
-    return native.decode_attention()
+
+# The native library's decode attention (`models.native`, a layer above: it hands itself over when imported, as
+# every CPU model's loading does): what gives the kernel or None, and what names what a step calls of the library.
+_native: tuple[Callable[[], Callable | None], Callable[[], str]] | None = None
+
+
+def use_native(kernel: Callable[[], Callable | None], products: Callable[[], str]) -> None:
+    global _native
+    _native = (kernel, products)
+
+
+def native_products() -> str | None:
+    """What a compiled step on CPU calls of the native library (its 4-bit products' kernel, its attention), for its
+    package's key: a process never loads a step calling kernels it does not use. None: the library is not in use."""
+    if _native is None:
+        return None
+    kernel, products = _native
+    return products() + (" and its attention" if kernel() is not None else "")
 
 
 def fused_attention(

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_chat.engine.step import attention
 from h2o_chat.engine.step.sampling import draw
 from h2o_chat.files import cxx, cxx_name
 
@@ -280,13 +281,11 @@ def package_key(model, kind: StepKind) -> str:
 
 
 def _products(model) -> str | None:
-    """What a compiled step on CPU calls of our library in this process (its 4-bit products' kernel, its attention),
-    so that a process never loads a step calling kernels it does not use; None on a GPU."""
+    """What a compiled step on CPU calls of our native library in this process (`attention.native_products`);
+    None on a GPU."""
     if next(model.parameters()).device.type != "cpu":
         return None
-    from h2o_chat.models import native
-
-    return native.products() + (" and its attention" if native.decode_attention() is not None else "")
+    return attention.native_products()
 
 
 @functools.cache

@@ -420,3 +420,14 @@ def main(argv: list[str] | None = None) -> int:
             from h2o_chat.files import BUILDING
 
             (path.parent / (BUILDING + path.stem)).unlink(missing_ok=True)
+
+
+def _hand_over() -> None:
+    """Give the engine (a layer below, which does not import this one) the decode attention and the name of what
+    its steps call of the library."""
+    from h2o_chat.engine.step import attention
+
+    attention.use_native(decode_attention, products)
+
+
+_hand_over()
