@@ -25,6 +25,7 @@ from h2o_chat.engine.step.attention import prepare_model
 from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure.bench import storage_of
 from h2o_chat.measure.prefill import OperatorCount
+from h2o_chat.models import native  # noqa: F401 (a CPU step's attention through our library, as a loaded model's)
 from h2o_chat.models.shapes import SHAPES
 
 

@@ -24,6 +24,7 @@ import torch
 from h2o_chat.engine.step.attention import prepare_model
 from h2o_chat.errors import DeviceError, ModelNotFoundError
 from h2o_chat.files import user_cache_dir, writable_cache_dir
+from h2o_chat.models import native  # noqa: F401 (imported: it hands a CPU step's attention kernel to the engine)
 from h2o_chat.models.registry import ModelSpec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -53,8 +54,6 @@ class Loaded:
             return "nf4 (bitsandbytes)" if self.quantize == "4bit" else "int8 (bitsandbytes)"
         if self.quantize != "4bit":
             return "int8 per channel"
-        from h2o_chat.models import native
-
         kernels = native.label()  # the kernels this process's 4-bit products go through (None: PyTorch's)
         return f"int4 groups of 32 (LM head too{f', {kernels}' if kernels else ''}), int8 embedding"
 
