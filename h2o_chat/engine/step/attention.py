@@ -76,16 +76,14 @@ def attention_over_slots(
     B, Hq, T, D = query.shape
     H, S = keys.shape[1], keys.shape[2]
     qg = (query * scaling).reshape(B, H, (Hq // H) * T, D)  # query heads of a group share their KV head
-    kernel = _native_attention(qg, keys, values, recalled, new)
-    if kernel is not None:  # one pass per row and KV head over its slots (models/native/attention.cpp)
-        S = S - 1 if width is None else width
-        scales = (None, None) if scales is None else (scales[0][:, :, :S], scales[1][:, :, :S])
-        out, mass = kernel(qg, keys[:, :, :S], values[:, :, :S], valid[..., :S], *scales, *new)
-        return out.reshape(B, Hq, T, -1).transpose(1, 2), mass
     if new is not None:  # the slots before the spare (or the first `width`), then the new token in the spare's place
         S = S - 1 if width is None else width
         keys, values, valid = keys[:, :, :S], values[:, :, :S], valid[..., :S]
         scales = None if scales is None else (scales[0][:, :, :S], scales[1][:, :, :S])
+    kernel = _native_attention(qg, keys, values, recalled, new)
+    if kernel is not None:  # one pass per row and KV head over its slots (models/native/attention.cpp)
+        out, mass = kernel(qg, keys, values, valid, *(scales or (None, None)), *new)
+        return out.reshape(B, Hq, T, -1).transpose(1, 2), mass
     logits = (qg @ keys.to(qg.dtype).transpose(-1, -2)).float()  # (B, H, G, S)
     if scales is not None:
         logits *= scales[0].transpose(-1, -2)

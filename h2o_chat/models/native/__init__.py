@@ -173,9 +173,14 @@ def library_name() -> str:
 
 @functools.cache
 def _library_name(source: Kernels) -> str:
-    text = b"".join(path.read_bytes() for path in (source.source, ATTENTION))
+    text = b"".join(path.read_bytes() for path in _sources(source))
     key = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:16]
     return f"int4_{source.name}-{key}.so"
+
+
+def _sources(source: Kernels) -> tuple[Path, Path]:
+    """What the library is built from (and named by): the CPU's products' source and the decode attention."""
+    return source.source, ATTENTION
 
 
 def library_path() -> Path:
@@ -208,8 +213,7 @@ def build(path: Path | None = None) -> Path:
         out = Path(tmp) / path.name
         command = [cxx, "-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w", abi, *source.arch, *includes]
         command += [
-            str(source.source),
-            str(ATTENTION),
+            *map(str, _sources(source)),
             "-o",
             str(out),
             f"-L{lib}",
@@ -265,12 +269,10 @@ def load(path: Path) -> tuple[Callable, Callable]:
         torch.ops.h2o_native.int4_mm  # noqa: B018 (loaded already?)
     except (AttributeError, RuntimeError):
         torch.ops.load_library(str(path))
-    for name in {"int4_mm", "int4_mv"} - _fakes:
-        torch.library.register_fake(f"h2o_native::{name}", _fake_product)
+    fakes = {"int4_mm": _fake_product, "int4_mv": _fake_product, "decode_attention": _fake_attention}
+    for name in fakes.keys() - _fakes:
+        torch.library.register_fake(f"h2o_native::{name}", fakes[name])
         _fakes.add(name)
-    if "decode_attention" not in _fakes:
-        torch.library.register_fake("h2o_native::decode_attention", _fake_attention)
-        _fakes.add("decode_attention")
     chunks, steps = torch.ops.h2o_native.int4_mm, torch.ops.h2o_native.int4_mv
     if kernels().told_block:
         block = pytorch_block() or kernels().blocks[0]
@@ -350,13 +352,14 @@ def int4_mm(background: bool = True) -> Callable | None:
             else:
                 try:
                     op, steps = load(path)
-                    why = check(op) or check(steps) or check_attention(torch.ops.h2o_native.decode_attention)
+                    attention = torch.ops.h2o_native.decode_attention
+                    why = check(op) or check(steps) or check_attention(attention)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
                     if os.environ.get("H2O_CHAT_NATIVE") == "chunks":  # chunks only: steps keep PyTorch's
                         steps = None
-                    attention = None if steps is None else torch.ops.h2o_native.decode_attention
+                    attention = None if steps is None else attention
                     _state.update(op=op, mv=steps, attention=attention, block=pytorch_block())
                     return op
         _state["why"] = why
