@@ -64,7 +64,7 @@ inline __m256 load8(const T* p) {
 }
 
 // One (row, KV head): its G queries (D channels each, scaled), its W slots (`k` and `v` their first, `sk` and `sv`
-// elements apart; `kscale`/`vscale` a float16 scale per slot, `ss` apart, or null), which hold a token
+// elements apart; `ks`/`vs` their scales, or null), which hold a token
 // (`valid`, `sm` apart), and the step's own key and value.
 template <typename T>
 struct Head {
@@ -73,10 +73,7 @@ struct Head {
   const T* k;
   const T* v;
   int64_t sk, sv;
-  const at::Half* kscale;
-  const at::Half* vscale;
-  int64_t ss;
-  const float* ks;  // kscale and vscale widened (null: float32 slots)
+  const float* ks;  // each slot's scales, widened (null: float32 slots)
   const float* vs;
   const bool* valid;
   int64_t sm;
@@ -160,36 +157,23 @@ void weigh(const Head<T>& h, const float* probs, int64_t P, const float* own, in
   }
 }
 
-template <typename T, int NV>
-void weigh_queries(const Head<T>& h, const float* probs, int64_t P, const float* own, int64_t d0, float* out) {
+// run.template operator()<GT>(g0) for the G queries in tiles of 3, then one of 2 or 1
+template <typename Run>
+void by_query_tiles(int64_t G, Run&& run) {
   int64_t g0 = 0;
-  for (; g0 + 3 <= h.G; g0 += 3) weigh<T, 3, NV>(h, probs, P, own, g0, d0, out);
-  if (h.G - g0 == 2) weigh<T, 2, NV>(h, probs, P, own, g0, d0, out);
-  if (h.G - g0 == 1) weigh<T, 1, NV>(h, probs, P, own, g0, d0, out);
+  for (; g0 + 3 <= G; g0 += 3) run.template operator()<3>(g0);
+  if (G - g0 == 2) run.template operator()<2>(g0);
+  if (G - g0 == 1) run.template operator()<1>(g0);
 }
 
-// One (row, KV head): out (G, Dv), mass (W + 1), with `scratch` for G x P logits (P: W rounded up to 8) and the
-// scales widened
+// One (row, KV head): out (G, Dv), mass (W + 1), with `scratch` for G x P logits (P: W rounded up to 8)
 template <typename T>
-void attend(Head<T> h, float* out, float* mass, std::vector<float>& scratch) {
+void attend(const Head<T>& h, float* out, float* mass, std::vector<float>& scratch) {
   const int64_t P = (h.W + 7) / 8 * 8;
-  scratch.resize(h.G * P + h.G + 2 * h.W);
+  scratch.resize(h.G * P + h.G);
   float* probs = scratch.data();
   float* own = probs + h.G * P;  // each query's probability of the step's own token
-  if (h.kscale != nullptr) {  // each slot's scales widened once (F16C)
-    float* ks = own + h.G;
-    float* vs = ks + h.W;
-    for (int64_t s = 0; s < h.W; ++s) {
-      ks[s] = _cvtsh_ss(h.kscale[s * h.ss].x);
-      vs[s] = _cvtsh_ss(h.vscale[s * h.ss].x);
-    }
-    h.ks = ks;
-    h.vs = vs;
-  }
-  int64_t g0 = 0;
-  for (; g0 + 3 <= h.G; g0 += 3) logits<T, 3>(h, P, g0, probs);
-  if (h.G - g0 == 2) logits<T, 2>(h, P, g0, probs);
-  if (h.G - g0 == 1) logits<T, 1>(h, P, g0, probs);
+  by_query_tiles(h.G, [&]<int GT>(int64_t g0) { logits<T, GT>(h, P, g0, probs); });
   for (int64_t i = 0; i < h.G; ++i)
     for (int64_t s = h.W; s < P; ++s) probs[i * P + s] = -std::numeric_limits<float>::infinity();  // padding
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -201,7 +185,8 @@ void attend(Head<T> h, float* out, float* mass, std::vector<float>& scratch) {
     const float mine = hsum(acc);
     __m256 top = _mm256_set1_ps(mine);
     for (int64_t s = 0; s < P; s += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + s));
-    const __m256 m = _mm256_set1_ps(hmax(top));
+    const float largest = hmax(top);
+    const __m256 m = _mm256_set1_ps(largest);
     __m256 sums = _mm256_setzero_ps();
     for (int64_t s = 0; s < P; s += 8) {
       const __m256 x = _mm256_loadu_ps(p + s);
@@ -209,20 +194,25 @@ void attend(Head<T> h, float* out, float* mass, std::vector<float>& scratch) {
       _mm256_storeu_ps(p + s, e);
       sums = _mm256_add_ps(sums, e);
     }
-    const float e_own = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mine - hmax(top))));
+    const float e_own = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mine - largest)));
     const float inverse = 1.0f / (hsum(sums) + e_own);
     const __m256 iv = _mm256_set1_ps(inverse);
     for (int64_t s = 0; s < P; s += 8) _mm256_storeu_ps(p + s, _mm256_mul_ps(_mm256_loadu_ps(p + s), iv));
     own[g] = e_own * inverse;
   }
-  for (int64_t s = 0; s <= h.W; ++s) {
+  for (int64_t s = 0; s < h.W; ++s) {
     float total = 0.0f;
-    for (int64_t g = 0; g < h.G; ++g) total += s < h.W ? probs[g * P + s] : own[g];
+    for (int64_t g = 0; g < h.G; ++g) total += probs[g * P + s];
     mass[s] = total;
   }
+  float total = 0.0f;
+  for (int64_t g = 0; g < h.G; ++g) total += own[g];
+  mass[h.W] = total;
   int64_t d0 = 0;
-  for (; d0 + 32 <= h.Dv; d0 += 32) weigh_queries<T, 4>(h, probs, P, own, d0, out);
-  for (; d0 < h.Dv; d0 += 8) weigh_queries<T, 1>(h, probs, P, own, d0, out);
+  for (; d0 + 32 <= h.Dv; d0 += 32)
+    by_query_tiles(h.G, [&]<int GT>(int64_t g0) { weigh<T, GT, 4>(h, probs, P, own, g0, d0, out); });
+  for (; d0 < h.Dv; d0 += 8)
+    by_query_tiles(h.G, [&]<int GT>(int64_t g0) { weigh<T, GT, 1>(h, probs, P, own, g0, d0, out); });
 }
 
 // q (B, H, G, D) float32, the queries of KV head h (scaled); keys (B, H, W, D) and values (B, H, W, Dv), float32 or
@@ -271,10 +261,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
     const at::Half* vsp = quantized ? vscale->data_ptr<at::Half>() : nullptr;
     const bool* mp = valid.data_ptr<bool>();
     at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scratch;
+      std::vector<float> scratch, scales(quantized ? 2 * W : 0);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / H, hh = i % H;
-        const int64_t so = quantized ? b * kscale->stride(0) + hh * kscale->stride(1) : 0;
+        if (quantized) {  // this head's scales widened once (F16C)
+          const int64_t so = b * kscale->stride(0) + hh * kscale->stride(1), ss = kscale->stride(2);
+          for (int64_t s = 0; s < W; ++s) {
+            scales[s] = _cvtsh_ss(ksp[so + s * ss].x);
+            scales[W + s] = _cvtsh_ss(vsp[so + s * ss].x);
+          }
+        }
         const Head<T> head{q.data_ptr<float>() + i * G * D,
                            G,
                            D,
@@ -284,11 +280,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
                            vp + b * values.stride(0) + hh * values.stride(1),
                            keys.stride(2),
                            values.stride(2),
-                           ksp == nullptr ? nullptr : ksp + so,
-                           vsp == nullptr ? nullptr : vsp + so,
-                           quantized ? kscale->stride(2) : 0,
-                           nullptr,
-                           nullptr,
+                           quantized ? scales.data() : nullptr,
+                           quantized ? scales.data() + W : nullptr,
                            mp + b * valid.stride(0),
                            valid.stride(2),
                            new_k.data_ptr<float>() + b * new_k.stride(0) + hh * new_k.stride(1),
