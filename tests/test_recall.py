@@ -189,3 +189,18 @@ def test_recall_command_json_table_and_plot(fast_load, tiny_folder, tmp_path, ca
     assert capsys.readouterr().out == md.read_text()
     bad = runner.invoke(cli.app, ["eval", "recall", *common[:2], "--turns", "3"])
     assert bad.exit_code != 0 and "at least 4" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_recall_plot_draws_a_policy_with_no_gain_to_keep(tmp_path):
+    """When the full cache scores the answers as it does without the fact (a random model, or a fact the answer
+    does not need), the gain kept is undefined (null): the plot leaves a gap instead of failing the whole eval
+    after it ran (matplotlib's fill_between raised on None)."""
+    common = {"conversations": 3, "turns": 4, "hits": 0}
+    records = [
+        {**common, "policy": "full", "budget": None, "budget_pct": None, "gain_kept": None},
+        {**common, "policy": "without fact", "budget": None, "budget_pct": None, "gain_kept": None},
+        {**common, "policy": "h2o", "budget": 40, "budget_pct": 30.0, "gain_kept": None, "gain_kept_90": None},
+        {**common, "policy": "h2o", "budget": 60, "budget_pct": 45.0, "gain_kept": 0.5, "gain_kept_90": [0.2, 0.8]},
+    ]
+    plots.recall_plot(records, tmp_path / "recall.png")
+    assert (tmp_path / "recall.png").stat().st_size > 1000

@@ -7,6 +7,7 @@ A table is (title, header, rows) of strings; `markdown` renders it here, `app.ui
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import nan
 from pathlib import Path
 
 Table = tuple[str, list[str], list[list[str]]]
@@ -206,9 +207,11 @@ def recall_plot(records: list[dict], path: Path, title: str = "") -> None:
     for policy in dict.fromkeys(r["policy"] for r in records if r["budget"] is not None):
         mine = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["budget_pct"])
         pct = [r["budget_pct"] for r in mine]
-        line = gain_ax.plot(pct, [r["gain_kept"] for r in mine], marker="o", label=_label(policy, records))[0]
-        lows = [r["gain_kept_90"][0] if r.get("gain_kept_90") else r["gain_kept"] for r in mine]
-        highs = [r["gain_kept_90"][1] if r.get("gain_kept_90") else r["gain_kept"] for r in mine]
+        # no gain to keep (the full cache scores the answers as it does without the fact): a gap, not a crash
+        gains = [nan if r["gain_kept"] is None else r["gain_kept"] for r in mine]
+        line = gain_ax.plot(pct, gains, marker="o", label=_label(policy, records))[0]
+        lows = [r["gain_kept_90"][0] if r.get("gain_kept_90") else g for r, g in zip(mine, gains, strict=True)]
+        highs = [r["gain_kept_90"][1] if r.get("gain_kept_90") else g for r, g in zip(mine, gains, strict=True)]
         gain_ax.fill_between(pct, lows, highs, color=line.get_color(), alpha=0.12)
         hits_ax.plot(pct, [r["hits"] for r in mine], marker="o", label=_label(policy, records))
     for r in records:
