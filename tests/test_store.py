@@ -299,8 +299,9 @@ def test_keys_in_as_many_directions_as_the_basis_keeps_are_ranked_as_exact_ranki
     store.append_chunk(keys, values, pos, pos, torch.rand(L, B, H, 200, generator=gen))
     slots = _NoSlots(L, B, H, D)
     store.evicted, store.fitted = [200, 200], [0, 0]
-    assert store.due() == [0, 1]
-    store.fit(store.due(), slots)
+    assert store.due([True, False]) == [0]  # a row with nothing stored before the forward is not fitted yet
+    assert store.due([True, True]) == [0, 1]
+    store.fit([0, 1], slots)
     for i in range(L):
         q = torch.randn(B, H * G, 1, D, generator=gen)
         got = recall_rank.step(store, i, q)

@@ -255,9 +255,10 @@ class H2OCache(CacheViews, CacheProtocol):
             # from the rows' counts. Not the store's count, which includes what this chunk will evict and which a
             # cache whose storage comes at this forward has not made: a fresh cache skipped ranking its first chunk
             # where a refilled row of a batch ranked an empty store, and read its prompt otherwise (bit for bit)
-            self.stored_before = any(store.recalled[r] and row.seen > limits[r] for r, row in enumerate(rows))
+            stored = [bool(store.recalled[r]) and row.seen > limits[r] for r, row in enumerate(rows)]
+            self.stored_before = any(stored)
             store.counted(counts, limits, [row.seen for row in rows])
-            due = store.due()
+            due = store.due(stored)
             if due:
                 store.fit(due, self.slots)
         self.seq.count(new_tokens, counts)

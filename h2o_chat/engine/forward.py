@@ -14,7 +14,7 @@ ended explicitly: what kind it is, and what it leaves for its end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -113,6 +113,37 @@ class Step:
         return (torch.stack(parts[0])[..., 0, :], torch.stack(parts[1])[..., 0, :], *map(torch.stack, parts[2:]))
 
 
+class OwnRow(NamedTuple):
+    """A row of a CPU batch's prompt chunk, attending over the columns it has alone (`own_rows`)."""
+
+    row: int
+    tokens: int  # its real tokens in the chunk (the last ones)
+    stored: int  # the stored slots its tokens can be in (the first ones)
+    recalls: bool  # it has evicted tokens to recall (alone, a row that has not ranks no store: no such columns)
+    mass: bool  # its policy wants the attention mass in this chunk
+
+
+def own_rows(cache, real: torch.Tensor, seen: torch.Tensor, attend_from: int) -> tuple[OwnRow, ...]:
+    """A CPU batch's prompt chunk attends row by row, each over its own columns -- the shapes it has alone -- so a
+    prompt read in a batch reads as it does alone, bit for bit. Attending as one batch did not:
+    - PyTorch's CPU matrix products split their work by the batch's size: a 2-token chunk's attention output
+      differed in the last bits between one row and two rows of the same prompt (layer 14 of the embedded model);
+    - its fused attention sums a left-padded row's keys in other vector lanes than alone (its keys sit after the
+      padding);
+    - a row's output came from the blocked product (when the mass is wanted: h2o, and snap's or recall's rows not
+      being compressed) or from the fused kernel (full, and snap's or recall's compressed rows) by what any row
+      of the batch needed.
+    A few ulps apart were enough: greedy texts parted within tens of tokens (2 of test_batch's 5 prompts under
+    recall). Each row now takes its own kind of product over its own stored slots and real tokens."""
+    need = [g.policy.by_score for g in cache.row_groups(real.shape[0])]
+    if cache.observation is not None:  # snap's pass 2: compressed rows are scored by observation, not mass
+        need = [n and not o for n, o in zip(need, cache.observation.rows.tolist(), strict=True)]
+    counts, held = real.sum(-1).tolist(), seen.tolist()  # a row's tokens fill its first slots until it evicts
+    store = cache.store
+    recalls = [store is not None and bool(store.recalled[b]) and held[b] > cache.limit(b) for b in range(len(need))]
+    return tuple(OwnRow(b, counts[b], min(attend_from, held[b]), recalls[b], need[b]) for b in range(len(need)))
+
+
 @dataclass
 class Chunk:
     """A prompt chunk now running, and what it leaves for `end()`: its tokens' keys, values and mass, every
@@ -126,6 +157,7 @@ class Chunk:
     fits: bool = False  # every row has room for all its tokens (no selection needed)
     track_mass: bool = True  # some row's policy needs the attention mass
     fused: bool = False  # output from the fused kernel (see attention.attention_with_mass)
+    rows: tuple[OwnRow, ...] = ()  # a CPU batch's rows, each attending over its own columns (`own_rows`)
     keys: torch.Tensor | None = None  # (L, B, H, T, D), filled layer by layer
     values: torch.Tensor | None = None
     score: torch.Tensor | None = None  # (L, B, H, T) fp32 mass the new tokens received
@@ -174,6 +206,8 @@ class Chunk:
         )
         if fwd.attend_from:
             fwd.stored_valid = s.valid()[:, : fwd.attend_from]
+        if real.device.type == "cpu" and B > 1:
+            fwd.rows = own_rows(cache, real, seen, fwd.attend_from)
         return fwd, fwd.rot_new.clamp(min=0)
 
     def end(self, cache) -> None:

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_chat.engine.policies import recall_rank
-from h2o_chat.engine.step.attention import attention_over_slots, attention_with_mass
+from h2o_chat.engine.step.attention import attention_by_row, attention_over_slots, attention_with_mass
 
 
 class H2OLayer(CacheLayerMixin):
@@ -119,7 +119,10 @@ class H2OLayer(CacheLayerMixin):
         if got is not None:  # the recall policy: evicted tokens the chunk's queries want, before the slots
             keys, values = torch.cat((got.keys, keys), dim=2), torch.cat((got.values, values), dim=2)
             mask = fwd.recalled_mask(mask, got.valid)
-        out, mass = attention_with_mass(query, keys, values, mask, scaling, fwd.track_mass, fwd.fused)
+        if fwd.rows:  # a CPU batch: each row over its own columns, as alone (`forward.own_rows`)
+            out, mass = attention_by_row(query, keys, values, mask, scaling, r, fwd.rows, fwd.track_mass)
+        else:
+            out, mass = attention_with_mass(query, keys, values, mask, scaling, fwd.track_mass, fwd.fused)
         if mass is not None and n:
             slots.score[i, :, :, :n] += mass[..., r : r + n]
         fwd.stash(slots, i, key, value, None if mass is None else mass[..., r + n :])

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from h2o_chat.errors import CacheUsageError
 
 if TYPE_CHECKING:
+    from h2o_chat.engine.forward import OwnRow
     from h2o_chat.engine.storage.store import Recalled
 
 ATTN_IMPLEMENTATION = "h2o"
@@ -203,6 +204,47 @@ def attention_with_mass(
         return fused_attention(query, keys, values, mask, scaling), total
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.reshape(B, Hq, T, -1).transpose(1, 2), total
+
+
+def attention_by_row(
+    query: torch.Tensor,  # (B, Hq, T, D)
+    keys: torch.Tensor,  # (B, H, R + S + T, D): R recalled tokens, S stored slots, then the chunk's T keys
+    values: torch.Tensor,
+    mask: torch.Tensor,  # (B, 1 or H, T, R + S + T) additive
+    scaling: float,
+    recalled: int,  # R
+    rows: tuple[OwnRow, ...],  # every row of the batch (`forward.own_rows`)
+    mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A CPU batch's prompt chunk, attended row by row as `attention_with_mass` attends it alone: each row's last
+    t queries over its recalled tokens (if it has any to recall), its first s slots and its last t chunk keys --
+    its padding and the slots it cannot have filled are no columns at all -- with the blocked product where the
+    row wants the mass, the fused kernel otherwise. Padding queries get zeros; a row's mass goes to its own
+    columns (zeros elsewhere, and in rows that do not want it). Returns (output (B, T, Hq, Dv), mass (B, H, N)
+    fp32 or None when `mass` is False)."""
+    B, Hq, T, _ = query.shape
+    N, dev = keys.shape[2], keys.device
+    out = query.new_zeros(B, T, Hq, values.shape[-1])
+    total = torch.zeros(B, keys.shape[1], N, dtype=torch.float32, device=dev) if mass else None
+    for row in rows:
+        b, t = row.row, row.tokens
+        if t == 0:  # none of its tokens in this chunk: alone it has no such chunk
+            continue
+        first = 0 if row.recalls else recalled
+        if first == 0 and row.stored == N - T - recalled and t == T:  # every column its own
+            cols, k, v, m = None, keys[b : b + 1], values[b : b + 1], mask[b : b + 1]
+        else:
+            cols = torch.cat((torch.arange(first, recalled + row.stored), torch.arange(N - t, N))).to(dev)
+            k, v = keys[b : b + 1].index_select(2, cols), values[b : b + 1].index_select(2, cols)
+            m = mask[b : b + 1, :, T - t :].index_select(-1, cols)
+        got, got_mass = attention_with_mass(query[b : b + 1, :, T - t :], k, v, m, scaling, row.mass)
+        out[b, T - t :] = got[0]
+        if mass and got_mass is not None:
+            if cols is None:
+                total[b] = got_mass[0]
+            else:
+                total[b].index_copy_(-1, cols, got_mass[0])
+    return out, total
 
 
 def causal_sdpa(

@@ -208,12 +208,17 @@ class Store(StoreUpkeep, Table):
             if self.recalled[r]:
                 self.evicted[r] = max(0, s + n - cap)
 
-    def due(self) -> list[int]:
-        """Rows whose basis should be fitted before the next forward: rows that recall, have evicted tokens and
-        were never fitted (or were renumbered), or whose evicted tokens have doubled since their last fit (at
-        most every half capacity)."""
+    def due(self, stored: list[bool]) -> list[int]:
+        """Rows whose basis should be fitted before the next forward: rows that recall, have `stored` tokens
+        before it, and were never fitted (or were renumbered), or whose evicted tokens have doubled since their
+        last fit (at most every half capacity). Not a row that will only start storing in this forward: a row
+        refilled in a batch was fitted to an empty store before its prompt (arbitrary directions, kept until its
+        evicted tokens doubled), where the same prompt alone was fitted at its first step, and its text parted
+        from the prompt's alone at the 37th step."""
         out = []
         for r, (ev, at, cap) in enumerate(zip(self.evicted, self.fitted, self.capacities, strict=True)):
+            if not stored[r]:
+                continue
             if self.recalled[r] and ev and (at == 0 or ev - at >= min(max(at, FIT_FROM), cap // 2)):
                 out.append(r)
         return out
