@@ -17,8 +17,11 @@ With AVX2 and FMA but no AMX (AMD EPYC, Intel before Sapphire Rapids), `int4_avx
 (experiments.md, "Prompt chunks on CPUs without AMX" and "Decode steps on CPUs without AMX"):
 - `int4_mm`, prompt chunks: exact weights in a float32 panel and fused multiply-adds, each output summed in the
   input channels' order: ~2x faster than PyTorch's for a chunk of 37 rows or more.
-- `int4_mv`, decode steps: each group of 32 input channels summed over the nibbles themselves and scaled once per
-  group (no weight dequantized): ~1.5x faster than PyTorch's kernel for one row and for 8.
+- `int4_mv`, decode steps: as llama.cpp's Q4 x Q8 products, each row of x rounded per group of 32 input channels
+  to 8-bit integers and a scale (the group's largest x kept as it is), and each group's products summed in
+  integers over the nibbles themselves (vpmaddubsw; no weight dequantized), scaled once per group: 1.3-2x faster
+  than its float32 predecessor, perplexity unchanged (experiments.md, "8-bit activations in the decode steps'
+  products").
 
 Both builds also carry `decode_attention` (`attention.cpp`, AVX2 with FMA and F16C): a decode step's attention
 over the held slots and the step's own token, with each key's mass for H2O, one pass per row and KV head over its
