@@ -218,12 +218,12 @@ inline __m256i quads(const uint8_t* w, int64_t stride) {
                                  _mm_unpackhi_epi16(pairs01, pairs23), 1);
 }
 
-// R rows of x (rounded: `ldx` apart; their scales and sums per group `K / 32` apart) times V * 8 channels of the run
-// at `bytes` (its row k at bytes + k * stride; V = 4: all its 32 channels, V = 2: those of its bytes 8h to 8h + 7),
-// added into y (`ldy` apart, zeroed by the caller). The run's 16 bytes hold channels c_lo + 0-15 in their low
-// nibbles and c_hi + 0-15 in their high ones. Each 4 input channels' products are summed in 16-bit integers over
-// the group (at most 8 x 2 x 15 x 127 < 2^15: no overflow), then in pairs to 32 bits. Every loop over rows and
-// vectors is unrolled (the accumulators stay in registers: R * V + V + 1 <= 16).
+// R rows of x, rounded (`xr`, from its row m: their int8 values and each group's scale, sum and largest x), times
+// V * 8 channels of the run at `bytes` (its row k at bytes + k * stride; V = 4: all its 32 channels, V = 2: those of
+// its bytes 8h to 8h + 7), added into y (`ldy` apart, zeroed by the caller). The run's 16 bytes hold channels
+// c_lo + 0-15 in their low nibbles and c_hi + 0-15 in their high ones. Each 4 input channels' products are summed
+// in 16-bit integers over the group (at most 8 x 2 x 15 x 127 < 2^15: no overflow), then in pairs to 32 bits. Every
+// loop over rows and vectors is unrolled (the accumulators stay in registers: R * V + V + 1 <= 16).
 template <int R, int V>
 void multiply_run(const Rounded& xr, int64_t m, const uint8_t* bytes, int64_t stride, const at::BFloat16* sz,
                   int64_t N, int64_t c_lo, int64_t c_hi, int64_t h, float* y, int64_t ldy) {
