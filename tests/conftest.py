@@ -150,3 +150,33 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# -- the 4-bit products of AVX2's library, as it says it takes them ---------------------------------------------
+def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bfloat16 as AVX2's steps' kernel rounds it, per group of 32 input channels, as float64: the largest
+    magnitude (the first, if tied) kept as it is, the others d * round(x * (127 / m)) in float32 with ties to even,
+    d = m / 127, m the next largest magnitude."""
+    from h2o_chat.models.cpu_quant import GROUP
+
+    xs = x.float().view(x.shape[0], -1, GROUP)
+    first = xs.abs().argmax(-1, keepdim=True)  # torch's argmax: the first of ties
+    largest = torch.zeros_like(xs, dtype=torch.bool).scatter_(-1, first, True)
+    m = torch.where(largest, 0.0, xs.abs()).amax(-1, keepdim=True)
+    inverse = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
+    q = torch.round(xs * inverse).clamp(-127, 127)
+    rounded = torch.where(largest, xs.double(), q.double() * (m / 127.0).double())
+    return rounded.view_as(x)
+
+
+def product_on_8_bits(x: torch.Tensor, lin) -> torch.Tensor:
+    """x (M, K) bfloat16 times an `Int4Linear`'s weights as AVX2's library multiplies them, in float64: x rounded
+    to 8 bits per group (`rounded_to_8_bits`), against the dequantized weights, and the zeros' term on the exact x
+    (y += scale (d sum(xq q) + x_largest q_largest) + (zero - 8 scale) sum(x))."""
+    from h2o_chat.models.cpu_quant import GROUP
+
+    weights = lin.dequantize().double()
+    rounded = rounded_to_8_bits(x)
+    s, z = lin.scales_zeros[..., 0].double(), lin.scales_zeros[..., 1].double()  # (K / 32, N)
+    lost = (x.double() - rounded).view(x.shape[0], -1, GROUP).sum(-1)  # what the rounding took from each group
+    return rounded @ weights.t() + lost @ (z - 8 * s)

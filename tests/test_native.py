@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from conftest import product_on_8_bits
 from h2o_chat.models import cpu_quant, native
 from h2o_chat.models.cpu_quant import GROUP, Int4Linear, quantize_model
 
@@ -66,20 +67,6 @@ def step_kernel(kernels):
     return kernels[1]
 
 
-def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bfloat16 as AVX2's steps' kernel rounds it, per group of 32 input channels, as float64: the largest
-    magnitude (the first, if tied) kept as it is, the others d * round(x * (127 / m)) in float32 with ties to even,
-    d = m / 127, m the next largest magnitude."""
-    xs = x.float().view(x.shape[0], -1, GROUP)
-    first = xs.abs().argmax(-1, keepdim=True)  # torch's argmax: the first of ties
-    largest = torch.zeros_like(xs, dtype=torch.bool).scatter_(-1, first, True)
-    m = torch.where(largest, 0.0, xs.abs()).amax(-1, keepdim=True)
-    inverse = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
-    q = torch.round(xs * inverse).clamp(-127, 127)
-    rounded = torch.where(largest, xs.double(), q.double() * (m / 127.0).double())
-    return rounded.view_as(x)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 17, 40])
 def test_the_step_kernel_computes_what_it_says_and_gives_each_row_what_it_gets_alone(step_kernel, rows):
     """AMX's: exact products per group of 32 (no weight rounded). AVX2's: each row of x rounded per group of 32 to
@@ -96,15 +83,11 @@ def test_the_step_kernel_computes_what_it_says_and_gives_each_row_what_it_gets_a
     x = x.to(torch.bfloat16)
     got = step_kernel(x, lin.packed, GROUP, lin.scales_zeros)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 576)
-    weights = lin.dequantize().double()
-    exact = x.double() @ weights.t()
+    exact = x.double() @ lin.dequantize().double().t()
     if native.kernels() is native.AMX:
         said = exact
     else:
-        rounded = rounded_to_8_bits(x)
-        s, z = lin.scales_zeros[..., 0].double(), lin.scales_zeros[..., 1].double()  # (K / 32, N)
-        lost = (x.double() - rounded).view(rows, -1, GROUP).sum(-1)  # what the rounding took from each group's sum
-        said = rounded @ weights.t() + lost @ (z - 8 * s)
+        said = product_on_8_bits(x, lin)
         # rounding x costs a few parts in a thousand of the largest output: a broken rounding costs far more
         assert (said - exact).abs().max() < 0.02 * exact.abs().max()
     error = (got.double() - said).abs()
@@ -118,22 +101,27 @@ def test_the_step_kernel_computes_what_it_says_and_gives_each_row_what_it_gets_a
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 21, 300])
-def test_the_kernel_computes_the_product_within_bfloat16s_rounding_of_the_weights_and_each_row_alone(kernel, rows):
-    """Against the float64 product of the weights the kernel multiplies (AMX's: rounded to bfloat16; AVX2's: exact),
-    at a real shape; each row's result is the one it gets alone, and PyTorch's kernel is as close to the exact
-    weights."""
+def test_the_kernel_computes_the_product_within_bfloat16s_rounding_of_the_weights_and_each_row_alone(
+    kernel, step_kernel, rows
+):
+    """Against the float64 product the chunks' kernel says it takes (AMX's: the weights rounded to bfloat16; AVX2's:
+    the steps' own, on x rounded to 8 bits), at a real shape; each row's result is the one it gets alone. AMX's
+    is as close to the exact weights as PyTorch's kernel."""
     torch.manual_seed(1)
     lin = Int4Linear.from_float(torch.randn(576, 1536) * 0.05)
     x = torch.randn(rows, 1536).to(torch.bfloat16)
     got = kernel(x, lin.packed, GROUP, lin.scales_zeros)
-    weights = lin.dequantize()
-    multiplied = (weights.to(torch.bfloat16) if native.kernels() is native.AMX else weights).double()
-    want = x.double() @ multiplied.t()
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 576)
-    assert torch.allclose(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
     exact = x.double() @ lin.dequantize().double().t()
-    theirs = cpu_quant._int4_mm(x, lin.packed, lin.scales_zeros).double()
-    assert (got.double() - exact).abs().max() < 4 * (theirs - exact).abs().max() + 1e-3
+    if native.kernels() is native.AMX:
+        want = x.double() @ lin.dequantize().to(torch.bfloat16).double().t()
+        assert torch.allclose(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+        theirs = cpu_quant._int4_mm(x, lin.packed, lin.scales_zeros).double()
+        assert (got.double() - exact).abs().max() < 4 * (theirs - exact).abs().max() + 1e-3
+    else:  # one product for chunks and steps: a token read in a chunk is multiplied as the step would
+        said = product_on_8_bits(x, lin)
+        assert ((got.double() - said).abs() <= said.abs() * 2**-8 + 1e-4).all()
+        assert torch.equal(got, step_kernel(x, lin.packed, GROUP, lin.scales_zeros))
     for r in {0, rows // 2, rows - 1}:
         assert torch.equal(kernel(x[r : r + 1].contiguous(), lin.packed, GROUP, lin.scales_zeros), got[r : r + 1])
 

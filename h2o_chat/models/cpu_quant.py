@@ -20,9 +20,9 @@ rows, so a row decodes bit for bit the same alone and in a batch, and a batch of
   chunks only), which every product of the process then takes: decode steps through `int4_mv` (exact products per
   group: as fast as PyTorch's for one row, ~3x faster for 8), prompt chunks through `int4_mm` (`prompt_products`:
   the weights rounded to bfloat16 before their exact products, 7-9x faster for a chunk of 512). Where the CPU has
-  AVX2 and FMA but no AMX, the library's AVX2 build: prompt chunks through its `int4_mm` (exact weights, ~2x faster
-  for a chunk of 37 rows or more), decode steps through its `int4_mv` (llama.cpp's Q4 x Q8 products with the
-  largest x of each group of 32 kept as it is: ~1.5x faster again for one row and for 8, perplexity unchanged).
+  AVX2 and FMA but no AMX, the library's AVX2 build: one product for prompt chunks and decode steps, llama.cpp's
+  Q4 x Q8 with the largest x of each group of 32 kept as it is (~2x PyTorch's for a chunk of 37 rows or more, as its
+  float32 predecessor; ~1.5x faster than that for one row and for 8; perplexity unchanged).
 A token read in a chunk differs from the same token decoded by a step in the last bits, as it already did through
 the attention's products: a conversation continued from its cache and the same one read fresh agreed on 9 of 12
 greedy second replies with either chunk kernel (`scripts/int4_amx/continuity.py`). A dense bfloat16 product rounds

@@ -1,17 +1,17 @@
 // h2o-chat's native library for x86 CPUs without AMX but with AVX2 and FMA (AMD EPYC before Zen 4, Intel before
-// Sapphire Rapids): the 4-bit weight products y (M, N) = x (M, K) W^T of prompt chunks (`int4_mm`) and of decode
-// steps (`int4_mv`, below: on 8-bit activations, as llama.cpp's Q4 x Q8 products).
+// Sapphire Rapids): the 4-bit weight products y (M, N) = x (M, K) W^T, on 8-bit activations as llama.cpp's Q4 x Q8
+// products (below), for prompt chunks (`int4_mm`) and decode steps (`int4_mv`) alike: one product, so a token
+// read in a chunk and the same token decoded by a step are multiplied the same way.
 // h2o_chat/models/native/__init__.py builds, checks and loads it where int4_amx.cpp cannot run.
 // W is held in the layout PyTorch's own CPU kernel packs it in (`aten::_convert_weight_to_int4pack_for_cpu`: blocks
 // of `block` output channels, 32 where PyTorch's kernel uses AVX2 and 64 where it uses AVX-512; byte j of a block's
 // row k holds channel j in its low nibble and channel j + block / 2 in its high one), with bfloat16 scales and zeros
 // per group of 32 input channels, (K / 32, N, 2): w = (q - 8) * scale + zero.
 //
-// PyTorch's AVX2 kernel dequantizes the weights again for every few rows: a chunk of 37 rows costs 15x one row, of
-// 512 rows ~170x. Here each block of output channels is dequantized once per call into a float32 panel (each
-// weight exact in float32 up to one rounding: fma(q - 8, scale, zero)), and every row is multiplied against it
-// with fused multiply-adds, 6 rows and 16 channels at a time. Each output is summed over the input channels in
-// their order, one fused multiply-add each, whatever the rows beside it: a row's result is the one it gets alone.
+// Its float32 predecessor dequantized each block of output channels once per call into a float32 panel for prompt
+// chunks (2x PyTorch's AVX2 kernel, which dequantizes again every few rows: a chunk of 512 rows cost ~170x one
+// row); the 8-bit product reads the nibbles as they are and took the same time for chunks of 16-512 rows
+// (2026-11-28, AMD EPYC Zen 3), 1.3-2x less for decode steps.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,7 +24,6 @@
 namespace {
 
 constexpr int64_t GK = 32;  // input channels per group (one scale and zero)
-constexpr int RM = 6;       // rows per tile: 6 rows x 16 channels = 12 accumulators of AVX2's 16 registers
 
 // x (M, K) bfloat16, the weights of N (whole blocks of `block`) by K (groups of 32) packed as PyTorch packs them,
 // and their scales and zeros.
@@ -41,99 +40,8 @@ void check_arguments(const at::Tensor& x, const at::Tensor& packed, int64_t grou
               "scales_zeros: (K / group, N, 2) bfloat16");
 }
 
-// The block of BN output channels at `packed` (K rows of BN / 2 bytes), dequantized into panel[K][BN] float32.
-template <int64_t BN>
-void dequantize_block(const uint8_t* packed, const at::BFloat16* sz, int64_t N, int64_t n0, int64_t K, float* panel) {
-  const __m128i low = _mm_set1_epi8(15);
-  const __m256 eight = _mm256_set1_ps(8.0f);
-  alignas(32) float scale[BN], zero[BN];
-  for (int64_t g = 0; g < K / GK; ++g) {
-    for (int64_t j = 0; j < BN; ++j) {
-      scale[j] = static_cast<float>(sz[(g * N + n0 + j) * 2]);
-      zero[j] = static_cast<float>(sz[(g * N + n0 + j) * 2 + 1]);
-    }
-    for (int64_t k = g * GK; k < (g + 1) * GK; ++k) {
-      float* out = panel + k * BN;
-      for (int64_t half = 0; half < BN / 32; ++half) {  // 16 bytes: 16 channels' low nibbles, 16 others' high ones
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + k * (BN / 2) + 16 * half));
-        const __m128i lo = _mm_and_si128(bytes, low);                     // channels 16 half + 0-15
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);  // channels BN / 2 + 16 half + 0-15
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int p = 0; p < 4; ++p) {  // 8 channels each
-          const int64_t c = (p < 2 ? 0 : BN / 2) + 16 * half + 8 * (p & 1);
-          const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p])), eight);
-          _mm256_storeu_ps(out + c, _mm256_fmadd_ps(q, _mm256_load_ps(scale + c), _mm256_load_ps(zero + c)));
-        }
-      }
-    }
-  }
-}
-
-// R rows of x (float32, `ldx` apart) times 16 channels of the panel (BN wide, from column c), into y (`ldy` apart).
-// Every loop over rows is unrolled, so the accumulators stay in registers (GCC kept an array it did not unroll on
-// the stack, a store per multiply-add).
-template <int R>
-inline void multiply_rows(const float* x, int64_t ldx, const float* panel, int64_t BN, int64_t K, int64_t c, float* y,
-                          int64_t ldy) {
-  __m256 acc[R][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* w = panel + c;
-  for (int64_t k = 0; k < K; ++k, w += BN) {
-    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy + c, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + c + 8, acc[r][1]);
-  }
-}
-
-template <int R>
-void multiply_tile(const float* x, int64_t ldx, const float* panel, int64_t BN, int64_t K, float* y, int64_t ldy) {
-  for (int64_t c = 0; c < BN; c += 16) multiply_rows<R>(x, ldx, panel, BN, K, c, y, ldy);
-}
-
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-constexpr TileFn TILES[RM + 1] = {nullptr,          multiply_tile<1>, multiply_tile<2>, multiply_tile<3>,
-                                  multiply_tile<4>, multiply_tile<5>, multiply_tile<6>};
-
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros,
-                   int64_t block) {
-  check_arguments(x, packed, group, scales_zeros, block);
-  const int64_t BN = block;
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  if (M == 0) return at::empty({M, N}, x.options());
-  const at::Tensor xf = x.to(at::kFloat);  // bfloat16 to float32 is exact
-  at::Tensor y = at::empty({M, N}, xf.options());
-  const float* xs = xf.data_ptr<float>();
-  float* ys = y.data_ptr<float>();
-  const uint8_t* ws = packed.data_ptr<uint8_t>();
-  const at::BFloat16* sz = scales_zeros.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N / BN, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> panel(K * BN);
-    for (int64_t b = b0; b < b1; ++b) {
-      if (BN == 32) {
-        dequantize_block<32>(ws + b * BN * (K / 2), sz, N, b * BN, K, panel.data());
-      } else {
-        dequantize_block<64>(ws + b * BN * (K / 2), sz, N, b * BN, K, panel.data());
-      }
-      for (int64_t m = 0; m < M; m += RM) {
-        const int rows = static_cast<int>(std::min<int64_t>(RM, M - m));
-        TILES[rows](xs + m * K, K, panel.data(), BN, K, ys + m * N + b * BN, N);
-      }
-    }
-  });
-  return y.to(at::kBFloat16);
-}
-
-// Decode steps (`int4_mv`): a few rows, where a panel's round trip through memory costs more than it saves, and
-// where turning nibbles into floats, or multiplying them as floats, costs more than reading them. As llama.cpp's
+// The product (`int4_mv`, and `int4_mm` on this build): turning nibbles into floats, or multiplying them as
+// floats, costs more than reading them. As llama.cpp's
 // Q4 x Q8 products on AVX2: each row of x is rounded per group of 32 input channels to 8-bit integers and a scale,
 // but for the group's largest x, kept as it is (`round_rows`: rounding it too, with the others by its scale, cost
 // 1.6% in perplexity; without it, nothing measurable). Each group's sum of xq q is taken in integers (q in 0..15,
@@ -344,6 +252,6 @@ TORCH_LIBRARY(h2o_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(h2o_native, CPU, m) {
-  m.impl("int4_mm", &int4_mm);
+  m.impl("int4_mm", &int4_mv);  // one product for chunks and steps (above)
   m.impl("int4_mv", &int4_mv);
 }
