@@ -107,7 +107,8 @@ class H2OCache(CacheViews, CacheProtocol):
         self.forward: fw.Forward | None = None
         self.probe = None  # snap's pass 1 (`snap.Probe`), while it runs
         self.observation = None  # snap's pass 2 (`snap.Observation`), while it runs
-        self.stored_before = False  # recall: a row had stored evicted tokens before this forward (`before_forward`)
+        # recall: per row, whether it had stored evicted tokens before this forward (`before_forward`)
+        self.stored_rows: list[bool] = []
 
     @classmethod
     def for_model(
@@ -132,6 +133,11 @@ class H2OCache(CacheViews, CacheProtocol):
     store = property(lambda self: self.storage.store, doc="Recall's evicted tokens (`Store`), or None.")
     version = property(lambda self: self.storage.version, doc="Bumps whenever a buffer is replaced.")
     kv_quant = property(lambda self: self.storage.kv_quant, doc="none | 8bit: how keys and values are held.")
+
+    @property
+    def stored_before(self) -> bool:
+        """recall: some row had stored evicted tokens before this forward (then a prompt chunk ranks the store)."""
+        return any(self.stored_rows)
 
     @property
     def policy(self) -> Policy:
@@ -247,7 +253,7 @@ class H2OCache(CacheViews, CacheProtocol):
         if None in self._budgets():
             self.storage.grow(self.seq.columns + new_tokens, self.seq.rows)
         store = self.store
-        self.stored_before = False
+        self.stored_rows = []
         if store is not None:  # recall: what each row will have evicted, and the stored keys' basis when it is due
             rows = self.seq.rows
             limits = [self.limit(r) for r in range(len(rows))]
@@ -255,10 +261,9 @@ class H2OCache(CacheViews, CacheProtocol):
             # from the rows' counts. Not the store's count, which includes what this chunk will evict and which a
             # cache whose storage comes at this forward has not made: a fresh cache skipped ranking its first chunk
             # where a refilled row of a batch ranked an empty store, and read its prompt otherwise (bit for bit)
-            stored = [bool(store.recalled[r]) and row.seen > limits[r] for r, row in enumerate(rows)]
-            self.stored_before = any(stored)
+            self.stored_rows = [bool(store.recalled[r]) and row.seen > limits[r] for r, row in enumerate(rows)]
             store.counted(counts, limits, [row.seen for row in rows])
-            due = store.due(stored)
+            due = store.due(self.stored_rows)
             if due:
                 store.fit(due, self.slots)
         self.seq.count(new_tokens, counts)

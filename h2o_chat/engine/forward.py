@@ -139,8 +139,7 @@ def own_rows(cache, real: torch.Tensor, seen: torch.Tensor, attend_from: int) ->
     if cache.observation is not None:  # snap's pass 2: compressed rows are scored by observation, not mass
         need = [n and not o for n, o in zip(need, cache.observation.rows.tolist(), strict=True)]
     counts, held = real.sum(-1).tolist(), seen.tolist()  # a row's tokens fill its first slots until it evicts
-    store = cache.store
-    recalls = [store is not None and bool(store.recalled[b]) and held[b] > cache.limit(b) for b in range(len(need))]
+    recalls = cache.stored_rows or [False] * len(need)  # (`H2OCache.before_forward`, for this chunk)
     return tuple(OwnRow(b, counts[b], min(attend_from, held[b]), recalls[b], need[b]) for b in range(len(need)))
 
 

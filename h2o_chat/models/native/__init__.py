@@ -19,9 +19,9 @@ rounded per group of 32 input channels to 8-bit integers and a scale (the group'
 each group's products summed in integers over the nibbles themselves (vpmaddubsw; no weight dequantized), scaled
 once per group. For steps 1.3-2x faster than its float32 predecessor, for chunks of 16-512 rows as fast as the
 float32 panel kernel it replaced (~2x PyTorch's for 37 rows or more); perplexity unchanged (experiments.md, "8-bit
-activations in the 4-bit products"). One product for both, so a token read in a chunk is multiplied as a step
-would multiply it: with the float32 chunks beside 8-bit steps, a streamed perplexity was 2.5% off the same text's
-one-pass perplexity.
+activations in the decode steps' products, then in prompt chunks too"). One product for both, so a token read in
+a chunk is multiplied as a step would multiply it: with the float32 chunks beside 8-bit steps, a streamed
+perplexity was 2.5% off the same text's one-pass perplexity.
 
 Both builds also carry `decode_attention` (`attention.cpp`, AVX2 with FMA and F16C): a decode step's attention
 over the held slots and the step's own token, with each key's mass for H2O, one pass per row and KV head over its
