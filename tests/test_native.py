@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import product_on_8_bits
+from h2o_chat.engine.storage.quant import dequantize, quantize
 from h2o_chat.models import cpu_quant, native
 from h2o_chat.models.cpu_quant import GROUP, Int4Linear, quantize_model
 
@@ -139,7 +140,8 @@ def test_the_kernel_refuses_what_it_cannot_compute(kernel):
 def test_the_avx2_kernel_reads_either_layout_pytorch_packs_in_and_sums_alike(kernel):
     """AVX2's kernels (chunks' and steps') read weights packed in blocks of 32 output channels (PyTorch's AVX2
     layout) or 64 (its AVX-512 one, on CPUs with AVX-512 but no AMX): the same weights give the same products, bit
-    for bit, since each output is summed in the same order whatever the layout; and a block they do not read is
+    for bit, since each output is summed in the same order whatever the layout, for one row, two (a run of 32
+    channels multiplied whole) and more (half a run at a time, in tiles of rows); and a block they do not read is
     refused."""
     if native.kernels() is not native.AVX2:
         pytest.skip("the library built here is not AVX2's")
@@ -155,11 +157,13 @@ def test_the_avx2_kernel_reads_either_layout_pytorch_packs_in_and_sums_alike(ker
     ours = native.pytorch_block()
     for name in ("int4_mm", "int4_mv"):  # the chunks' kernel and the steps' one
         op, products = getattr(torch.ops.h2o_native, name), {}
-        for block in (32, 64):
-            packed = native.packing(q, block).reshape(192, 288).to(torch.uint8).contiguous()
-            products[block] = op(x, packed, GROUP, scales_zeros, block)
-        assert torch.equal(products[32], products[64]), name
-        assert torch.equal(products[ours], op(x, lin.packed, GROUP, scales_zeros, ours))
+        for rows in (1, 2, 13):
+            for block in (32, 64):
+                packed = native.packing(q, block).reshape(192, 288).to(torch.uint8).contiguous()
+                products[block] = op(x[:rows], packed, GROUP, scales_zeros, block)
+            assert torch.equal(products[32], products[64]), (name, rows)
+            assert torch.equal(products[ours], op(x[:rows], lin.packed, GROUP, scales_zeros, ours))
+            assert torch.equal(products[ours], op(x, lin.packed, GROUP, scales_zeros, ours)[:rows])
         with pytest.raises(RuntimeError, match="block: 32 or 64"):
             op(x, lin.packed, GROUP, scales_zeros, 16)
     assert torch.equal(
@@ -491,6 +495,45 @@ def test_the_decode_attention_kernel_gives_pytorchs_output_and_mass(
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "8bit"])
+@pytest.mark.parametrize(("Hq", "H", "Dv", "width"), [(9, 3, 64, 96), (4, 2, 64, None), (7, 1, 32, 9)])
+def test_recalls_tokens_are_attended_by_the_kernel_as_by_pytorch_and_given_no_mass(
+    kernels, monkeypatch, quantized, Hq, H, Dv, width
+):
+    """A recall step's tokens brought back from the store (their logits, as the ranking computed them, and their
+    values) join the slots' and the step's own token's softmax in the library's attention as in PyTorch's
+    operations: one row recalls nothing (all -inf), one has a token fewer; the slots' and own token's mass is
+    PyTorch's, the recalled tokens get none. A kernel that leaves them out is refused by the engine's check."""
+    from h2o_chat.engine.policies.recall_rank import Recalled
+    from h2o_chat.engine.step import attention
+
+    B, D, R = 3, 64, 6
+    query, keys, values, valid, scales, new = _slots(B, Hq, H, 101, D, Dv, quantized, seed=5)
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(B, H, Hq // H, R, generator=g) * 8  # unscaled, as large as the slots' (x D^-0.5)
+    logits[0] = -torch.inf  # row 0 recalled nothing
+    logits[1, :, :, 4] = -torch.inf  # row 1 a token fewer
+    recalled = Recalled(None, torch.randn(B, H, R, Dv, generator=g), None, logits)
+    calls = []
+    op = torch.ops.h2o_native.decode_attention
+    monkeypatch.setattr(attention, "_native", (lambda: lambda *a: calls.append(len(a)) or op(*a), native.products))
+    args = (query, keys, values, D**-0.5, valid, recalled, scales)
+    ours = attention.attention_over_slots(*args, new=new, width=width)
+    assert calls == [10]  # the kernel, with the recalled tokens
+    monkeypatch.setattr(attention, "_native", None)  # PyTorch's operations
+    theirs = attention.attention_over_slots(*args, new=new, width=width)
+    torch.testing.assert_close(ours[0], theirs[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ours[1], theirs[1], atol=2e-6, rtol=1e-5)
+    without = attention.attention_over_slots(query, keys, values, D**-0.5, valid, None, scales, new=new, width=width)
+    assert torch.equal(theirs[0][0], without[0][0])  # nothing recalled: as without
+    assert (ours[1][1:].sum(-1) < without[1][1:].sum(-1) - 1e-3).all()  # recalled tokens took mass from the rest
+
+    def forgetful(*a):
+        return op(*a[:8])
+
+    assert "differs" in native.check_attention(forgetful)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "8bit"])
 def test_a_row_attends_bit_for_bit_alike_alone_in_a_batch_and_at_any_width(kernels, quantized):
     """A row's output and mass depend on its own slots only: the same in a batch as alone, and whatever width of
     at least its held slots the step reads (a batch reads as wide as its fullest row)."""
@@ -510,6 +553,78 @@ def test_a_row_attends_bit_for_bit_alike_alone_in_a_batch_and_at_any_width(kerne
         assert torch.equal(alone_mass[..., :45], mass[1:2, :, :45]) and torch.equal(
             alone_mass[..., -1], mass[1:2, :, -1]
         )
+
+
+def _filled_store(recalled, seed=0):
+    """A store of 2 layers, 2 rows, 3 KV heads (64 channels) and 300 entries, 230 of them filled with keys and
+    values (about a tenth of the rows' later entries emptied again), its basis fitted: each row recalls
+    `recalled[row]`."""
+    from h2o_chat.engine.storage.store import Store
+
+    gen = torch.Generator().manual_seed(seed)
+    L, B, H, D, N, n = 2, 2, 3, 64, 300, 230
+    template = torch.zeros(B, H, 1, D)
+    store = Store.allocate(L, template, template, [N, N], recalled)
+    keys, values = torch.randn(L, B, H, n, D, generator=gen), torch.randn(L, B, H, n, D, generator=gen)
+    pos = torch.arange(n).expand(L, B, H, n)
+    store.append_chunk(keys, values, pos, pos, torch.rand(L, B, H, n, generator=gen))
+    store.pos[..., 100:n][torch.rand(L, B, H, n - 100, generator=gen) < 0.1] = -1
+    store.evicted, store.fitted = [n, n], [0, 0]
+    store.basis.copy_(torch.linalg.qr(torch.randn(L, B, H, D, D, generator=gen)).Q[..., : store.low.shape[-1]])
+    store.low[:], store.lscale[:] = quantize(dequantize(store.keys, store.kscale, torch.float32) @ store.basis)
+    return store
+
+
+@pytest.mark.parametrize("recalled", [[8, 8], [8, 3]], ids=["alike", "fewer"])
+@pytest.mark.parametrize("width", [None, 256])
+def test_the_recall_ranking_kernel_recalls_what_pytorchs_operations_recall(kernels, monkeypatch, recalled, width):
+    """Recall's decode-step ranking through the library (one pass per row and KV head) against PyTorch's
+    operations (`recall_rank.ranked`) on a filled store with empty entries, every entry or the first 256 ranked,
+    rows recalling alike or one fewer: the same tokens in the same order, their logits and values; a row's are
+    the same alone."""
+    from h2o_chat.engine.policies import recall_rank
+
+    store = _filled_store(recalled)
+    calls = []
+    op = torch.ops.h2o_native.recall_step
+    for i in range(2):
+        q = torch.randn(2, 9, 1, 64, generator=torch.Generator().manual_seed(i))
+        monkeypatch.setattr(recall_rank, "_native", lambda: lambda *a: calls.append(1) or op(*a))
+        ours = recall_rank.step(store, i, q, width)
+        monkeypatch.setattr(recall_rank, "_native", None)
+        theirs = recall_rank.step(store, i, q, width)
+        assert torch.equal(ours.index, theirs.index)
+        torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, atol=0, rtol=0)  # int8 x a float16 scale: exact
+        if recalled[1] < recalled[0]:  # past its own number the row gets nothing (and the spare)
+            assert bool((ours.logits[1, :, :, recalled[1] :] == -torch.inf).all())
+            assert bool((ours.index[1, :, recalled[1] :] == store.capacity).all())
+        assert bool((ours.logits[0] > -torch.inf).all())  # the first row recalls its 8 in every head
+    assert len(calls) == 2
+    n = width or store.capacity
+    layer = [store.basis[0], *(t[0, :, :, :n] for t in (store.low, store.lscale, store.pos))]
+    layer += [t[0] for t in (store.keys, store.kscale, store.values, store.vscale)]
+    q, per_row = torch.randn(2, 3, 3, 64), None if recalled[0] == recalled[1] else torch.tensor(recalled)
+    sizes = (store.pick, recall_rank.CANDIDATES)
+    both = op(q, *layer, *sizes, per_row)
+    alone = op(q[1:], *(t[1:] for t in layer), *sizes, None if per_row is None else per_row[1:])
+    assert all(torch.equal(a, b[1:]) for a, b in zip(alone, both, strict=True))
+
+
+def test_a_wrong_recall_ranking_is_refused_by_the_check(kernels):
+    """The check the engine runs before using the library catches a ranking that ignores what a row recalls, or
+    that recalls the right tokens in another order, and passes the real one."""
+    op = torch.ops.h2o_native.recall_step
+    assert native.check_recall(op) is None
+
+    def every_row_alike(*a):
+        return op(*a[:-1], None)
+
+    def reversed_order(*a):
+        return tuple(t.flip(-1) if t.dim() == 3 else t for t in op(*a))
+
+    assert "recalls other tokens" in native.check_recall(every_row_alike)
+    assert "recalls other tokens" in native.check_recall(reversed_order)
 
 
 def test_a_wrong_decode_attention_is_refused_by_the_check(kernels):

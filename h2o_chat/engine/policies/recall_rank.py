@@ -26,9 +26,13 @@ and hands back which entries it recalled (`Recalled.index`): the step's end coun
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from h2o_chat.engine.storage.quant import dequantize
+from h2o_chat.engine.storage.slots import per_slot
 
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 CANDIDATES = 4  # the exact pass ranks this many times what is recalled: the first pass's best
@@ -37,6 +41,15 @@ RANK_BLOCK = 1 << 19  # (queries x entries) logits a prompt chunk ranks at once 
 # on a GPU, 64 MB: with 2 MB a Llama-2-7B chunk of 512 ranked 4 queries at a time, 1,475 kernels per layer, and
 # read a 4,096-token prompt 42x slower than h2o (H200, 2026-11-27)
 RANK_BLOCK_CUDA = 1 << 24
+
+# The native library's `recall_step` (`models.native`, a layer above: it hands itself over when imported), what
+# gives it or None.
+_native: Callable[[], Callable | None] | None = None
+
+
+def use_native(kernel: Callable[[], Callable | None]) -> None:
+    global _native
+    _native = kernel
 
 
 def rank_block(device: torch.device | str) -> int:
@@ -80,27 +93,49 @@ def step(store, i: int, query: torch.Tensor, width: int | None = None) -> Recall
     """Layer i's decode-step query (B, Hq, 1, D) -> the stored tokens it attends to most, in as few operations
     as it takes (it runs in every layer of every step): the first pass, its `CANDIDATES` x k best, their exact
     logits (the maximum over the group's query heads ranks them), the k best, their values. `width`: only the
-    first entries are ranked (`read_width`; None: every one)."""
+    first entries are ranked (`read_width`; None: every one). On CPU the native library's `recall_step` does it
+    all in one pass per row and KV head (models/native/attention.cpp), else PyTorch's operations (`ranked`)."""
     B, Hq, _, D = query.shape
     H, n = store.keys.shape[2], store.capacity if width is None else width
-    G, k = Hq // H, store.pick.shape[0]
-    q = query.reshape(B, H, G, D).float()
-    empty = store.pos[i, :, :, :n] < 0  # (B, H, n)
-    approx = first_pass(store, i, q, n).amax(2).masked_fill(empty, -torch.inf)
+    q = query.reshape(B, H, Hq // H, D).float()
+    per_row = None if store.uniform else store.per_row
+    ranked_first = (store.low[i, :, :, :n], store.lscale[i, :, :, :n], store.pos[i, :, :, :n])
+    tables = (store.basis[i], *ranked_first, store.keys[i], store.kscale[i], store.values[i], store.vscale[i])
+    op = _native() if _native is not None and q.device.type == "cpu" and query.dtype == torch.float32 else None
+    if op is not None:  # k (the pick's length) and the spare (the last entry) are sizes, not values
+        logits, values, index = op(q, *tables, store.pick, CANDIDATES, per_row)
+    else:
+        logits, values, index = ranked(q, *tables, store.pick, store.capacity, per_row, query.dtype)
+    return Recalled(None, values, None, logits, index)
+
+
+def ranked(q, basis, low, lscale, pos, keys, kscale, values, vscale, pick, spare: int, per_row, dtype):
+    """`step`'s ranking in PyTorch's operations: q (B, H, G, D) fp32, a layer's basis, the coordinates, their
+    scales and positions of the n entries ranked (B, H, n, ...) and every entry's keys and values (B, H, E, ...)
+    -> (logits (B, H, G, k) unscaled, values (B, H, k, Dv) in `dtype`, index (B, H, k)), best first, k the length
+    of `pick` (0 .. k - 1, the store's: one tensor made once). `per_row`
+    (B,): what each row recalls (None: k each); a row that recalls fewer ranks only its own number of candidates
+    (the best first), and gets -inf logits and the `spare` entry past its own number."""
+    B, H, G, D = q.shape
+    k = pick.shape[0]
+    empty = pos < 0  # (B, H, n)
+    first = (q @ basis) @ low.float().mT * lscale.float().mT  # each entry's scale on its logit
+    approx = first.amax(2).masked_fill(empty, -torch.inf)
     cand = approx.topk(CANDIDATES * k, dim=-1, sorted=True).indices  # (B, H, C)
-    keys = store.keys_at(i, cand, torch.float32)
+    cand_keys = dequantize(keys.gather(2, per_slot(cand, keys)), kscale.gather(2, cand[..., None]), torch.float32)
     skip = empty.gather(2, cand)
-    if not store.uniform:  # a row that recalls fewer ranks only its own number of candidates (the best first)
-        skip = skip | (torch.arange(cand.shape[-1], device=cand.device) >= CANDIDATES * store.per_row[:, None, None])
-    logits = (q @ keys.mT).masked_fill(skip[:, :, None, :], -torch.inf)  # (B, H, G, C)
+    if per_row is not None:
+        skip = skip | (torch.arange(cand.shape[-1], device=cand.device) >= CANDIDATES * per_row[:, None, None])
+    logits = (q @ cand_keys.mT).masked_fill(skip[:, :, None, :], -torch.inf)  # (B, H, G, C)
     top = logits.amax(2).topk(k, dim=-1, sorted=True).indices  # (B, H, k), best first
     index = cand.gather(2, top)
     logits = logits.gather(3, top[:, :, None, :].expand(B, H, G, k))
-    if not store.uniform:  # rows that recall fewer (or none) mask the rest
-        fewer = store.pick[None, None, :] >= store.per_row[:, None, None]  # (B, 1, k)
+    if per_row is not None:  # rows that recall fewer (or none) mask the rest
+        fewer = pick[None, None, :] >= per_row[:, None, None]  # (B, 1, k)
         logits = logits.masked_fill(fewer[:, :, None, :], -torch.inf)
-        index = index.masked_fill(fewer, store.capacity)  # (the spare: nothing counted)
-    return Recalled(None, store.values_at(i, index, query.dtype), None, logits, index)
+        index = index.masked_fill(fewer, spare)  # (the spare: nothing counted)
+    taken = dequantize(values.gather(2, per_slot(index, values)), vscale.gather(2, index[..., None]), dtype)
+    return logits, taken, index
 
 
 def chunk(store, i: int, query: torch.Tensor, real: torch.Tensor | None) -> Recalled:

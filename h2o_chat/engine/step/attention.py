@@ -83,7 +83,8 @@ def attention_over_slots(
         scales = None if scales is None else (scales[0][:, :, :S], scales[1][:, :, :S])
     kernel = _native_attention(qg, keys, values, recalled, new)
     if kernel is not None:  # one pass per row and KV head over its slots (models/native/attention.cpp)
-        out, mass = kernel(qg, keys, values, valid, *(scales or (None, None)), *new)
+        more = () if recalled is None else (recalled.logits * scaling, recalled.values)
+        out, mass = kernel(qg, keys, values, valid, *(scales or (None, None)), *new, *more)
         return out.reshape(B, Hq, T, -1).transpose(1, 2), mass
     logits = (qg @ keys.to(qg.dtype).transpose(-1, -2)).float()  # (B, H, G, S)
     if scales is not None:
@@ -119,8 +120,12 @@ def attention_over_slots(
 
 def _native_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, recalled, new):
     """The library's decode attention where it serves this step (on CPU, float32 queries over float32 or 8-bit
-    slots, nothing recalled), else None: PyTorch's operations below."""
-    if qg.device.type != "cpu" or recalled is not None or new is None or qg.dtype != torch.float32:
+    slots, and the tokens a decode step recalled, by their logits), else None: PyTorch's operations below."""
+    if qg.device.type != "cpu" or new is None or qg.dtype != torch.float32:
+        return None
+    if recalled is not None and not (
+        recalled.logits is not None and recalled.valid is None and recalled.values.dtype == torch.float32
+    ):
         return None
     if keys.dtype not in (torch.float32, torch.int8) or new[0].dtype != torch.float32 or new[1].dtype != torch.float32:
         return None

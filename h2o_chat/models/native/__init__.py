@@ -96,7 +96,7 @@ SOURCES = (AMX, AVX2)  # the first whose flags the CPU has is built
 ATTENTION = Path(__file__).with_name("attention.cpp")  # a decode step's attention (AVX2, FMA, F16C), built into both
 GROUP = 32  # input channels per scale and zero (cpu_quant.GROUP: the only group the kernel takes)
 BUILD_TIMEOUT = 600  # seconds
-_state: dict = {}  # "op", "mv", "attention": the loaded kernels, or "why": why not (decided once per process)
+_state: dict = {}  # "op", "mv", "attention", "recall": the loaded kernels, or "why": why not (decided once per process)
 _fakes: set = set()  # the operators whose output shape is registered (once per process)
 _lock = threading.Lock()
 
@@ -272,7 +272,12 @@ def load(path: Path) -> tuple[Callable, Callable]:
         torch.ops.h2o_native.int4_mm  # noqa: B018 (loaded already?)
     except (AttributeError, RuntimeError):
         torch.ops.load_library(str(path))
-    fakes = {"int4_mm": _fake_product, "int4_mv": _fake_product, "decode_attention": _fake_attention}
+    fakes = {
+        "int4_mm": _fake_product,
+        "int4_mv": _fake_product,
+        "decode_attention": _fake_attention,
+        "recall_step": _fake_recall,
+    }
     for name in fakes.keys() - _fakes:
         torch.library.register_fake(f"h2o_native::{name}", fakes[name])
         _fakes.add(name)
@@ -289,36 +294,80 @@ def _fake_product(
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-def _fake_attention(q, keys, values, valid, kscale, vscale, new_k, new_v) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_attention(
+    q, keys, values, valid, kscale, vscale, new_k, new_v, more=None, more_v=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, G, _ = q.shape
     return q.new_empty(B, H, G, values.shape[3]), q.new_empty(B, H, keys.shape[2] + 1)
 
 
+def _fake_recall(q, basis, low, lscale, pos, keys, kscale, values, vscale, pick, candidates, per_row=None):
+    B, H, G, _ = q.shape
+    k = pick.shape[0]
+    return q.new_empty(B, H, G, k), q.new_empty(B, H, k, values.shape[3]), q.new_empty(B, H, k, dtype=torch.long)
+
+
+def check_recall(op: Callable) -> str | None:
+    """Why the library's recall ranking must not be used, or None: over a store with empty entries, for rows
+    that recall alike and rows that recall fewer, it recalls the tokens PyTorch's operations recall
+    (`recall_rank.ranked`), with their logits and values, and a row ranks alike alone and in a batch."""
+    from h2o_chat.engine.policies import recall_rank
+    from h2o_chat.engine.storage.quant import quantize
+
+    generator = torch.Generator().manual_seed(0)
+    B, H, G, D, r, E, k, width = 3, 2, 3, 64, 16, 97, 4, 80  # 96 entries and the spare, 80 of them ranked
+    q = torch.randn(B, H, G, D, generator=generator)
+    basis = torch.linalg.qr(torch.randn(B, H, D, D, generator=generator)).Q[..., :r].contiguous()
+    (keys, kscale), (values, vscale) = (quantize(torch.randn(B, H, E, D, generator=generator)) for _ in range(2))
+    low, lscale = quantize(keys.float() * kscale.float() @ basis)
+    pos = torch.arange(E, dtype=torch.int32).expand(B, H, E).clone()
+    pos[torch.rand(B, H, E, generator=generator) < 0.3] = -1
+    tables = (basis, low[:, :, :width], lscale[:, :, :width], pos[:, :, :width], keys, kscale, values, vscale)
+    for per_row in (None, torch.tensor([4, 2, 0])):
+        ours = op(q, *tables, torch.arange(k), recall_rank.CANDIDATES, per_row)
+        theirs = recall_rank.ranked(q, *tables, torch.arange(k), E - 1, per_row, torch.float32)
+        if not torch.equal(ours[2], theirs[2]):
+            return "its recall ranking recalls other tokens than PyTorch's"
+        if not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ours[:2], theirs[:2], strict=True)):
+            return "its recall ranking's logits or values differ from PyTorch's"
+        last = None if per_row is None else per_row[-1:]
+        alone = op(q[-1:], *(t[-1:] for t in tables), torch.arange(k), recall_rank.CANDIDATES, last)
+        if not all(torch.equal(a, b[-1:]) for a, b in zip(alone, ours, strict=True)):
+            return "a row's recall ranking differs alone and in a batch"
+    return None
+
+
 def check_attention(op: Callable) -> str | None:
     """Why the library's decode attention must not be used, or None: its output and mass agree with a plain
-    softmax over the held slots and the new token, over float32 and 8-bit slots with empty ones among them, and
-    a row's are the same alone as in a batch."""
+    softmax over the held slots and the new token (and recall's tokens brought back, some of them none), over
+    float32 and 8-bit slots with empty ones among them, and a row's are the same alone as in a batch."""
     from h2o_chat.engine.storage.quant import quantize
 
     generator = torch.Generator().manual_seed(0)
     B, H, G, S, D, W = 3, 2, 3, 41, 64, 33  # 3 query heads per KV head, a width short of the slots
-    q, k, v = (torch.randn(B, H, n, D, generator=generator) for n in (G, S, S))
+    q, k0, v0 = (torch.randn(B, H, n, D, generator=generator) for n in (G, S, S))
     new_k, new_v = (torch.randn(B, H, 1, D, generator=generator) for _ in range(2))
     valid = torch.rand(B, 1, S, generator=generator) > 0.25
-    for quantized in (False, True):
-        kscale = vscale = None
+    R = 5  # recalled tokens: their logits (one none) and values
+    more = torch.randn(B, H, G, R, generator=generator).index_fill_(3, torch.tensor([2]), -torch.inf)
+    more_v = torch.randn(B, H, R, D, generator=generator)
+    for quantized, recalled in ((False, False), (True, False), (False, True)):
+        k, v, kscale, vscale = k0, v0, None, None
         if quantized:
-            (k, kscale), (v, vscale) = quantize(k), quantize(v)
+            (k, kscale), (v, vscale) = quantize(k0), quantize(v0)
         keys = k.float() * (1 if kscale is None else kscale.float())
         values = v.float() * (1 if vscale is None else vscale.float())
         logits = (q @ keys[:, :, :W].transpose(-1, -2)).masked_fill(~valid[:, :, None, :W], -torch.inf)
-        probs = torch.cat((logits, q @ new_k.transpose(-1, -2)), dim=-1).softmax(-1)  # (B, H, G, W + 1)
-        out = probs @ torch.cat((values[:, :, :W], new_v), dim=2)
+        logits = torch.cat((logits, q @ new_k.transpose(-1, -2), *((more,) if recalled else ())), dim=-1)
+        probs = logits.softmax(-1)  # (B, H, G, W + 1 (+ R))
+        out = probs @ torch.cat((values[:, :, :W], new_v, *((more_v,) if recalled else ())), dim=2)
         args = tuple(None if a is None else a[:, :, :W] for a in (k, v, valid, kscale, vscale))
-        ours, mass = op(q, *args, new_k, new_v)
-        if not (torch.allclose(ours, out, atol=1e-5) and torch.allclose(mass, probs.sum(2), atol=1e-5)):
+        extra = (more, more_v) if recalled else ()
+        ours, mass = op(q, *args, new_k, new_v, *extra)
+        if not (torch.allclose(ours, out, atol=1e-5) and torch.allclose(mass, probs[..., : W + 1].sum(2), atol=1e-5)):
             return f"its decode attention differs from PyTorch's (by {(ours - out).abs().max().item():.3g})"
-        alone = op(q[-1:], *(None if a is None else a[-1:] for a in args), new_k[-1:], new_v[-1:])
+        last = (a[-1:] for a in (new_k, new_v, *extra))
+        alone = op(q[-1:], *(None if a is None else a[-1:] for a in args), *last)
         if not (torch.equal(alone[0], ours[-1:]) and torch.equal(alone[1], mass[-1:])):
             return "a row's decode attention differs alone and in a batch"
     return None
@@ -356,14 +405,16 @@ def int4_mm(background: bool = True) -> Callable | None:
                 try:
                     op, steps = load(path)
                     attention = torch.ops.h2o_native.decode_attention
-                    why = check(op) or check(steps) or check_attention(attention)
+                    recall = torch.ops.h2o_native.recall_step
+                    why = check(op) or check(steps) or check_attention(attention) or check_recall(recall)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
                     if os.environ.get("H2O_CHAT_NATIVE") == "chunks":  # chunks only: steps keep PyTorch's
                         steps = None
                     attention = None if steps is None else attention
-                    _state.update(op=op, mv=steps, attention=attention, block=pytorch_block())
+                    recall = None if steps is None else recall
+                    _state.update(op=op, mv=steps, attention=attention, recall=recall, block=pytorch_block())
                     return op
         _state["why"] = why
         return None
@@ -382,6 +433,13 @@ def decode_attention() -> Callable | None:
     for decode steps (`int4_mv`: a compiled step's package names the library it calls), else None."""
     int4_mm()
     return _state.get("attention")
+
+
+def recall_step() -> Callable | None:
+    """The library's ranking of recall's store in a decode step (`recall_rank.step`'s signature, tables first), where
+    the library is used for decode steps, else None."""
+    int4_mm()
+    return _state.get("recall")
 
 
 def products() -> str:
@@ -431,9 +489,11 @@ def main(argv: list[str] | None = None) -> int:
 def _hand_over() -> None:
     """Give the engine (a layer below, which does not import this one) the decode attention and the name of what
     its steps call of the library."""
+    from h2o_chat.engine.policies import recall_rank
     from h2o_chat.engine.step import attention
 
     attention.use_native(decode_attention, products)
+    recall_rank.use_native(recall_step)
 
 
 _hand_over()

@@ -9,6 +9,10 @@
 // Each output's arithmetic depends only on its row's slots, not on W nor on the rows beside it (logits summed over
 // the head's channels in their order, softmax sums in lanes by slot index, the step's own key added last): a row
 // alone decodes as it does in a batch.
+//
+// Recall's decode steps (`recall_rank.step`) hand it the tokens they brought back from the store: their logits
+// (already ranked with the step's query, so their keys are never read twice) and their values, attended in the same
+// softmax after the slots and the step's own token, and given no mass.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -79,6 +83,9 @@ struct Head {
   int64_t sm;
   const float* new_k;
   const float* new_v;
+  int64_t R;            // recalled tokens (0: none)
+  const float* more;    // their logits (G, R), scaled, -inf where none
+  const float* more_v;  // their values (R, Dv)
 };
 
 // logits[g * P + s] = q_g . k_s (x its scale), -inf for an empty slot, for GT queries from g0: 4 slots at a time,
@@ -166,13 +173,15 @@ void by_query_tiles(int64_t G, Run&& run) {
   if (G - g0 == 1) run.template operator()<1>(g0);
 }
 
-// One (row, KV head): out (G, Dv), mass (W + 1), with `scratch` for G x P logits (P: W rounded up to 8)
+// One (row, KV head): out (G, Dv), mass (W + 1), with `scratch` for G x P logits (P: W rounded up to 8) and the
+// recalled tokens' G x R probabilities
 template <typename T>
 void attend(const Head<T>& h, float* out, float* mass, std::vector<float>& scratch) {
   const int64_t P = (h.W + 7) / 8 * 8;
-  scratch.resize(h.G * P + h.G);
+  scratch.resize(h.G * P + h.G + h.G * h.R);
   float* probs = scratch.data();
   float* own = probs + h.G * P;  // each query's probability of the step's own token
+  float* recalled = own + h.G;   // and of each recalled token
   by_query_tiles(h.G, [&]<int GT>(int64_t g0) { logits<T, GT>(h, P, g0, probs); });
   for (int64_t i = 0; i < h.G; ++i)
     for (int64_t s = h.W; s < P; ++s) probs[i * P + s] = -std::numeric_limits<float>::infinity();  // padding
@@ -185,7 +194,9 @@ void attend(const Head<T>& h, float* out, float* mass, std::vector<float>& scrat
     const float mine = hsum(acc);
     __m256 top = _mm256_set1_ps(mine);
     for (int64_t s = 0; s < P; s += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + s));
-    const float largest = hmax(top);
+    float largest = hmax(top);
+    const float* more = h.more + g * h.R;
+    for (int64_t r = 0; r < h.R; ++r) largest = std::max(largest, more[r]);
     const __m256 m = _mm256_set1_ps(largest);
     __m256 sums = _mm256_setzero_ps();
     for (int64_t s = 0; s < P; s += 8) {
@@ -195,10 +206,19 @@ void attend(const Head<T>& h, float* out, float* mass, std::vector<float>& scrat
       sums = _mm256_add_ps(sums, e);
     }
     const float e_own = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mine - largest)));
-    const float inverse = 1.0f / (hsum(sums) + e_own);
+    float* back = recalled + g * h.R;
+    float more_sum = 0.0f;  // the recalled tokens' exponentials, summed in their order
+    for (int64_t r = 0; r < h.R; ++r) {
+      back[r] = more[r] == -std::numeric_limits<float>::infinity()
+                    ? 0.0f
+                    : _mm256_cvtss_f32(exp8(_mm256_set1_ps(more[r] - largest)));
+      more_sum += back[r];
+    }
+    const float inverse = 1.0f / (hsum(sums) + e_own + more_sum);
     const __m256 iv = _mm256_set1_ps(inverse);
     for (int64_t s = 0; s < P; s += 8) _mm256_storeu_ps(p + s, _mm256_mul_ps(_mm256_loadu_ps(p + s), iv));
     own[g] = e_own * inverse;
+    for (int64_t r = 0; r < h.R; ++r) back[r] *= inverse;
   }
   for (int64_t s = 0; s < h.W; ++s) {
     float total = 0.0f;
@@ -213,16 +233,30 @@ void attend(const Head<T>& h, float* out, float* mass, std::vector<float>& scrat
     by_query_tiles(h.G, [&]<int GT>(int64_t g0) { weigh<T, GT, 4>(h, probs, P, own, g0, d0, out); });
   for (; d0 < h.Dv; d0 += 8)
     by_query_tiles(h.G, [&]<int GT>(int64_t g0) { weigh<T, GT, 1>(h, probs, P, own, g0, d0, out); });
+  for (int64_t g = 0; g < h.G; ++g)  // then the recalled tokens', added to the output in their order
+    for (int64_t r = 0; r < h.R; ++r) {
+      const float w = recalled[g * h.R + r];
+      if (w == 0.0f) continue;
+      const __m256 wv = _mm256_set1_ps(w);
+      const float* row = h.more_v + r * h.Dv;
+      float* o = out + g * h.Dv;
+      for (int64_t d = 0; d < h.Dv; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(row + d), _mm256_loadu_ps(o + d)));
+    }
 }
 
 // q (B, H, G, D) float32, the queries of KV head h (scaled); keys (B, H, W, D) and values (B, H, W, Dv), float32 or
 // int8 with kscale/vscale (B, H, W, 1) float16; valid (B, 1, W) bool; new_k (B, H, 1, D) and new_v (B, H, 1, Dv)
-// float32. Returns (output (B, H, G, Dv) float32, mass (B, H, W + 1) float32: the slots', then the new token's).
+// float32; recall's tokens brought back, if any: more (B, H, G, R) their logits, scaled (-inf: none), more_v
+// (B, H, R, Dv) their values, float32. Returns (output (B, H, G, Dv) float32, mass (B, H, W + 1) float32: the
+// slots', then the new token's; the recalled tokens get none).
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& keys,
                                                     const at::Tensor& values, const at::Tensor& valid,
                                                     const std::optional<at::Tensor>& kscale,
                                                     const std::optional<at::Tensor>& vscale, const at::Tensor& new_k,
-                                                    const at::Tensor& new_v) {
+                                                    const at::Tensor& new_v,
+                                                    const std::optional<at::Tensor>& more_in,
+                                                    const std::optional<at::Tensor>& more_v_in) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: (B, H, G, D) float32");
   const at::Tensor q = q_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
@@ -251,6 +285,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
                   new_k.size(3) == D && new_v.size(0) == B && new_v.size(1) == H && new_v.size(2) == 1 &&
                   new_v.size(3) == Dv && new_k.stride(3) == 1 && new_v.stride(3) == 1,
               "new_k (B, H, 1, D), new_v (B, H, 1, Dv) float32");
+  TORCH_CHECK(more_in.has_value() == more_v_in.has_value(), "recalled tokens come with their logits and values");
+  at::Tensor more, more_v;
+  int64_t R = 0;
+  if (more_in.has_value()) {
+    more = more_in->contiguous(), more_v = more_v_in->contiguous();
+    R = more.dim() == 4 ? more.size(3) : 0;
+    TORCH_CHECK(more.scalar_type() == at::kFloat && more_v.scalar_type() == at::kFloat && more.dim() == 4 &&
+                    more_v.dim() == 4 && more.size(0) == B && more.size(1) == H && more.size(2) == G &&
+                    more_v.size(0) == B && more_v.size(1) == H && more_v.size(2) == R && more_v.size(3) == Dv,
+                "more (B, H, G, R) and more_v (B, H, R, Dv) float32");
+  }
   at::Tensor out = at::empty({B, H, G, Dv}, q.options());
   at::Tensor mass = at::empty({B, H, W + 1}, q.options());
   const auto run = [&](auto* kind) {
@@ -285,7 +330,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
                            mp + b * valid.stride(0),
                            valid.stride(2),
                            new_k.data_ptr<float>() + b * new_k.stride(0) + hh * new_k.stride(1),
-                           new_v.data_ptr<float>() + b * new_v.stride(0) + hh * new_v.stride(1)};
+                           new_v.data_ptr<float>() + b * new_v.stride(0) + hh * new_v.stride(1),
+                           R,
+                           R ? more.data_ptr<float>() + i * G * R : nullptr,
+                           R ? more_v.data_ptr<float>() + i * R * Dv : nullptr};
         attend(head, out.data_ptr<float>() + i * G * Dv, mass.data_ptr<float>() + i * (W + 1), scratch);
       }
     });
@@ -298,12 +346,175 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   return {out, mass};
 }
 
+
+// Recall's ranking in a decode step (h2o_chat/engine/policies/recall_rank.py, `step`, whose PyTorch operations it
+// replaces on CPU: a dozen small operators per layer, each a parallel region of its own), per (row, KV head) in one
+// pass: the first pass over the entries' coordinates it is given (the first `width` of the store) in the head's principal directions (the largest
+// over the group's queries of q B . low x its scale; an empty entry -inf), its `candidates` x k best (ties to the
+// lower entry), their exact logits under each query (the keys widened from int8: exact in float32), the k best of
+// those by their largest, and their values. A row that recalls fewer (`per_row`) ranks only its own number of
+// candidates and gets -inf logits and the spare entry past its own number. Each (row, head)'s arithmetic is its
+// own: a row ranks alone as in a batch.
+struct Ranked {
+  float value;
+  int64_t at;
+};
+
+// the n best of `all` (sorted, best first; ties to the lower entry, a total order) into its first n places
+inline void best_first(std::vector<Ranked>& all, int64_t n) {
+  const auto better = [](const Ranked& a, const Ranked& b) {
+    return a.value > b.value || (a.value == b.value && a.at < b.at);
+  };
+  if (n < static_cast<int64_t>(all.size())) std::nth_element(all.begin(), all.begin() + n, all.end(), better);
+  std::sort(all.begin(), all.begin() + n, better);
+}
+
+// q (B, H, G, D) float32, unscaled; basis (B, H, D, r) float32; the first `width` entries' low (B, H, width, r) int8,
+// lscale (B, H, width, 1) float16 and pos (B, H, width) int32 (-1: empty) -- a size, not a value, so that a
+// compiled step's one program serves every width --; every entry's keys (B, H, E, D) and values (B, H, E, Dv) int8
+// with kscale, vscale (B, H, E, 1) float16, the last entry the spare; pick (k,): k, the tokens a step recalls (a
+// size too); per_row (B,) int64 or none. Returns (logits (B, H, G, k) float32 unscaled, values (B, H,
+// k, Dv) float32, index (B, H, k) int64), best first.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
+    const at::Tensor& q_in, const at::Tensor& basis, const at::Tensor& low, const at::Tensor& lscale,
+    const at::Tensor& pos, const at::Tensor& keys, const at::Tensor& kscale, const at::Tensor& values,
+    const at::Tensor& vscale, const at::Tensor& pick, int64_t candidates,
+    const std::optional<at::Tensor>& per_row_in) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: (B, H, G, D) float32");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK(keys.dim() == 4 && low.dim() == 4, "keys: (B, H, E, D), low: (B, H, width, r)");
+  const int64_t E = keys.size(2), width = low.size(2);
+  const auto table = [&](const at::Tensor& t, at::ScalarType dtype, int64_t n, int64_t last, const char* what) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == dtype && t.size(0) == B && t.size(1) == H && t.size(2) == n &&
+                    (last < 0 || t.size(3) == last) && t.stride(3) == 1,
+                what, ": (B, H, entries, ...) with each entry's last dim contiguous, of the expected dtype, not ",
+                t.sizes(), " strides ", t.strides(), " ", t.scalar_type());
+  };
+  table(keys, at::kChar, E, D, "keys");
+  table(values, at::kChar, E, -1, "values");
+  table(low, at::kChar, width, -1, "low");
+  table(lscale, at::kHalf, width, 1, "lscale");
+  for (const at::Tensor* s : {&kscale, &vscale}) table(*s, at::kHalf, E, 1, "scales");
+  const int64_t Dv = values.size(3), r = low.size(3);
+  TORCH_CHECK(basis.dim() == 4 && basis.scalar_type() == at::kFloat && basis.size(0) == B && basis.size(1) == H &&
+                  basis.size(2) == D && basis.size(3) == r,
+              "basis: (B, H, D, r) float32");
+  const at::Tensor base = basis.contiguous();
+  TORCH_CHECK(pos.dim() == 3 && pos.scalar_type() == at::kInt && pos.size(0) == B && pos.size(1) == H &&
+                  pos.size(2) == width,
+              "pos: (B, H, width) int32");
+  const int64_t k = pick.size(0), spare = E - 1, C = candidates * k;
+  TORCH_CHECK(pick.dim() == 1 && k >= 1 && candidates >= 1 && width < E && C <= width,
+              "recall_step: k ", k, " x ", candidates, " candidates from ", width, " of ", E, " entries");
+  at::Tensor per_row;
+  if (per_row_in.has_value()) {
+    per_row = per_row_in->to(at::kLong).contiguous();
+    TORCH_CHECK(per_row.dim() == 1 && per_row.size(0) == B, "per_row: (B,)");
+  }
+  at::Tensor logits_out = at::empty({B, H, G, k}, q.options());
+  at::Tensor values_out = at::empty({B, H, k, Dv}, q.options());
+  at::Tensor index_out = at::empty({B, H, k}, q.options().dtype(at::kLong));
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> ql(G * r), exact(G * C);
+    std::vector<Ranked> first(width), second(C);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const float* qi = q.data_ptr<float>() + i * G * D;
+      const float* bi = base.data_ptr<float>() + i * D * r;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < r; ++c) {
+          float sum = 0.0f;
+          for (int64_t d = 0; d < D; ++d) sum += qi[g * D + d] * bi[d * r + c];
+          ql[g * r + c] = sum;
+        }
+      const auto at_entry = [&](const at::Tensor& t, int64_t e) { return b * t.stride(0) + h * t.stride(1) + e * t.stride(2); };
+      const int8_t* lp = low.data_ptr<int8_t>() + at_entry(low, 0);
+      const at::Half* lsp = lscale.data_ptr<at::Half>() + at_entry(lscale, 0);
+      const int32_t* pp = pos.data_ptr<int32_t>() + b * pos.stride(0) + h * pos.stride(1);
+      const int64_t sl = low.stride(2), sls = lscale.stride(2), sp = pos.stride(2);
+      for (int64_t e = 0; e < width; ++e) {
+        float best = minus_inf;
+        if (pp[e * sp] >= 0) {
+          const int8_t* coords = lp + e * sl;
+          const float scale = _cvtsh_ss(lsp[e * sls].x);
+          if (r % 8 == 0 && r <= 32) {  // the coordinates widened once for the G queries
+            __m256 x[4];
+            for (int64_t c = 0; c < r; c += 8) x[c / 8] = load8(coords + c);
+            for (int64_t g = 0; g < G; ++g) {
+              __m256 acc = _mm256_setzero_ps();
+              for (int64_t c = 0; c < r; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(&ql[g * r + c]), x[c / 8], acc);
+              best = std::max(best, hsum(acc) * scale);
+            }
+          } else {
+            for (int64_t g = 0; g < G; ++g) {
+              float dot = 0.0f;
+              for (int64_t c = 0; c < r; ++c) dot += ql[g * r + c] * static_cast<float>(coords[c]);
+              best = std::max(best, dot * scale);
+            }
+          }
+        }
+        first[e] = Ranked{best, e};
+      }
+      best_first(first, C);
+      const int64_t recalls = per_row.defined() ? std::min<int64_t>(per_row.data_ptr<int64_t>()[b], k) : k;
+      const int64_t own = per_row.defined() ? candidates * std::max<int64_t>(recalls, 0) : C;
+      const int8_t* kp = keys.data_ptr<int8_t>();
+      const at::Half* ksp = kscale.data_ptr<at::Half>();
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t e = first[c].at;
+        const bool empty = pp[e * sp] < 0;
+        float best = minus_inf;
+        if (!empty && c < own) {
+          const int8_t* key = kp + at_entry(keys, e);
+          const float scale = _cvtsh_ss(ksp[at_entry(kscale, e)].x);
+          for (int64_t g = 0; g < G; ++g) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+              acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + g * D + d),
+                                    _mm256_mul_ps(load8(key + d), _mm256_set1_ps(scale)), acc);
+            exact[g * C + c] = hsum(acc);
+            best = std::max(best, exact[g * C + c]);
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) exact[g * C + c] = minus_inf;
+        }
+        second[c] = Ranked{best, c};
+      }
+      best_first(second, k);
+      float* lo = logits_out.data_ptr<float>() + i * G * k;
+      int64_t* io = index_out.data_ptr<int64_t>() + i * k;
+      float* vo = values_out.data_ptr<float>() + i * k * Dv;
+      const int8_t* vp = values.data_ptr<int8_t>();
+      const at::Half* vsp = vscale.data_ptr<at::Half>();
+      for (int64_t j = 0; j < k; ++j) {
+        const bool fewer = j >= recalls;
+        const int64_t c = second[j].at, e = fewer && per_row.defined() ? spare : first[c].at;
+        io[j] = e;
+        for (int64_t g = 0; g < G; ++g) lo[g * k + j] = fewer ? minus_inf : exact[g * C + c];
+        const int8_t* value = vp + at_entry(values, e);
+        const float scale = _cvtsh_ss(vsp[at_entry(vscale, e)].x);
+        for (int64_t d = 0; d < Dv; ++d) vo[j * Dv + d] = static_cast<float>(value[d]) * scale;
+      }
+    }
+  });
+  return {logits_out, values_out, index_out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
   m.def(
       "decode_attention(Tensor q, Tensor keys, Tensor values, Tensor valid, Tensor? kscale, Tensor? vscale, "
-      "Tensor new_k, Tensor new_v) -> (Tensor, Tensor)");
+      "Tensor new_k, Tensor new_v, Tensor? more=None, Tensor? more_v=None) -> (Tensor, Tensor)");
+  m.def(
+      "recall_step(Tensor q, Tensor basis, Tensor low, Tensor lscale, Tensor pos, Tensor keys, Tensor kscale, "
+      "Tensor values, Tensor vscale, Tensor pick, int candidates, Tensor? per_row=None) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(h2o_native, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(h2o_native, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("recall_step", &recall_step);
+}
