@@ -31,8 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from h2o_chat.engine.storage.quant import dequantize
-from h2o_chat.engine.storage.slots import per_slot
+from h2o_chat.engine.storage.store import entries_at
 
 CHUNK_TIMES = 2  # a prompt chunk recalls this many times what a step recalls
 CANDIDATES = 4  # the exact pass ranks this many times what is recalled: the first pass's best
@@ -70,13 +69,12 @@ class Recalled(NamedTuple):
     index: torch.Tensor | None = None
 
 
-def first_pass(store, i: int, q: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """Layer i's approximate logits from the first n entries' coordinates (None: every entry): q (B, H, Q, D) fp32
-    -> (B, H, Q, n)."""
-    n = store.capacity if n is None else n
-    ql = q @ store.basis[i]  # (B, H, Q, rank)
+def first_pass(q: torch.Tensor, basis: torch.Tensor, low: torch.Tensor, lscale: torch.Tensor) -> torch.Tensor:
+    """Approximate logits from n entries' coordinates in a layer's basis (B, H, D, rank): q (B, H, Q, D) fp32,
+    low (B, H, n, rank) int8 and its scales (B, H, n, 1) -> (B, H, Q, n)."""
+    ql = q @ basis  # (B, H, Q, rank)
     # each entry's scale applied to its logit, not to its coordinates: one (B, H, n, rank) transient fewer
-    return (ql @ store.low[i, :, :, :n].float().mT) * store.lscale[i, :, :, :n].float().mT
+    return (ql @ low.float().mT) * lscale.float().mT
 
 
 def read_width(store) -> int | None:
@@ -119,10 +117,9 @@ def ranked(q, basis, low, lscale, pos, keys, kscale, values, vscale, pick, spare
     B, H, G, D = q.shape
     k = pick.shape[0]
     empty = pos < 0  # (B, H, n)
-    first = (q @ basis) @ low.float().mT * lscale.float().mT  # each entry's scale on its logit
-    approx = first.amax(2).masked_fill(empty, -torch.inf)
+    approx = first_pass(q, basis, low, lscale).amax(2).masked_fill(empty, -torch.inf)
     cand = approx.topk(CANDIDATES * k, dim=-1, sorted=True).indices  # (B, H, C)
-    cand_keys = dequantize(keys.gather(2, per_slot(cand, keys)), kscale.gather(2, cand[..., None]), torch.float32)
+    cand_keys = entries_at(keys, kscale, cand, torch.float32)
     skip = empty.gather(2, cand)
     if per_row is not None:
         skip = skip | (torch.arange(cand.shape[-1], device=cand.device) >= CANDIDATES * per_row[:, None, None])
@@ -134,8 +131,7 @@ def ranked(q, basis, low, lscale, pos, keys, kscale, values, vscale, pick, spare
         fewer = pick[None, None, :] >= per_row[:, None, None]  # (B, 1, k)
         logits = logits.masked_fill(fewer[:, :, None, :], -torch.inf)
         index = index.masked_fill(fewer, spare)  # (the spare: nothing counted)
-    taken = dequantize(values.gather(2, per_slot(index, values)), vscale.gather(2, index[..., None]), dtype)
-    return logits, taken, index
+    return logits, entries_at(values, vscale, index, dtype), index
 
 
 def chunk(store, i: int, query: torch.Tensor, real: torch.Tensor | None) -> Recalled:
@@ -164,7 +160,8 @@ def chunk(store, i: int, query: torch.Tensor, real: torch.Tensor | None) -> Reca
             out = part if out is None else torch.maximum(out, part)
         return out
 
-    approx = best(lambda qs: first_pass(store, i, qs, n), n).masked_fill(empty, -torch.inf)
+    coordinates = (store.basis[i], store.low[i, :, :, :n], store.lscale[i, :, :, :n])
+    approx = best(lambda qs: first_pass(qs, *coordinates), n).masked_fill(empty, -torch.inf)
     cand = approx.topk(min(CANDIDATES * k, n), dim=-1, sorted=True).indices
     keys = store.keys_at(i, cand, torch.float32)
     unused = empty.gather(2, cand)

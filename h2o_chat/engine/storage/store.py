@@ -53,6 +53,12 @@ STORE_FIELDS = (
 )
 
 
+def entries_at(table: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's int8 entries (B, H, E, D) and their scales (B, H, E, 1) at `index` (B, H, n) -> (B, H, n, D) in
+    `dtype`."""
+    return dequantize(table.gather(2, per_slot(index, table)), scale.gather(2, index[..., None]), dtype)
+
+
 def rank_dim_for(key_dim: int) -> int:
     """Principal coordinates kept per stored key: `RANK_DIM`, or the whole key when it is no larger."""
     return min(RANK_DIM, key_dim)
@@ -298,13 +304,11 @@ class Store(StoreUpkeep, Table):
     # -- reading ---------------------------------------------------------------------------------------
     def keys_at(self, i: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Layer i's keys at entries `index` (B, H, n) -> (B, H, n, D) in `dtype`."""
-        k = self.keys[i].gather(2, per_slot(index, self.keys[i]))
-        return dequantize(k, self.kscale[i].gather(2, index[..., None]), dtype)
+        return entries_at(self.keys[i], self.kscale[i], index, dtype)
 
     def values_at(self, i: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Layer i's values at entries `index` (B, H, n) -> (B, H, n, Dv) in `dtype`."""
-        v = self.values[i].gather(2, per_slot(index, self.values[i]))
-        return dequantize(v, self.vscale[i].gather(2, index[..., None]), dtype)
+        return entries_at(self.values[i], self.vscale[i], index, dtype)
 
     def tokens(self) -> torch.Tensor:
         """(B,) entries held per row (the mean over layers and heads)."""

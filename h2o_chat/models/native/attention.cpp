@@ -290,7 +290,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   int64_t R = 0;
   if (more_in.has_value()) {
     more = more_in->contiguous(), more_v = more_v_in->contiguous();
-    R = more.dim() == 4 ? more.size(3) : 0;
+    TORCH_CHECK(more.dim() == 4, "more (B, H, G, R)");
+    R = more.size(3);
     TORCH_CHECK(more.scalar_type() == at::kFloat && more_v.scalar_type() == at::kFloat && more.dim() == 4 &&
                     more_v.dim() == 4 && more.size(0) == B && more.size(1) == H && more.size(2) == G &&
                     more_v.size(0) == B && more_v.size(1) == H && more_v.size(2) == R && more_v.size(3) == Dv,
@@ -346,15 +347,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   return {out, mass};
 }
 
-
 // Recall's ranking in a decode step (h2o_chat/engine/policies/recall_rank.py, `step`, whose PyTorch operations it
 // replaces on CPU: a dozen small operators per layer, each a parallel region of its own), per (row, KV head) in one
-// pass: the first pass over the entries' coordinates it is given (the first `width` of the store) in the head's principal directions (the largest
-// over the group's queries of q B . low x its scale; an empty entry -inf), its `candidates` x k best (ties to the
-// lower entry), their exact logits under each query (the keys widened from int8: exact in float32), the k best of
-// those by their largest, and their values. A row that recalls fewer (`per_row`) ranks only its own number of
-// candidates and gets -inf logits and the spare entry past its own number. Each (row, head)'s arithmetic is its
-// own: a row ranks alone as in a batch.
+// pass: the first pass over the coordinates of the entries it is given (the store's first `width`) in the head's
+// principal directions (the largest over the group's queries of q B . low x its scale; an empty entry -inf), its
+// `candidates` x k best (ties to the lower entry), their exact logits under each query (the keys widened from
+// int8: exact in float32), the k best of those by their largest, and their values. A row that recalls fewer
+// (`per_row`) ranks only its own number of candidates and gets -inf logits and the spare entry past its own
+// number. Each (row, head)'s arithmetic is its own: a row ranks alone as in a batch.
 struct Ranked {
   float value;
   int64_t at;
@@ -429,7 +429,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
           for (int64_t d = 0; d < D; ++d) sum += qi[g * D + d] * bi[d * r + c];
           ql[g * r + c] = sum;
         }
-      const auto at_entry = [&](const at::Tensor& t, int64_t e) { return b * t.stride(0) + h * t.stride(1) + e * t.stride(2); };
+      const auto at_entry = [&](const at::Tensor& t, int64_t e) {
+        return b * t.stride(0) + h * t.stride(1) + e * t.stride(2);
+      };
       const int8_t* lp = low.data_ptr<int8_t>() + at_entry(low, 0);
       const at::Half* lsp = lscale.data_ptr<at::Half>() + at_entry(lscale, 0);
       const int32_t* pp = pos.data_ptr<int32_t>() + b * pos.stride(0) + h * pos.stride(1);
@@ -444,7 +446,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
             for (int64_t c = 0; c < r; c += 8) x[c / 8] = load8(coords + c);
             for (int64_t g = 0; g < G; ++g) {
               __m256 acc = _mm256_setzero_ps();
-              for (int64_t c = 0; c < r; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(&ql[g * r + c]), x[c / 8], acc);
+              for (int64_t c = 0; c < r; c += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(&ql[g * r + c]), x[c / 8], acc);
               best = std::max(best, hsum(acc) * scale);
             }
           } else {
@@ -490,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
       const at::Half* vsp = vscale.data_ptr<at::Half>();
       for (int64_t j = 0; j < k; ++j) {
         const bool fewer = j >= recalls;
-        const int64_t c = second[j].at, e = fewer && per_row.defined() ? spare : first[c].at;
+        const int64_t c = second[j].at, e = fewer ? spare : first[c].at;  // (fewer: only where per_row says)
         io[j] = e;
         for (int64_t g = 0; g < G; ++g) lo[g * k + j] = fewer ? minus_inf : exact[g * C + c];
         const int8_t* value = vp + at_entry(values, e);
