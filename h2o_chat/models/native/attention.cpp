@@ -52,6 +52,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// the horizontal sums of 8 vectors, as one vector (lane j: v[j]'s)
+inline __m256 hsum8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -360,14 +367,43 @@ struct Ranked {
   int64_t at;
 };
 
-// the n best of `all` (sorted, best first; ties to the lower entry, a total order) into its first n places
-inline void best_first(std::vector<Ranked>& all, int64_t n) {
-  const auto better = [](const Ranked& a, const Ranked& b) {
-    return a.value > b.value || (a.value == b.value && a.at < b.at);
-  };
-  if (n < static_cast<int64_t>(all.size())) std::nth_element(all.begin(), all.begin() + n, all.end(), better);
-  std::sort(all.begin(), all.begin() + n, better);
+// a candidate of the exact pass: its exact value, then (its place among the candidates) its first pass's value and
+// entry -- the candidates need not be sorted for ties to go as they would in first-pass order
+struct Exact {
+  float value;
+  Ranked first;
+  int64_t place;  // among the candidates (where its logits are)
+};
+
+// the first pass's order: the larger value first, ties to the lower entry (a total order)
+inline bool before(const Ranked& a, const Ranked& b) { return a.value > b.value || (a.value == b.value && a.at < b.at); }
+
+inline bool before(const Exact& a, const Exact& b) {
+  return a.value > b.value || (a.value == b.value && before(a.first, b.first));
 }
+
+// the n best of `all`'s first `size` into its first n places, in any order
+template <typename T>
+inline void best_of(std::vector<T>& all, int64_t n, int64_t size) {
+  const auto better = [](const T& a, const T& b) { return before(a, b); };
+  if (n < size) std::nth_element(all.begin(), all.begin() + n, all.begin() + size, better);
+}
+
+// the n best of `all` (sorted, best first) into its first n places
+template <typename T>
+inline void best_first(std::vector<T>& all, int64_t n) {
+  best_of(all, n, static_cast<int64_t>(all.size()));
+  std::sort(all.begin(), all.begin() + n, [](const T& a, const T& b) { return before(a, b); });
+}
+
+// a table's entry into the cache ahead of its reading (its `bytes`, a line at a time): the exact pass and the
+// values read entries at random places of a store that the weights' stream has pushed out of the caches, each
+// read a wait for memory unless asked for early (measured: half the op's time waited on its candidates' keys)
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+constexpr int64_t AHEAD = 16;  // candidates asked for ahead of the one read
 
 // q (B, H, G, D) float32, unscaled; basis (B, H, D, r) float32; the first `width` entries' low (B, H, width, r) int8,
 // lscale (B, H, width, 1) float16 and pos (B, H, width) int32 (-1: empty) -- a size, not a value, so that a
@@ -418,17 +454,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
   const float minus_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> ql(G * r), exact(G * C);
-    std::vector<Ranked> first(width), second(C);
+    std::vector<Ranked> first(width);
+    std::vector<Exact> second(C);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       const float* qi = q.data_ptr<float>() + i * G * D;
       const float* bi = base.data_ptr<float>() + i * D * r;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < r; ++c) {
-          float sum = 0.0f;
-          for (int64_t d = 0; d < D; ++d) sum += qi[g * D + d] * bi[d * r + c];
-          ql[g * r + c] = sum;
+      const bool wide = r % 8 == 0 && r <= 32;  // the coordinates' blocks of 8 fit in registers
+      for (int64_t g = 0; g < G; ++g) {  // the queries in the head's basis: q_g B
+        if (wide) {
+          __m256 acc[4];
+          for (int64_t c = 0; c < r; c += 8) acc[c / 8] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t c = 0; c < r; c += 8)
+              acc[c / 8] = _mm256_fmadd_ps(_mm256_set1_ps(qi[g * D + d]), _mm256_loadu_ps(bi + d * r + c), acc[c / 8]);
+          for (int64_t c = 0; c < r; c += 8) _mm256_storeu_ps(&ql[g * r + c], acc[c / 8]);
+        } else {
+          for (int64_t c = 0; c < r; ++c) {
+            float sum = 0.0f;
+            for (int64_t d = 0; d < D; ++d) sum += qi[g * D + d] * bi[d * r + c];
+            ql[g * r + c] = sum;
+          }
         }
+      }
       const auto at_entry = [&](const at::Tensor& t, int64_t e) {
         return b * t.stride(0) + h * t.stride(1) + e * t.stride(2);
       };
@@ -436,64 +484,96 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
       const at::Half* lsp = lscale.data_ptr<at::Half>() + at_entry(lscale, 0);
       const int32_t* pp = pos.data_ptr<int32_t>() + b * pos.stride(0) + h * pos.stride(1);
       const int64_t sl = low.stride(2), sls = lscale.stride(2), sp = pos.stride(2);
-      for (int64_t e = 0; e < width; ++e) {
+      int64_t e = 0;
+      if (wide) {  // 8 entries at a time (each lane its own entry's sums, in one order wherever it is)
+        alignas(32) float x[8 * 32], scale[8], best[8];
+        for (; e < width; e += 8) {
+          const int64_t n = std::min<int64_t>(8, width - e);
+          for (int64_t j = 0; j < 8; ++j) {
+            for (int64_t c = 0; c < r; c += 8)
+              _mm256_store_ps(x + j * r + c, j < n ? load8(lp + (e + j) * sl + c) : _mm256_setzero_ps());
+            scale[j] = j < n ? _cvtsh_ss(lsp[(e + j) * sls].x) : 0.0f;
+          }
+          __m256 top = _mm256_set1_ps(minus_inf);
+          for (int64_t g = 0; g < G; ++g) {
+            __m256 acc[8];
+            for (int64_t j = 0; j < 8; ++j) {
+              acc[j] = _mm256_mul_ps(_mm256_loadu_ps(&ql[g * r]), _mm256_load_ps(x + j * r));
+              for (int64_t c = 8; c < r; c += 8)
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(&ql[g * r + c]), _mm256_load_ps(x + j * r + c), acc[j]);
+            }
+            top = _mm256_max_ps(top, _mm256_mul_ps(hsum8(acc), _mm256_load_ps(scale)));
+          }
+          _mm256_store_ps(best, top);
+          for (int64_t j = 0; j < n; ++j) first[e + j] = Ranked{pp[(e + j) * sp] >= 0 ? best[j] : minus_inf, e + j};
+        }
+      }
+      for (; e < width; ++e) {  // other widths one at a time
         float best = minus_inf;
         if (pp[e * sp] >= 0) {
           const int8_t* coords = lp + e * sl;
           const float scale = _cvtsh_ss(lsp[e * sls].x);
-          if (r % 8 == 0 && r <= 32) {  // the coordinates widened once for the G queries
-            __m256 x[4];
-            for (int64_t c = 0; c < r; c += 8) x[c / 8] = load8(coords + c);
-            for (int64_t g = 0; g < G; ++g) {
-              __m256 acc = _mm256_setzero_ps();
-              for (int64_t c = 0; c < r; c += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(&ql[g * r + c]), x[c / 8], acc);
-              best = std::max(best, hsum(acc) * scale);
-            }
-          } else {
-            for (int64_t g = 0; g < G; ++g) {
-              float dot = 0.0f;
-              for (int64_t c = 0; c < r; ++c) dot += ql[g * r + c] * static_cast<float>(coords[c]);
-              best = std::max(best, dot * scale);
-            }
+          for (int64_t g = 0; g < G; ++g) {
+            float dot = 0.0f;
+            for (int64_t c = 0; c < r; ++c) dot += ql[g * r + c] * static_cast<float>(coords[c]);
+            best = std::max(best, dot * scale);
           }
         }
         first[e] = Ranked{best, e};
       }
-      best_first(first, C);
+      best_of(first, C, width);  // the C best, in any order
       const int64_t recalls = per_row.defined() ? std::min<int64_t>(per_row.data_ptr<int64_t>()[b], k) : k;
       const int64_t own = per_row.defined() ? candidates * std::max<int64_t>(recalls, 0) : C;
+      best_of(first, own, C);  // a row that recalls fewer ranks its own number: the best of them
       const int8_t* kp = keys.data_ptr<int8_t>();
       const at::Half* ksp = kscale.data_ptr<at::Half>();
+      const auto ask = [&](int64_t c) {
+        if (c < own) {
+          prefetch(kp + at_entry(keys, first[c].at), D);
+          prefetch(ksp + at_entry(kscale, first[c].at), 2);
+        }
+      };
+      for (int64_t c = 0; c < AHEAD; ++c) ask(c);
       for (int64_t c = 0; c < C; ++c) {
+        ask(c + AHEAD);
         const int64_t e = first[c].at;
         const bool empty = pp[e * sp] < 0;
         float best = minus_inf;
         if (!empty && c < own) {
           const int8_t* key = kp + at_entry(keys, e);
           const float scale = _cvtsh_ss(ksp[at_entry(kscale, e)].x);
+          __m256 x[8];  // the key widened once for the G queries (D <= 64), else per query
+          const bool once = D <= 64;
+          if (once)
+            for (int64_t d = 0; d < D; d += 8) x[d / 8] = _mm256_mul_ps(load8(key + d), _mm256_set1_ps(scale));
           for (int64_t g = 0; g < G; ++g) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
               acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + g * D + d),
-                                    _mm256_mul_ps(load8(key + d), _mm256_set1_ps(scale)), acc);
+                                    once ? x[d / 8] : _mm256_mul_ps(load8(key + d), _mm256_set1_ps(scale)), acc);
             exact[g * C + c] = hsum(acc);
             best = std::max(best, exact[g * C + c]);
           }
         } else {
           for (int64_t g = 0; g < G; ++g) exact[g * C + c] = minus_inf;
         }
-        second[c] = Ranked{best, c};
+        second[c] = Exact{best, first[c], c};
       }
       best_first(second, k);
+      const int8_t* vp = values.data_ptr<int8_t>();
+      const at::Half* vsp = vscale.data_ptr<at::Half>();
+      // the j-th recalled's entry: the spare past a row's own number (only where per_row says)
+      const auto entry_of = [&](int64_t j) { return j >= recalls ? spare : second[j].first.at; };
+      for (int64_t j = 0; j < k; ++j) {
+        prefetch(vp + at_entry(values, entry_of(j)), Dv);
+        prefetch(vsp + at_entry(vscale, entry_of(j)), 2);
+      }
       float* lo = logits_out.data_ptr<float>() + i * G * k;
       int64_t* io = index_out.data_ptr<int64_t>() + i * k;
       float* vo = values_out.data_ptr<float>() + i * k * Dv;
-      const int8_t* vp = values.data_ptr<int8_t>();
-      const at::Half* vsp = vscale.data_ptr<at::Half>();
       for (int64_t j = 0; j < k; ++j) {
         const bool fewer = j >= recalls;
-        const int64_t c = second[j].at, e = fewer ? spare : first[c].at;  // (fewer: only where per_row says)
+        const int64_t c = second[j].place, e = entry_of(j);
         io[j] = e;
         for (int64_t g = 0; g < G; ++g) lo[g * k + j] = fewer ? minus_inf : exact[g * C + c];
         const int8_t* value = vp + at_entry(values, e);
