@@ -627,6 +627,63 @@ def test_a_wrong_recall_ranking_is_refused_by_the_check(kernels):
     assert "recalls other tokens" in native.check_recall(reversed_order)
 
 
+def _twin_stores(capacities):
+    """Two empty stores alike: 2 layers, 2 rows of `capacities` entries, 3 KV heads of 8 channels, 2 recalled."""
+    from h2o_chat.engine.storage.store import Store
+
+    template = torch.zeros(2, 3, 1, 8)
+    return [Store.allocate(2, template, template, capacities, [2, 2]) for _ in range(2)]
+
+
+@pytest.mark.parametrize("rule", ["first", "age", "recalls", "score"])
+@pytest.mark.parametrize("capacities", [[40, 40], [40, 23]], ids=["one-capacity", "two"])
+def test_the_store_placement_kernel_places_what_pytorchs_operations_place(kernels, rule, capacities):
+    """Recall's store after each of 150 decode steps, placed by the library (one pass over every layer's store) and
+    by PyTorch's operations: the same fields everywhere and the same drop counts, under every drop rule, rows of
+    one capacity and of two (the smaller row never holds past its own), with tied positions, scores and recall
+    counts, while the store fills and after (new tokens dropping others or themselves)."""
+    op = torch.ops.h2o_native.store_place
+    ours, theirs = _twin_stores(capacities)
+    gen = torch.Generator().manual_seed(1)
+    lost_itself = 0
+    for step in range(150):
+        keys, values = torch.randn(2, 2, 3, 1, 8, generator=gen), torch.randn(2, 2, 3, 1, 8, generator=gen)
+        pos = torch.randint(0, 90, (2, 2, 3, 1), generator=gen)
+        pos[0, 0, 0] = -1 if step % 7 == 0 else pos[0, 0, 0]  # now and then nothing evicted there
+        score = torch.randint(0, 5, (2, 2, 3, 1), generator=gen).float() / 4
+        picked = torch.randint(0, 23, (2, 2, 3, 3), generator=gen)
+        before = ours.pos.clone()
+        for store, place in ((ours, op), (theirs, None)):
+            store.drop = rule
+            store.mark(picked)
+            store.write_spare(keys, values, pos, pos, score)
+            store.place_spare(place)
+        mine, other = ours.tensors(), theirs.tensors()
+        for name in mine:
+            assert torch.equal(mine[name], other[name]), (step, name)
+        lost_itself += int((ours.pos[..., :-1] == before[..., :-1]).all(-1).logical_and(pos[..., 0] >= 0).sum())
+    held = (ours.pos[..., :-1] >= 0).sum(-1)
+    assert held[:, 0].eq(capacities[0]).all() and held[:, 1].eq(capacities[1]).all()  # full, each row its own
+    assert bool((ours.pos[:, 1, :, capacities[1] : -1] == -1).all())
+    assert int(ours.drops.sum()) > 0 and lost_itself > 0
+
+
+def test_a_wrong_store_placement_is_refused_by_the_check(kernels):
+    """The check the engine runs before using the library catches a placement that ignores the drop rule or a
+    row's own capacity, and passes the real one."""
+    op = torch.ops.h2o_native.store_place
+    assert native.check_store_place(op) is None
+
+    def by_score_always(fields, pos, score, marks, drops, limit, rule):
+        op(fields, pos, score, marks, drops, limit, 3)
+
+    def every_row_full_size(fields, pos, score, marks, drops, limit, rule):
+        op(fields, pos, score, marks, drops, None, rule)
+
+    assert "drop 'age'" in native.check_store_place(by_score_always)
+    assert "differs from PyTorch's" in native.check_store_place(every_row_full_size)
+
+
 def test_a_wrong_decode_attention_is_refused_by_the_check(kernels):
     """The check the engine runs before using the library catches an attention that is off (mass shifted by one
     slot, or the keys read with the values' scales), and passes the real one."""

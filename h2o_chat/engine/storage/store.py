@@ -20,6 +20,8 @@ row's evicted tokens have doubled, and then every half capacity), in place, so a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from h2o_chat.engine.storage.quant import SCALE_DTYPE, dequantize, quantize
@@ -38,6 +40,17 @@ from h2o_chat.engine.storage.upkeep import StoreUpkeep
 
 RANK_DIM = 16  # principal directions of the stored keys whose coordinates a step's first ranking pass reads
 FIT_FROM = 64  # a row's store is first refitted once it holds this many entries, then at each doubling
+RULES = ("age", "first", "recalls", "score")  # the drop rules (`priority`) as the native `store_place` numbers them
+
+# The native library's `store_place` (`models.native`, a layer above: it hands itself over when imported), what
+# gives it or None.
+_native: Callable[[], Callable | None] | None = None
+
+
+def use_native(kernel: Callable[[], Callable | None]) -> None:
+    global _native
+    _native = kernel
+
 
 STORE_FIELDS = (
     Field("keys", 0, torch.int8, "key"),  # as stored in the slots: rotated
@@ -267,11 +280,30 @@ class Store(StoreUpkeep, Table):
     def append_step(self, keys, values, pos, rot, score) -> None:
         """A decode step's evicted tokens, one per layer, row and head ((L, B, H, 1, D) keys and values, the rest
         (L, B, H, 1)): written into the spare, each takes the place of its head's lowest entry, or is dropped
-        itself when lower. The spare is not cleared after: nothing reads it but the next append, which writes it
-        first (readers stop at `capacity`)."""
+        itself when lower. On CPU the native library's `store_place` places them in one pass over every layer's
+        store (models/native/attention.cpp), else PyTorch's operations."""
+        self.write_spare(keys, values, pos, rot, score)
+        op = None
+        if _native is not None and self.pos.device.type == "cpu" and not torch.compiler.is_compiling():
+            op = _native()
+        self.place_spare(op)
+
+    def write_spare(self, keys, values, pos, rot, score) -> None:
+        """New entries (`append_step`'s) into the spare. It is not cleared after being placed: nothing reads it but
+        the next append, which writes it first (readers stop at `capacity`)."""
         spare = self.capacity
         for buf, x in zip(self.slot_tensors(), self._entry(keys, values, pos, rot, score), strict=True):
             buf[:, :, :, spare : spare + 1] = x
+
+    def place_spare(self, op: Callable | None = None) -> None:
+        """The spare entry takes the place of its (layer, row, head)'s lowest entry (itself, when it is lowest); a
+        head that loses a token counts a drop. `op`: the native library's `store_place`, else PyTorch's
+        operations."""
+        if op is not None:
+            limit = None if self.uniform_capacity else self.limit
+            op(self.slot_tensors(), self.pos, self.score, self.marks, self.drops, limit, RULES.index(self.drop))
+            return
+        spare = self.capacity
         prio = self.priority(self.pos, self.score, self.marks)
         victim = place(self, prio, tie(self.pos))  # (L, B, H, 1): whose memory is reused
         self.drops += (self.pos.gather(3, victim) >= 0).squeeze(-1)

@@ -96,7 +96,8 @@ SOURCES = (AMX, AVX2)  # the first whose flags the CPU has is built
 ATTENTION = Path(__file__).with_name("attention.cpp")  # a decode step's attention (AVX2, FMA, F16C), built into both
 GROUP = 32  # input channels per scale and zero (cpu_quant.GROUP: the only group the kernel takes)
 BUILD_TIMEOUT = 600  # seconds
-_state: dict = {}  # "op", "mv", "attention", "recall": the loaded kernels, or "why": why not (decided once per process)
+# "op", "mv", "attention", "recall", "place": the loaded kernels, or "why": why not (decided once per process)
+_state: dict = {}
 _fakes: set = set()  # the operators whose output shape is registered (once per process)
 _lock = threading.Lock()
 
@@ -337,6 +338,35 @@ def check_recall(op: Callable) -> str | None:
     return None
 
 
+def check_store_place(op: Callable) -> str | None:
+    """Why the library's placement of recall's store must not be used, or None: under every drop rule, in a store
+    that fills and then drops (a new token sometimes losing itself), its rows of one capacity or of two, with
+    tied scores and recall counts, it moves and counts exactly what PyTorch's operations do
+    (`Store.place_spare`)."""
+    from h2o_chat.engine.storage.store import RULES, Store
+
+    generator = torch.Generator().manual_seed(0)
+    L, B, H, D, N = 2, 2, 3, 8, 12
+    template = torch.zeros(B, H, 1, D)
+    for capacities in ([N, N], [N, 7]):
+        for rule in RULES:
+            ours, theirs = (Store.allocate(L, template, template, capacities, [2, 2]) for _ in range(2))
+            for _ in range(3 * N):
+                keys, values = (torch.randn(L, B, H, 1, D, generator=generator) for _ in range(2))
+                pos = torch.randint(0, 40, (L, B, H, 1), generator=generator)
+                score = torch.randint(0, 4, (L, B, H, 1), generator=generator).float() / 4  # ties
+                picked = torch.randint(0, N, (L, B, H, 2), generator=generator)
+                for store, place in ((ours, op), (theirs, None)):
+                    store.drop = rule
+                    store.mark(picked)
+                    store.write_spare(keys, values, pos, pos, score)
+                    store.place_spare(place)
+                mine, other = ours.tensors(), theirs.tensors()
+                if any(not torch.equal(mine[name], other[name]) for name in mine):
+                    return f"its placement of recall's store (drop {rule!r}) differs from PyTorch's"
+    return None
+
+
 def check_attention(op: Callable) -> str | None:
     """Why the library's decode attention must not be used, or None: its output and mass agree with a plain
     softmax over the held slots and the new token (and recall's tokens brought back, some of them none), over
@@ -406,7 +436,9 @@ def int4_mm(background: bool = True) -> Callable | None:
                     op, steps = load(path)
                     attention = torch.ops.h2o_native.decode_attention
                     recall = torch.ops.h2o_native.recall_step
+                    place = torch.ops.h2o_native.store_place
                     why = check(op) or check(steps) or check_attention(attention) or check_recall(recall)
+                    why = why or check_store_place(place)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
@@ -414,7 +446,8 @@ def int4_mm(background: bool = True) -> Callable | None:
                         steps = None
                     attention = None if steps is None else attention
                     recall = None if steps is None else recall
-                    _state.update(op=op, mv=steps, attention=attention, recall=recall, block=pytorch_block())
+                    _state.update(op=op, mv=steps, attention=attention, recall=recall, place=place)
+                    _state["block"] = pytorch_block()
                     return op
         _state["why"] = why
         return None
@@ -440,6 +473,13 @@ def recall_step() -> Callable | None:
     the library is used for decode steps, else None."""
     int4_mm()
     return _state.get("recall")
+
+
+def store_place() -> Callable | None:
+    """The library's placement of recall's store after a decode step (`Store.place_spare`'s `op`), where it loaded
+    (eager, after the step: it does not depend on how steps multiply), else None."""
+    int4_mm()
+    return _state.get("place")
 
 
 def products() -> str:
@@ -491,9 +531,11 @@ def _hand_over() -> None:
     its steps call of the library."""
     from h2o_chat.engine.policies import recall_rank
     from h2o_chat.engine.step import attention
+    from h2o_chat.engine.storage import store
 
     attention.use_native(decode_attention, products)
     recall_rank.use_native(recall_step)
+    store.use_native(store_place)
 
 
 _hand_over()

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -585,6 +586,163 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
   return {logits_out, values_out, index_out};
 }
 
+// A store entry's keep-priority under drop rule RULE (`store_place`): of entry e, and of entries e .. e + 7.
+template <int RULE>
+inline float priority1(const int32_t* pos, const float* score, const int32_t* marks, int64_t e) {
+  if constexpr (RULE == 0) {
+    return static_cast<float>(pos[e]);
+  } else if constexpr (RULE == 1) {
+    return -static_cast<float>(pos[e]);
+  } else if constexpr (RULE == 2) {
+    volatile float recalled = static_cast<float>(marks[e]) * 1e6f;  // rounded before the sum, as in PyTorch
+    return recalled + score[e];
+  } else {
+    return score[e];
+  }
+}
+
+template <int RULE>
+inline __m256 priority8(const int32_t* pos, const float* score, const int32_t* marks, int64_t e) {
+  if constexpr (RULE == 0 || RULE == 1) {
+    const __m256 p = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + e)));
+    return RULE == 0 ? p : _mm256_xor_ps(p, _mm256_set1_ps(-0.0f));
+  } else if constexpr (RULE == 2) {
+    __m256 recalled = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(marks + e))),
+                                    _mm256_set1_ps(1e6f));
+    __asm__("" : "+x"(recalled));  // rounded before the sum, as in PyTorch (never fused into one operation)
+    return _mm256_add_ps(recalled, _mm256_loadu_ps(score + e));
+  } else {
+    return _mm256_loadu_ps(score + e);
+  }
+}
+
+// One (layer, row, head) of the store (E entries, the last the spare; entries from `held` to the spare past the
+// row's capacity): the entry `store_place` replaces -- the least (priority, tie, entry), an empty entry's priority
+// -inf and its tie its index + 1, a held one's tie its position; where a priority is NaN, the first entry, as
+// PyTorch's operations have it). Eight entries at a time, each lane keeping its own least, then the lanes' least and
+// the rest one at a time.
+template <int RULE>
+int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int64_t E,
+                                int64_t held) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const int64_t spare = E - 1;
+  float low = inf;
+  int64_t low_tie = 0, victim = -1;  // none yet
+  bool nan = false;
+  const auto take = [&](float p, int64_t tie, int64_t e) {
+    if (victim < 0 || p < low || (p == low && (tie < low_tie || (tie == low_tie && e < victim)))) {
+      low = p;
+      low_tie = tie;
+      victim = e;
+    }
+  };
+  int64_t e = 0;
+  if (E >= 8) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+    const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(held - 1)), last = _mm256_set1_epi32(spare);
+    __m256 lane_p = _mm256_set1_ps(inf), nans = _mm256_setzero_ps();
+    __m256i lane_tie = _mm256_set1_epi32(std::numeric_limits<int32_t>::max()), lane_e = _mm256_set1_epi32(-1);
+    for (; e + 8 <= E; e += 8) {
+      const __m256i p32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + e));
+      const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(e)), iota);
+      const __m256i empty = _mm256_cmpgt_epi32(_mm256_setzero_si256(), p32);
+      const __m256i beyond = _mm256_and_si256(_mm256_cmpgt_epi32(at, below), _mm256_cmpgt_epi32(last, at));
+      __m256 p = _mm256_blendv_ps(priority8<RULE>(pos, score, marks, e), _mm256_set1_ps(-inf),
+                                  _mm256_castsi256_ps(empty));
+      p = _mm256_blendv_ps(p, _mm256_set1_ps(inf), _mm256_castsi256_ps(beyond));
+      nans = _mm256_or_ps(nans, _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+      const __m256i tie = _mm256_blendv_epi8(p32, _mm256_add_epi32(at, one), empty);
+      const __m256 better =
+          _mm256_or_ps(_mm256_cmp_ps(p, lane_p, _CMP_LT_OQ),
+                       _mm256_and_ps(_mm256_cmp_ps(p, lane_p, _CMP_EQ_OQ),
+                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane_tie, tie))));
+      lane_p = _mm256_blendv_ps(lane_p, p, better);
+      lane_tie = _mm256_blendv_epi8(lane_tie, tie, _mm256_castps_si256(better));
+      lane_e = _mm256_blendv_epi8(lane_e, at, _mm256_castps_si256(better));
+    }
+    alignas(32) float ps[8];
+    alignas(32) int32_t ties[8], es[8];
+    _mm256_store_ps(ps, lane_p);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ties), lane_tie);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(es), lane_e);
+    for (int j = 0; j < 8; ++j)
+      if (es[j] >= 0) take(ps[j], ties[j], es[j]);
+    nan = _mm256_movemask_ps(nans) != 0;
+  }
+  for (; e < E; ++e) {
+    float p = pos[e] < 0 ? -inf : priority1<RULE>(pos, score, marks, e);
+    if (e >= held && e < spare) p = inf;
+    nan |= p != p;
+    take(p, pos[e] >= 0 ? pos[e] : e + 1, e);
+  }
+  return nan || victim < 0 ? 0 : victim;
+}
+
+// Recall's store after a decode step (store.py, `Store.append_step`'s placement, whose PyTorch operations it
+// replaces on CPU: a dozen passes over every layer's store, and a scatter per field): per (layer, row, KV head), the
+// entry of lowest keep-priority under the store's `rule` (0: the oldest position first, 1: the latest, 2: the least
+// recalled, then the lowest score, as marks x 1e6 + score in float32; 3: the lowest score), an empty entry -inf (a
+// filling store appends) and a stored one past its row's `limit` +inf; ties to the lowest tie (a held entry's
+// position, an empty one's index + 1), then to the first -- takes the spare's fields (the last entry, which holds
+// the new token and may lose itself), and its head's drop count grows when it held a token. `fields` are the
+// store's per-entry tensors (L, B, H, E, ...), each entry's trailing dims contiguous; pos, score and marks (L, B,
+// H, E) int32, float32, int32 are among them; drops (L, B, H) int64; limit (B,) int64 or none (every row the
+// capacity E - 1).
+void store_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor& score, const at::Tensor& marks,
+                 const at::Tensor& drops, const std::optional<at::Tensor>& limit_in, int64_t rule) {
+  TORCH_CHECK(rule >= 0 && rule <= 3, "store_place: rule 0-3, not ", rule);
+  TORCH_CHECK(pos.dim() == 4 && pos.scalar_type() == at::kInt, "pos: (L, B, H, E) int32");
+  const int64_t L = pos.size(0), B = pos.size(1), H = pos.size(2), E = pos.size(3), spare = E - 1;
+  TORCH_CHECK(E >= 1, "store_place: no spare entry");
+  for (const at::Tensor* t : {&pos, &score, &marks})
+    TORCH_CHECK(t->sizes() == pos.sizes() && t->stride(3) == 1, "pos, score, marks: (L, B, H, E), entries contiguous");
+  TORCH_CHECK(score.scalar_type() == at::kFloat && marks.scalar_type() == at::kInt, "score float32, marks int32");
+  TORCH_CHECK(drops.dim() == 3 && drops.scalar_type() == at::kLong && drops.size(0) == L && drops.size(1) == B &&
+                  drops.size(2) == H,
+              "drops: (L, B, H) int64");
+  std::vector<int64_t> entry_bytes;
+  for (const at::Tensor& f : fields) {
+    TORCH_CHECK(f.dim() >= 4 && f.size(0) == L && f.size(1) == B && f.size(2) == H && f.size(3) == E,
+                "store_place: a field not (L, B, H, E, ...): ", f.sizes());
+    int64_t inner = 1;
+    for (int64_t d = f.dim() - 1; d >= 4; --d) {
+      TORCH_CHECK(f.size(d) == 1 || f.stride(d) == inner, "store_place: an entry's trailing dims not contiguous");
+      inner *= f.size(d);
+    }
+    entry_bytes.push_back(inner * static_cast<int64_t>(f.element_size()));
+  }
+  at::Tensor limit;
+  if (limit_in.has_value()) {
+    limit = limit_in->to(at::kLong).contiguous();
+    TORCH_CHECK(limit.dim() == 1 && limit.size(0) == B, "limit: (B,)");
+  }
+  at::parallel_for(0, L * B * H, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t l = i / (B * H), b = (i / H) % B, h = i % H;
+      const auto head = [&](const at::Tensor& t) { return l * t.stride(0) + b * t.stride(1) + h * t.stride(2); };
+      const int32_t* pp = pos.data_ptr<int32_t>() + head(pos);
+      const float* sp = score.data_ptr<float>() + head(score);
+      const int32_t* mp = marks.data_ptr<int32_t>() + head(marks);
+      const int64_t held = limit.defined() ? limit.data_ptr<int64_t>()[b] : spare;
+      const int64_t victim = rule == 0   ? lowest<0>(pp, sp, mp, E, held)
+                             : rule == 1 ? lowest<1>(pp, sp, mp, E, held)
+                             : rule == 2 ? lowest<2>(pp, sp, mp, E, held)
+                                         : lowest<3>(pp, sp, mp, E, held);
+      if (victim == spare) {
+        if (pp[spare] >= 0) drops.data_ptr<int64_t>()[head(drops)] += 1;  // the new token lost itself
+        continue;
+      }
+      if (pp[victim] >= 0) drops.data_ptr<int64_t>()[head(drops)] += 1;
+      for (size_t f = 0; f < fields.size(); ++f) {
+        const at::Tensor& t = fields[f];
+        char* base = static_cast<char*>(t.data_ptr()) + head(t) * static_cast<int64_t>(t.element_size());
+        const int64_t step = t.stride(3) * static_cast<int64_t>(t.element_size());
+        std::memcpy(base + victim * step, base + spare * step, entry_bytes[f]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
@@ -595,9 +753,13 @@ TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
       "recall_step(Tensor q, Tensor basis, Tensor low, Tensor lscale, Tensor pos, Tensor keys, Tensor kscale, "
       "Tensor values, Tensor vscale, Tensor pick, int candidates, Tensor? per_row=None) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "store_place(Tensor(a!)[] fields, Tensor pos, Tensor score, Tensor marks, Tensor(b!) drops, Tensor? limit, "
+      "int rule) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(h2o_native, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("recall_step", &recall_step);
+  m.impl("store_place", &store_place);
 }
