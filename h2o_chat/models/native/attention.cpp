@@ -383,6 +383,21 @@ inline bool before(const Exact& a, const Exact& b) {
   return a.value > b.value || (a.value == b.value && before(a.first, b.first));
 }
 
+// the first pass's sums of 8 entries under one query (its R coordinates in the head's basis at `ql`; the entries'
+// widened coordinates at `x`, R apart): R a constant, so that the 8 sums stay in registers
+template <int R>
+inline __m256 first8(const float* ql, const float* x) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    acc[j] = _mm256_mul_ps(_mm256_loadu_ps(ql), _mm256_load_ps(x + j * R));
+#pragma GCC unroll 4
+    for (int c = 8; c < R; c += 8)
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(ql + c), _mm256_load_ps(x + j * R + c), acc[j]);
+  }
+  return hsum8(acc);
+}
+
 // the n best of `all`'s first `size` into its first n places, in any order
 template <typename T>
 inline void best_of(std::vector<T>& all, int64_t n, int64_t size) {
@@ -497,13 +512,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> recall_step(
           }
           __m256 top = _mm256_set1_ps(minus_inf);
           for (int64_t g = 0; g < G; ++g) {
-            __m256 acc[8];
-            for (int64_t j = 0; j < 8; ++j) {
-              acc[j] = _mm256_mul_ps(_mm256_loadu_ps(&ql[g * r]), _mm256_load_ps(x + j * r));
-              for (int64_t c = 8; c < r; c += 8)
-                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(&ql[g * r + c]), _mm256_load_ps(x + j * r + c), acc[j]);
-            }
-            top = _mm256_max_ps(top, _mm256_mul_ps(hsum8(acc), _mm256_load_ps(scale)));
+            const float* qg = &ql[g * r];
+            const __m256 sums = r == 8    ? first8<8>(qg, x)
+                                : r == 16 ? first8<16>(qg, x)
+                                : r == 24 ? first8<24>(qg, x)
+                                          : first8<32>(qg, x);
+            top = _mm256_max_ps(top, _mm256_mul_ps(sums, _mm256_load_ps(scale)));
           }
           _mm256_store_ps(best, top);
           for (int64_t j = 0; j < n; ++j) first[e + j] = Ranked{pp[(e + j) * sp] >= 0 ? best[j] : minus_inf, e + j};
