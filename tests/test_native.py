@@ -647,17 +647,8 @@ def test_the_store_placement_kernel_places_what_pytorchs_operations_place(kernel
     gen = torch.Generator().manual_seed(1)
     lost_itself = 0
     for step in range(150):
-        keys, values = torch.randn(2, 2, 3, 1, 8, generator=gen), torch.randn(2, 2, 3, 1, 8, generator=gen)
-        pos = torch.randint(0, 90, (2, 2, 3, 1), generator=gen)
-        pos[0, 0, 0] = -1 if step % 7 == 0 else pos[0, 0, 0]  # now and then nothing evicted there
-        score = torch.randint(0, 5, (2, 2, 3, 1), generator=gen).float() / 4
-        picked = torch.randint(0, 23, (2, 2, 3, 3), generator=gen)
         before = ours.pos.clone()
-        for store, place in ((ours, op), (theirs, None)):
-            store.drop = rule
-            store.mark(picked)
-            store.write_spare(keys, values, pos, pos, score)
-            store.place_spare(place)
+        pos = native.place_alike(ours, theirs, op, rule, gen, step)
         mine, other = ours.tensors(), theirs.tensors()
         for name in mine:
             assert torch.equal(mine[name], other[name]), (step, name)

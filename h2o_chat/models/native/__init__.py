@@ -338,6 +338,26 @@ def check_recall(op: Callable) -> str | None:
     return None
 
 
+def place_alike(ours, theirs, op: Callable, rule: str, generator: torch.Generator, step: int) -> torch.Tensor:
+    """One decode step's evicted tokens, random, into two stores alike (`Store`s of one shape): `ours` placed by
+    `op` (the library's `store_place`), `theirs` by PyTorch's operations, under drop `rule`. Positions, scores and
+    recall counts tie often, and every 7th `step` one head evicts nothing. -> the tokens' positions (L, B, H, 1)."""
+    L, B, H, _, D = ours.keys.shape
+    N = ours.capacity
+    keys, values = (torch.randn(L, B, H, 1, D, generator=generator) for _ in range(2))
+    pos = torch.randint(0, 3 * N, (L, B, H, 1), generator=generator)
+    if step % 7 == 0:
+        pos[0, 0, 0] = -1
+    score = torch.randint(0, 5, (L, B, H, 1), generator=generator).float() / 4
+    picked = torch.randint(0, N, (L, B, H, 2), generator=generator)
+    for store, place in ((ours, op), (theirs, None)):
+        store.drop = rule
+        store.mark(picked)
+        store.write_spare(keys, values, pos, pos, score)
+        store.place_spare(place)
+    return pos
+
+
 def check_store_place(op: Callable) -> str | None:
     """Why the library's placement of recall's store must not be used, or None: under every drop rule, in a store
     that fills and then drops (a new token sometimes losing itself), its rows of one capacity or of two, with
@@ -351,16 +371,8 @@ def check_store_place(op: Callable) -> str | None:
     for capacities in ([N, N], [N, 7]):
         for rule in RULES:
             ours, theirs = (Store.allocate(L, template, template, capacities, [2, 2]) for _ in range(2))
-            for _ in range(3 * N):
-                keys, values = (torch.randn(L, B, H, 1, D, generator=generator) for _ in range(2))
-                pos = torch.randint(0, 40, (L, B, H, 1), generator=generator)
-                score = torch.randint(0, 4, (L, B, H, 1), generator=generator).float() / 4  # ties
-                picked = torch.randint(0, N, (L, B, H, 2), generator=generator)
-                for store, place in ((ours, op), (theirs, None)):
-                    store.drop = rule
-                    store.mark(picked)
-                    store.write_spare(keys, values, pos, pos, score)
-                    store.place_spare(place)
+            for step in range(3 * N):
+                place_alike(ours, theirs, op, rule, generator, step)
                 mine, other = ours.tensors(), theirs.tensors()
                 if any(not torch.equal(mine[name], other[name]) for name in mine):
                     return f"its placement of recall's store (drop {rule!r}) differs from PyTorch's"
