@@ -636,8 +636,7 @@ inline __m256 priority8(const int32_t* pos, const float* score, const int32_t* m
 // PyTorch's operations have it). Eight entries at a time, each lane keeping its own least, then the lanes' least and
 // the rest one at a time.
 template <int RULE>
-int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int64_t E,
-                                int64_t held) {
+int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int64_t E, int64_t held) {
   const float inf = std::numeric_limits<float>::infinity();
   const int64_t spare = E - 1;
   float low = inf;
@@ -742,11 +741,8 @@ void store_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
                              : rule == 1 ? lowest<1>(pp, sp, mp, E, held)
                              : rule == 2 ? lowest<2>(pp, sp, mp, E, held)
                                          : lowest<3>(pp, sp, mp, E, held);
-      if (victim == spare) {
-        if (pp[spare] >= 0) drops.data_ptr<int64_t>()[head(drops)] += 1;  // the new token lost itself
-        continue;
-      }
-      if (pp[victim] >= 0) drops.data_ptr<int64_t>()[head(drops)] += 1;
+      if (pp[victim] >= 0) drops.data_ptr<int64_t>()[head(drops)] += 1;  // a token lost (the new one, if the spare)
+      if (victim == spare) continue;
       for (size_t f = 0; f < fields.size(); ++f) {
         const at::Tensor& t = fields[f];
         char* base = static_cast<char*>(t.data_ptr()) + head(t) * static_cast<int64_t>(t.element_size());
