@@ -627,14 +627,6 @@ def test_a_wrong_recall_ranking_is_refused_by_the_check(kernels):
     assert "recalls other tokens" in native.check_recall(reversed_order)
 
 
-def _twin_stores(capacities):
-    """Two empty stores alike: 2 layers, 2 rows of `capacities` entries, 3 KV heads of 8 channels, 2 recalled."""
-    from h2o_chat.engine.storage.store import Store
-
-    template = torch.zeros(2, 3, 1, 8)
-    return [Store.allocate(2, template, template, capacities, [2, 2]) for _ in range(2)]
-
-
 @pytest.mark.parametrize("rule", ["first", "age", "recalls", "score"])
 @pytest.mark.parametrize("capacities", [[40, 40], [40, 23]], ids=["one-capacity", "two"])
 def test_the_store_placement_kernel_places_what_pytorchs_operations_place(kernels, rule, capacities):
@@ -643,7 +635,7 @@ def test_the_store_placement_kernel_places_what_pytorchs_operations_place(kernel
     one capacity and of two (the smaller row never holds past its own), with tied positions, scores and recall
     counts, while the store fills and after (new tokens dropping others or themselves)."""
     op = torch.ops.h2o_native.store_place
-    ours, theirs = _twin_stores(capacities)
+    ours, theirs = native.twin_stores(capacities)
     gen = torch.Generator().manual_seed(1)
     lost_itself = 0
     for step in range(150):

@@ -338,6 +338,15 @@ def check_recall(op: Callable) -> str | None:
     return None
 
 
+def twin_stores(capacities: list[int]) -> list:
+    """Two empty recall stores alike (`Store`): 2 layers, 2 rows of `capacities` entries, 3 KV heads of 8
+    channels, 2 recalled."""
+    from h2o_chat.engine.storage.store import Store
+
+    template = torch.zeros(2, 3, 1, 8)
+    return [Store.allocate(2, template, template, capacities, [2, 2]) for _ in range(2)]
+
+
 def place_alike(ours, theirs, op: Callable, rule: str, generator: torch.Generator, step: int) -> torch.Tensor:
     """One decode step's evicted tokens, random, into two stores alike (`Store`s of one shape): `ours` placed by
     `op` (the library's `store_place`), `theirs` by PyTorch's operations, under drop `rule`. Positions, scores and
@@ -363,14 +372,13 @@ def check_store_place(op: Callable) -> str | None:
     that fills and then drops (a new token sometimes losing itself), its rows of one capacity or of two, with
     tied scores and recall counts, it moves and counts exactly what PyTorch's operations do
     (`Store.place_spare`)."""
-    from h2o_chat.engine.storage.store import RULES, Store
+    from h2o_chat.engine.storage.store import RULES
 
     generator = torch.Generator().manual_seed(0)
-    L, B, H, D, N = 2, 2, 3, 8, 12
-    template = torch.zeros(B, H, 1, D)
+    N = 12
     for capacities in ([N, N], [N, 7]):
         for rule in RULES:
-            ours, theirs = (Store.allocate(L, template, template, capacities, [2, 2]) for _ in range(2))
+            ours, theirs = twin_stores(capacities)
             for step in range(3 * N):
                 place_alike(ours, theirs, op, rule, generator, step)
                 mine, other = ours.tensors(), theirs.tensors()
