@@ -667,6 +667,52 @@ def test_a_wrong_store_placement_is_refused_by_the_check(kernels):
     assert "differs from PyTorch's" in native.check_store_place(every_row_full_size)
 
 
+@pytest.mark.parametrize("names", native.SETTLE_ROWS, ids=["+".join(n) for n in native.SETTLE_ROWS])
+def test_the_slots_placement_kernel_evicts_what_pytorchs_operations_evict(kernels, names):
+    """The slots after each of 120 decode steps, placed by the library (one pass over every layer's slots) and by
+    PyTorch's operations (`evict.settle`): every buffer equal, snap's side buffer included, for rows ranked by
+    score and by position, with sinks kept, rows of two budgets in one batch (the smaller never holds past its
+    own), tied scores, and a NaN among them (slot 0 loses, as PyTorch's argmin has it), while the cache fills and
+    after."""
+    op = torch.ops.h2o_native.slots_place
+    (ours, theirs), rules = native.twin_slots(names)
+    gen = torch.Generator().manual_seed(1)
+    evicted = 0
+    for step in range(120):
+        before = ours.pos[..., :-1].clone()
+        native.settle_alike(ours, theirs, rules, op, gen, step)
+        for a, b in zip(ours.buffers(), theirs.buffers(), strict=True):
+            assert torch.equal(a, b), step
+        evicted += int(((before >= 0) & (ours.pos[..., :-1] != before)).sum())
+    held = (ours.pos[..., :-1] >= 0).sum(-1)  # (L, B, H): full, each row to its own budget
+    assert held.eq(rules.limit[None, :, None]).all() and evicted > 0
+    assert bool((ours.pos[..., -1] == -1).all())  # the spare emptied
+    if "sink" in names:  # a sink row keeps its first positions whatever their scores
+        row = names.index("sink")
+        kept = (ours.pos[:, row] >= 0) & (ours.pos[:, row] < int(rules.sinks[row]))
+        assert kept.sum(-1).eq(int(rules.sinks[row])).all()
+
+
+def test_a_wrong_slots_placement_is_refused_by_the_check(kernels):
+    """The check the engine runs before using the library catches a placement that ranks every row by score, or
+    forgets the rows' own budgets or sinks, and passes the real one."""
+    op = torch.ops.h2o_native.slots_place
+    assert native.check_slots_place(op) is None
+
+    def by_score_always(fields, pos, score, newest, by_score, recent, sinks, limit):
+        op(fields, pos, score, newest, torch.ones_like(by_score), recent, sinks, limit)
+
+    def every_row_full_size(fields, pos, score, newest, by_score, recent, sinks, limit):
+        op(fields, pos, score, newest, by_score, recent, sinks, None)
+
+    def no_sinks(fields, pos, score, newest, by_score, recent, sinks, limit):
+        op(fields, pos, score, newest, by_score, recent, None, limit)
+
+    assert "(sink and sink rows)" in native.check_slots_place(by_score_always)
+    assert "differs from PyTorch's" in native.check_slots_place(every_row_full_size)
+    assert "differs from PyTorch's" in native.check_slots_place(no_sinks)
+
+
 def test_a_wrong_decode_attention_is_refused_by_the_check(kernels):
     """The check the engine runs before using the library catches an attention that is off (mass shifted by one
     slot, or the keys read with the values' scales), and passes the real one."""

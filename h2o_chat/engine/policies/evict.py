@@ -16,6 +16,7 @@ layer and head (`Slots.held`), so one (B, slots) validity mask serves all layers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,16 +30,47 @@ if TYPE_CHECKING:
     from h2o_chat.engine.storage.store import Store
 
 
+# the native library's `slots_place` where it loaded (models/native hands it over: this layer does not import it)
+_native: Callable[[], Callable | None] | None = None
+
+
+def use_native(kernel: Callable[[], Callable | None]) -> None:
+    global _native
+    _native = kernel
+
+
 def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     """Finish a decode step: the spare slot's token replaces each (layer, row, head)'s lowest-priority slot.
     The spare holds the newest token, which every policy protects, so it is never its own victim. A `store`
     (the recall policy's) keeps the victim."""
-    prio = rules.priority(slots.score, slots.pos, slots.seen)  # newest = the spare's position
-    victim = place(slots, prio, tie(slots.pos))  # (L, B, H, 1)
-    if store is not None:
-        keys, values = slots.gather_kv(victim)
-        lost = [t.gather(3, victim)[..., None] for t in (slots.pos, slots.rot, slots.score)]
-        store.append_step(keys, values, *(t[..., 0] for t in lost))
+    if store is None:
+        op = None
+        if _native is not None and slots.pos.device.type == "cpu" and not torch.compiler.is_compiling():
+            op = _native()
+        settle(slots, rules, op)
+        return
+    victim = place(slots, rules.priority(slots.score, slots.pos, slots.seen), tie(slots.pos))  # (L, B, H, 1)
+    keys, values = slots.gather_kv(victim)
+    lost = [t.gather(3, victim)[..., None] for t in (slots.pos, slots.rot, slots.score)]
+    store.append_step(keys, values, *(t[..., 0] for t in lost))
+    _take_spare(slots, victim)
+
+
+def settle(slots: Slots, rules: Rules, op: Callable | None = None) -> None:
+    """`step` without a store: the spare's token into each (layer, row, head)'s lowest-priority slot. `op`: the
+    native library's `slots_place` (one pass over every layer's slots), else PyTorch's operations (a dozen
+    passes and a scatter per buffer)."""
+    if op is None:  # newest: the spare's position
+        _take_spare(slots, place(slots, rules.priority(slots.score, slots.pos, slots.seen), tie(slots.pos)))
+        return
+    sinks = rules.sinks if rules.any_protected_sinks else None
+    limit = None if rules.uniform else rules.limit  # as `Rules.within_limits`
+    op(slots.buffers(), slots.pos, slots.score, slots.seen, rules.by_score, rules.recent, sinks, limit)
+    slots.clear_spare()
+
+
+def _take_spare(slots: Slots, victim: torch.Tensor) -> None:
+    """Every buffer's spare slot into the slots `victim` (L, B, H, 1); the spare is then emptied."""
     spare = slots.capacity  # the spare slot comes right after the capacity
     for buf in slots.buffers():
         buf.scatter_(3, per_slot(victim, buf), buf[:, :, :, spare : spare + 1])

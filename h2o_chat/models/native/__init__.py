@@ -387,6 +387,65 @@ def check_store_place(op: Callable) -> str | None:
     return None
 
 
+# policy sets whose rows `check_slots_place` and its test evict under: one policy, by score and by position; rows
+# of their own budgets, sinks and rules in one batch (`Rules.within_limits`'s limits)
+SETTLE_ROWS = (("h2o", "h2o"), ("sink", "sink"), ("snap", "recent"), ("h2o", "sink"))
+
+
+def twin_slots(names: tuple[str, ...], capacity: int = 12) -> tuple[list, object]:
+    """Two empty `Slots` alike, (2 layers, one row per policy name, 3 KV heads of 8 channels, `capacity` slots and
+    the spare) with a side buffer moved with them (as snap's), and the rows' `Rules`: the rows' budgets differ (the
+    last row's is smaller) unless every row has the same policy."""
+    from h2o_chat.engine.policies import Rules, make_policy
+    from h2o_chat.engine.storage.slots import Slots
+
+    uniform = len(set(names)) == 1
+    budgets = [capacity if uniform or r < len(names) - 1 else capacity - 4 for r in range(len(names))]
+    policies = [make_policy(n, b) for n, b in zip(names, budgets, strict=True)]
+    template = torch.zeros(len(names), 3, 1, 8)
+    twins = [Slots.allocate(2, template, template, capacity) for _ in range(2)]
+    for slots in twins:
+        slots.extra = [torch.zeros(*slots.score.shape, 2)]
+    return twins, Rules.of(policies, capacity, "cpu")
+
+
+def settle_alike(ours, theirs, rules, op: Callable, generator: torch.Generator, step: int) -> None:
+    """One decode step's token, random, into two `Slots` alike, then placed: `ours` by `op` (the library's
+    `slots_place`), `theirs` by PyTorch's operations (`evict.settle`). The slots' masses are quarters (they tie
+    often) and at every 9th `step` one head's scores hold a NaN."""
+    from h2o_chat.engine.policies import evict
+
+    keys, values = (torch.randn(*ours.keys.shape[:3], ours.keys.shape[-1], generator=generator) for _ in range(2))
+    mass = torch.randint(0, 4, ours.score.shape, generator=generator).float() / 4
+    side = torch.randn(*ours.score.shape[:3], 2, generator=generator)
+    for slots, place in ((ours, op), (theirs, None)):
+        spare = slots.capacity
+        slots.write((slice(None), slice(None), slice(None), spare), keys, values)
+        slots.pos[..., spare] = slots.seen[None, :, None]
+        slots.rot[..., spare] = slots.seen[None, :, None]
+        slots.extra[0][:, :, :, spare] = side
+        slots.score += mass
+        if step % 9 == 0:
+            slots.score[1, 0, 2, 3] = float("nan")
+        evict.settle(slots, rules, place)
+        slots.score.nan_to_num_(0.0)
+        slots.seen += 1
+
+
+def check_slots_place(op: Callable) -> str | None:
+    """Why the library's placement of the slots after a decode step must not be used, or None: for rows ranked by
+    score and by position, with sinks, rows of several budgets and rules, a cache that fills and then evicts,
+    tied scores and a NaN among them, it moves exactly what PyTorch's operations do (`evict.settle`)."""
+    generator = torch.Generator().manual_seed(0)
+    for names in SETTLE_ROWS:
+        (ours, theirs), rules = twin_slots(names)
+        for step in range(30):
+            settle_alike(ours, theirs, rules, op, generator, step)
+            if not all(torch.equal(a, b) for a, b in zip(ours.buffers(), theirs.buffers(), strict=True)):
+                return f"its placement of the slots ({' and '.join(names)} rows) differs from PyTorch's"
+    return None
+
+
 def check_attention(op: Callable) -> str | None:
     """Why the library's decode attention must not be used, or None: its output and mass agree with a plain
     softmax over the held slots and the new token (and recall's tokens brought back, some of them none), over
@@ -457,8 +516,9 @@ def int4_mm(background: bool = True) -> Callable | None:
                     attention = torch.ops.h2o_native.decode_attention
                     recall = torch.ops.h2o_native.recall_step
                     place = torch.ops.h2o_native.store_place
+                    settle = torch.ops.h2o_native.slots_place
                     why = check(op) or check(steps) or check_attention(attention) or check_recall(recall)
-                    why = why or check_store_place(place)
+                    why = why or check_store_place(place) or check_slots_place(settle)
                 except Exception as e:  # a library that does not load or run here
                     why = f"it did not load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
                 if why is None:
@@ -466,7 +526,7 @@ def int4_mm(background: bool = True) -> Callable | None:
                         steps = None
                     attention = None if steps is None else attention
                     recall = None if steps is None else recall
-                    _state.update(op=op, mv=steps, attention=attention, recall=recall, place=place)
+                    _state.update(op=op, mv=steps, attention=attention, recall=recall, place=place, settle=settle)
                     _state["block"] = pytorch_block()
                     return op
         _state["why"] = why
@@ -500,6 +560,13 @@ def store_place() -> Callable | None:
     (eager, after the step: it does not depend on how steps multiply), else None."""
     int4_mm()
     return _state.get("place")
+
+
+def slots_place() -> Callable | None:
+    """The library's placement of the slots after a decode step (`evict.settle`'s `op`), where it loaded (eager,
+    after the step, as `store_place`), else None."""
+    int4_mm()
+    return _state.get("settle")
 
 
 def products() -> str:
@@ -549,13 +616,14 @@ def main(argv: list[str] | None = None) -> int:
 def _hand_over() -> None:
     """Give the engine (a layer below, which does not import this one) the decode attention and the name of what
     its steps call of the library."""
-    from h2o_chat.engine.policies import recall_rank
+    from h2o_chat.engine.policies import evict, recall_rank
     from h2o_chat.engine.step import attention
     from h2o_chat.engine.storage import store
 
     attention.use_native(decode_attention, products)
     recall_rank.use_native(recall_step)
     store.use_native(store_place)
+    evict.use_native(slots_place)
 
 
 _hand_over()

@@ -753,6 +753,151 @@ void store_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
   });
 }
 
+// Eight int64 positions from `p` as int32 lanes (every position below 2^31: `slots_place` checks each row's newest)
+inline __m256i positions8(const int64_t* p) {
+  const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // each int64's low half into the low lanes
+  const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), pick);
+  const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4)), pick);
+  return _mm256_permute2x128_si256(lo, hi, 0x20);
+}
+
+// One row's eviction rule (`Rules.priority` for that row): rank by score or by position; positions after `keep_after`
+// kept, and those below `sinks`; slots from `limit` on never lost (+inf)
+struct SlotRule {
+  bool by_score;
+  int64_t keep_after;  // newest - recent
+  int64_t sinks;       // 0: none
+  int64_t limit;       // S: none
+};
+
+// One (layer, row, head) of the slots (S of them, the last the spare): the slot a decode step's token takes -- the
+// least (priority, tie, slot) where an empty slot's priority is -inf and its tie its index + 1, a held one's tie its
+// position, and a priority of NaN anywhere gives slot 0 (as PyTorch's amin, then argmin, has it). Eight slots at a
+// time, each lane keeping its own least, then the lanes' least and the rest one at a time.
+int64_t slot_victim(const int64_t* pos, const float* score, int64_t S, const SlotRule& r) {
+  const float inf = std::numeric_limits<float>::infinity();
+  float low = inf;
+  int64_t low_tie = 0, victim = -1;
+  bool nan = false;
+  const auto take = [&](float p, int64_t tie, int64_t e) {
+    if (victim < 0 || p < low || (p == low && (tie < low_tie || (tie == low_tie && e < victim)))) {
+      low = p;
+      low_tie = tie;
+      victim = e;
+    }
+  };
+  int64_t e = 0;
+  if (S >= 8) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+    const __m256i after = _mm256_set1_epi32(static_cast<int32_t>(r.keep_after));
+    const __m256i sinks = _mm256_set1_epi32(static_cast<int32_t>(r.sinks));
+    const __m256i last_kept = _mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(r.limit, S) - 1));
+    __m256 lane_p = _mm256_set1_ps(inf), nans = _mm256_setzero_ps();
+    __m256i lane_tie = _mm256_set1_epi32(std::numeric_limits<int32_t>::max()), lane_e = _mm256_set1_epi32(-1);
+    for (; e + 8 <= S; e += 8) {
+      const __m256i p32 = positions8(pos + e);
+      const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(e)), iota);
+      const __m256i empty = _mm256_cmpgt_epi32(_mm256_setzero_si256(), p32);
+      __m256i kept = _mm256_cmpgt_epi32(p32, after);
+      if (r.sinks > 0) kept = _mm256_or_si256(kept, _mm256_andnot_si256(empty, _mm256_cmpgt_epi32(sinks, p32)));
+      const __m256i beyond = _mm256_cmpgt_epi32(at, last_kept);
+      __m256 p = r.by_score ? _mm256_loadu_ps(score + e) : _mm256_cvtepi32_ps(p32);
+      p = _mm256_blendv_ps(p, _mm256_set1_ps(inf), _mm256_castsi256_ps(kept));
+      p = _mm256_blendv_ps(p, _mm256_set1_ps(-inf), _mm256_castsi256_ps(empty));
+      p = _mm256_blendv_ps(p, _mm256_set1_ps(inf), _mm256_castsi256_ps(beyond));
+      nans = _mm256_or_ps(nans, _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+      const __m256i tie = _mm256_blendv_epi8(p32, _mm256_add_epi32(at, one), empty);
+      const __m256 better =
+          _mm256_or_ps(_mm256_cmp_ps(p, lane_p, _CMP_LT_OQ),
+                       _mm256_and_ps(_mm256_cmp_ps(p, lane_p, _CMP_EQ_OQ),
+                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane_tie, tie))));
+      lane_p = _mm256_blendv_ps(lane_p, p, better);
+      lane_tie = _mm256_blendv_epi8(lane_tie, tie, _mm256_castps_si256(better));
+      lane_e = _mm256_blendv_epi8(lane_e, at, _mm256_castps_si256(better));
+    }
+    alignas(32) float ps[8];
+    alignas(32) int32_t ties[8], es[8];
+    _mm256_store_ps(ps, lane_p);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ties), lane_tie);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(es), lane_e);
+    for (int j = 0; j < 8; ++j)
+      if (es[j] >= 0) take(ps[j], ties[j], es[j]);
+    nan = _mm256_movemask_ps(nans) != 0;
+  }
+  for (; e < S; ++e) {
+    float p = r.by_score ? score[e] : static_cast<float>(pos[e]);
+    if (pos[e] > r.keep_after || (pos[e] >= 0 && pos[e] < r.sinks)) p = inf;
+    if (pos[e] < 0) p = -inf;
+    if (e >= r.limit) p = inf;
+    nan |= p != p;
+    take(p, pos[e] >= 0 ? pos[e] : e + 1, e);
+  }
+  return nan || victim < 0 ? 0 : victim;
+}
+
+// The slots after a decode step (evict.py, `step` without a store, whose PyTorch operations it replaces on CPU: a
+// dozen passes over every layer's slots, and a scatter per buffer): per (layer, row, KV head), the slot of lowest
+// keep-priority (`Rules.priority`: the row's `by_score` ranks by score, else by position; positions after
+// newest - recent kept, and those below the row's `sinks`; an empty slot -inf, so a filling cache appends; slots
+// from the row's `limit` on +inf) takes the spare's fields (the last slot, which holds the step's token; the caller
+// clears it). Ties to the oldest position, an empty slot's to its index + 1, then to the first slot. `fields` are the
+// per-slot tensors (L, B, H, S, ...), each slot's trailing dims contiguous; pos (L, B, H, S) int64 and score float32
+// are among them; newest, recent (B,) int64, by_score (B,) bool, sinks and limit (B,) int64 or none.
+void slots_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor& score, const at::Tensor& newest_in,
+                 const at::Tensor& by_score_in, const at::Tensor& recent_in, const std::optional<at::Tensor>& sinks_in,
+                 const std::optional<at::Tensor>& limit_in) {
+  TORCH_CHECK(pos.dim() == 4 && pos.scalar_type() == at::kLong, "pos: (L, B, H, S) int64");
+  const int64_t L = pos.size(0), B = pos.size(1), H = pos.size(2), S = pos.size(3), spare = S - 1;
+  TORCH_CHECK(S >= 1, "slots_place: no spare slot");
+  TORCH_CHECK(pos.stride(3) == 1 && score.sizes() == pos.sizes() && score.stride(3) == 1 &&
+                  score.scalar_type() == at::kFloat,
+              "pos (L, B, H, S) int64 and score float32, slots contiguous");
+  const auto per_row = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "slots_place: ", name, " (B,)");
+    return t.to(at::kLong).contiguous();
+  };
+  const at::Tensor newest = per_row(newest_in, "newest"), by_score = per_row(by_score_in, "by_score"),
+                   recent = per_row(recent_in, "recent");
+  const at::Tensor sinks = sinks_in.has_value() ? per_row(*sinks_in, "sinks") : at::Tensor();
+  const at::Tensor limit = limit_in.has_value() ? per_row(*limit_in, "limit") : at::Tensor();
+  std::vector<SlotRule> rules(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = newest.data_ptr<int64_t>()[b];
+    TORCH_CHECK(n >= 0 && n < std::numeric_limits<int32_t>::max(), "slots_place: positions must be below 2^31");
+    const int64_t keep = n - recent.data_ptr<int64_t>()[b];
+    const int64_t sink = sinks.defined() ? sinks.data_ptr<int64_t>()[b] : 0;
+    const int64_t lim = limit.defined() ? limit.data_ptr<int64_t>()[b] : S;
+    rules[b] = {by_score.data_ptr<int64_t>()[b] != 0, std::max<int64_t>(keep, -1),
+                std::clamp<int64_t>(sink, 0, std::numeric_limits<int32_t>::max()), std::clamp<int64_t>(lim, 0, S)};
+  }
+  std::vector<int64_t> entry_bytes;
+  for (const at::Tensor& f : fields) {
+    TORCH_CHECK(f.dim() >= 4 && f.size(0) == L && f.size(1) == B && f.size(2) == H && f.size(3) == S,
+                "slots_place: a field not (L, B, H, S, ...): ", f.sizes());
+    int64_t inner = 1;
+    for (int64_t d = f.dim() - 1; d >= 4; --d) {
+      TORCH_CHECK(f.size(d) == 1 || f.stride(d) == inner, "slots_place: a slot's trailing dims not contiguous");
+      inner *= f.size(d);
+    }
+    entry_bytes.push_back(inner * static_cast<int64_t>(f.element_size()));
+  }
+  at::parallel_for(0, L * B * H, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t l = i / (B * H), b = (i / H) % B, h = i % H;
+      const auto head = [&](const at::Tensor& t) { return l * t.stride(0) + b * t.stride(1) + h * t.stride(2); };
+      const int64_t victim =
+          slot_victim(pos.data_ptr<int64_t>() + head(pos), score.data_ptr<float>() + head(score), S, rules[b]);
+      if (victim == spare) continue;
+      for (size_t f = 0; f < fields.size(); ++f) {
+        const at::Tensor& t = fields[f];
+        char* base = static_cast<char*>(t.data_ptr()) + head(t) * static_cast<int64_t>(t.element_size());
+        const int64_t step = t.stride(3) * static_cast<int64_t>(t.element_size());
+        std::memcpy(base + victim * step, base + spare * step, entry_bytes[f]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
@@ -766,10 +911,14 @@ TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
   m.def(
       "store_place(Tensor(a!)[] fields, Tensor pos, Tensor score, Tensor marks, Tensor(b!) drops, Tensor? limit, "
       "int rule) -> ()");
+  m.def(
+      "slots_place(Tensor(a!)[] fields, Tensor pos, Tensor score, Tensor newest, Tensor by_score, Tensor recent, "
+      "Tensor? sinks, Tensor? limit) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(h2o_native, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("recall_step", &recall_step);
   m.impl("store_place", &store_place);
+  m.impl("slots_place", &slots_place);
 }
