@@ -693,6 +693,19 @@ def test_the_slots_placement_kernel_evicts_what_pytorchs_operations_evict(kernel
         assert kept.sum(-1).eq(int(rules.sinks[row])).all()
 
 
+def test_the_slots_placement_kernel_fills_a_cache_as_pytorchs_operations_do(kernels):
+    """A cache with room in every row (`evict.fill`: no rule given): each step's token goes to its row's first empty
+    slot, the same with the library as with PyTorch's scatter, rows of two budgets alike."""
+    op = torch.ops.h2o_native.slots_place
+    (ours, theirs), rules = native.twin_slots(("h2o", "sink"))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(int(rules.limit.min())):
+        native.settle_alike(ours, theirs, None, op, gen, step)
+        for a, b in zip(ours.buffers(), theirs.buffers(), strict=True):
+            assert torch.equal(a, b), step
+        assert bool((ours.pos[..., : step + 1] == torch.arange(step + 1)).all())  # in order, from slot 0
+
+
 def test_a_wrong_slots_placement_is_refused_by_the_check(kernels):
     """The check the engine runs before using the library catches a placement that ranks every row by score, or
     forgets the rows' own budgets or sinks, and passes the real one."""
@@ -708,7 +721,12 @@ def test_a_wrong_slots_placement_is_refused_by_the_check(kernels):
     def no_sinks(fields, pos, score, newest, by_score, recent, sinks, limit):
         op(fields, pos, score, newest, by_score, recent, None, limit)
 
+    def loses_what_a_filling_cache_reads(fields, pos, score, newest, by_score, recent, sinks, limit):
+        if by_score is not None:  # a cache with room (no rule): the token is left in the spare, which is cleared
+            op(fields, pos, score, newest, by_score, recent, sinks, limit)
+
     assert "(sink and sink rows)" in native.check_slots_place(by_score_always)
+    assert "(a cache filling)" in native.check_slots_place(loses_what_a_filling_cache_reads)
     assert "differs from PyTorch's" in native.check_slots_place(every_row_full_size)
     assert "differs from PyTorch's" in native.check_slots_place(no_sinks)
 

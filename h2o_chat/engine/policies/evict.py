@@ -44,10 +44,7 @@ def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     The spare holds the newest token, which every policy protects, so it is never its own victim. A `store`
     (the recall policy's) keeps the victim."""
     if store is None:
-        op = None
-        if _native is not None and slots.pos.device.type == "cpu" and not torch.compiler.is_compiling():
-            op = _native()
-        settle(slots, rules, op)
+        settle(slots, rules, _native_op(slots))
         return
     victim = place(slots, rules.priority(slots.score, slots.pos, slots.seen), tie(slots.pos))  # (L, B, H, 1)
     keys, values = slots.gather_kv(victim)
@@ -69,6 +66,13 @@ def settle(slots: Slots, rules: Rules, op: Callable | None = None) -> None:
     slots.clear_spare()
 
 
+def _native_op(slots: Slots) -> Callable | None:
+    """The library's `slots_place` where it serves these slots (on CPU, eager), else None."""
+    if _native is None or slots.pos.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return _native()
+
+
 def _take_spare(slots: Slots, victim: torch.Tensor) -> None:
     """Every buffer's spare slot into the slots `victim` (L, B, H, 1); the spare is then emptied."""
     spare = slots.capacity  # the spare slot comes right after the capacity
@@ -80,12 +84,18 @@ def _take_spare(slots: Slots, victim: torch.Tensor) -> None:
 def append(slots: Slots) -> None:
     """`step` while every row has room for its new token: the spare's token takes its row's first empty slot (slot
     `held`, the same in every layer and head), which is where `step` puts it (an empty slot loses first, in slot
-    order), without ranking any slot. One scatter per buffer."""
-    L, B, H = slots.pos.shape[:3]
-    spare = slots.capacity
-    target = slots.held()[None, :, None, None].expand(L, B, H, 1)
-    for buf in slots.buffers():
-        buf.scatter_(3, per_slot(target, buf), buf[:, :, :, spare : spare + 1])
+    order), without ranking any slot."""
+    fill(slots, _native_op(slots))
+
+
+def fill(slots: Slots, op: Callable | None = None) -> None:
+    """`append` by `op`, the library's `slots_place` with no rule (by position, nothing kept: a row's first empty
+    slot is its lowest), else by PyTorch's operations (one scatter per buffer)."""
+    if op is None:
+        L, B, H = slots.pos.shape[:3]
+        _take_spare(slots, slots.held()[None, :, None, None].expand(L, B, H, 1))
+        return
+    op(slots.buffers(), slots.pos, slots.score, slots.seen, None, None, None, None)
     slots.clear_spare()
 
 

@@ -411,8 +411,9 @@ def twin_slots(names: tuple[str, ...], capacity: int = 12) -> tuple[list, object
 
 def settle_alike(ours, theirs, rules, op: Callable, generator: torch.Generator, step: int) -> None:
     """One decode step's token, random, into two `Slots` alike, then placed: `ours` by `op` (the library's
-    `slots_place`), `theirs` by PyTorch's operations (`evict.settle`). The slots' masses are quarters (they tie
-    often) and at every 9th `step` one head's scores hold a NaN."""
+    `slots_place`), `theirs` by PyTorch's operations (`evict.settle`; `rules` None: `evict.fill`, a cache with room
+    in every row). The slots' masses are quarters (they tie often) and at every 9th `step` one head's scores hold
+    a NaN."""
     from h2o_chat.engine.policies import evict
 
     keys, values = (torch.randn(*ours.keys.shape[:3], ours.keys.shape[-1], generator=generator) for _ in range(2))
@@ -427,7 +428,10 @@ def settle_alike(ours, theirs, rules, op: Callable, generator: torch.Generator, 
         slots.score += mass
         if step % 9 == 0:
             slots.score[1, 0, 2, 3] = float("nan")
-        evict.settle(slots, rules, place)
+        if rules is None:
+            evict.fill(slots, place)
+        else:
+            evict.settle(slots, rules, place)
         slots.score.nan_to_num_(0.0)
         slots.seen += 1
 
@@ -437,12 +441,13 @@ def check_slots_place(op: Callable) -> str | None:
     score and by position, with sinks, rows of several budgets and rules, a cache that fills and then evicts,
     tied scores and a NaN among them, it moves exactly what PyTorch's operations do (`evict.settle`)."""
     generator = torch.Generator().manual_seed(0)
-    for names in SETTLE_ROWS:
-        (ours, theirs), rules = twin_slots(names)
-        for step in range(30):
-            settle_alike(ours, theirs, rules, op, generator, step)
+    for names in (*SETTLE_ROWS, None):  # None: a cache filling (`evict.fill`), 12 steps
+        (ours, theirs), rules = twin_slots(names or ("h2o", "h2o"))
+        for step in range(30 if names else ours.capacity):
+            settle_alike(ours, theirs, names and rules, op, generator, step)
             if not all(torch.equal(a, b) for a, b in zip(ours.buffers(), theirs.buffers(), strict=True)):
-                return f"its placement of the slots ({' and '.join(names)} rows) differs from PyTorch's"
+                what = f"{' and '.join(names)} rows" if names else "a cache filling"
+                return f"its placement of the slots ({what}) differs from PyTorch's"
     return None
 
 

@@ -842,10 +842,11 @@ int64_t slot_victim(const int64_t* pos, const float* score, int64_t S, const Slo
 // from the row's `limit` on +inf) takes the spare's fields (the last slot, which holds the step's token; the caller
 // clears it). Ties to the oldest position, an empty slot's to its index + 1, then to the first slot. `fields` are the
 // per-slot tensors (L, B, H, S, ...), each slot's trailing dims contiguous; pos (L, B, H, S) int64 and score float32
-// are among them; newest, recent (B,) int64, by_score (B,) bool, sinks and limit (B,) int64 or none.
+// are among them; newest (B,) int64; by_score (B,) bool, recent, sinks and limit (B,) int64, each or none (none:
+// by position, none recent, no sinks, no limit -- a cache with room in every row: each row's first empty slot).
 void slots_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor& score, const at::Tensor& newest_in,
-                 const at::Tensor& by_score_in, const at::Tensor& recent_in, const std::optional<at::Tensor>& sinks_in,
-                 const std::optional<at::Tensor>& limit_in) {
+                 const std::optional<at::Tensor>& by_score_in, const std::optional<at::Tensor>& recent_in,
+                 const std::optional<at::Tensor>& sinks_in, const std::optional<at::Tensor>& limit_in) {
   TORCH_CHECK(pos.dim() == 4 && pos.scalar_type() == at::kLong, "pos: (L, B, H, S) int64");
   const int64_t L = pos.size(0), B = pos.size(1), H = pos.size(2), S = pos.size(3), spare = S - 1;
   TORCH_CHECK(S >= 1, "slots_place: no spare slot");
@@ -856,18 +857,19 @@ void slots_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
     TORCH_CHECK(t.dim() == 1 && t.size(0) == B, "slots_place: ", name, " (B,)");
     return t.to(at::kLong).contiguous();
   };
-  const at::Tensor newest = per_row(newest_in, "newest"), by_score = per_row(by_score_in, "by_score"),
-                   recent = per_row(recent_in, "recent");
+  const at::Tensor newest = per_row(newest_in, "newest");
+  const at::Tensor by_score = by_score_in.has_value() ? per_row(*by_score_in, "by_score") : at::Tensor();
+  const at::Tensor recent = recent_in.has_value() ? per_row(*recent_in, "recent") : at::Tensor();
   const at::Tensor sinks = sinks_in.has_value() ? per_row(*sinks_in, "sinks") : at::Tensor();
   const at::Tensor limit = limit_in.has_value() ? per_row(*limit_in, "limit") : at::Tensor();
   std::vector<SlotRule> rules(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = newest.data_ptr<int64_t>()[b];
     TORCH_CHECK(n >= 0 && n < std::numeric_limits<int32_t>::max(), "slots_place: positions must be below 2^31");
-    const int64_t keep = n - recent.data_ptr<int64_t>()[b];
+    const int64_t keep = n - (recent.defined() ? recent.data_ptr<int64_t>()[b] : 0);
     const int64_t sink = sinks.defined() ? sinks.data_ptr<int64_t>()[b] : 0;
     const int64_t lim = limit.defined() ? limit.data_ptr<int64_t>()[b] : S;
-    rules[b] = {by_score.data_ptr<int64_t>()[b] != 0, std::max<int64_t>(keep, -1),
+    rules[b] = {by_score.defined() && by_score.data_ptr<int64_t>()[b] != 0, std::max<int64_t>(keep, -1),
                 std::clamp<int64_t>(sink, 0, std::numeric_limits<int32_t>::max()), std::clamp<int64_t>(lim, 0, S)};
   }
   std::vector<int64_t> entry_bytes;
@@ -912,7 +914,7 @@ TORCH_LIBRARY_FRAGMENT(h2o_native, m) {
       "store_place(Tensor(a!)[] fields, Tensor pos, Tensor score, Tensor marks, Tensor(b!) drops, Tensor? limit, "
       "int rule) -> ()");
   m.def(
-      "slots_place(Tensor(a!)[] fields, Tensor pos, Tensor score, Tensor newest, Tensor by_score, Tensor recent, "
+      "slots_place(Tensor(a!)[] fields, Tensor pos, Tensor score, Tensor newest, Tensor? by_score, Tensor? recent, "
       "Tensor? sinks, Tensor? limit) -> ()");
 }
 
