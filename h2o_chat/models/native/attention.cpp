@@ -630,31 +630,61 @@ inline __m256 priority8(const int32_t* pos, const float* score, const int32_t* m
   }
 }
 
-// One (layer, row, head) of the store (E entries, the last the spare; entries from `held` to the spare past the
-// row's capacity): the entry `store_place` replaces -- the least (priority, tie, entry), an empty entry's priority
-// -inf and its tie its index + 1, a held one's tie its position; where a priority is NaN, the first entry, as
-// PyTorch's operations have it). Eight entries at a time, each lane keeping its own least, then the lanes' least and
-// the rest one at a time.
-template <int RULE>
-int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int64_t E, int64_t held) {
-  const float inf = std::numeric_limits<float>::infinity();
-  const int64_t spare = E - 1;
-  float low = inf;
+// The least (priority, tie, entry) of a table's (layer, row, head), candidates taken one at a time; a NaN priority
+// anywhere makes it entry 0, as PyTorch's amin, then argmin, has it
+struct Least {
+  float low = std::numeric_limits<float>::infinity();
   int64_t low_tie = 0, victim = -1;  // none yet
   bool nan = false;
-  const auto take = [&](float p, int64_t tie, int64_t e) {
+  void take(float p, int64_t tie, int64_t e) {
+    nan |= p != p;
     if (victim < 0 || p < low || (p == low && (tie < low_tie || (tie == low_tie && e < victim)))) {
       low = p;
       low_tie = tie;
       victim = e;
     }
-  };
+  }
+  int64_t entry() const { return nan || victim < 0 ? 0 : victim; }
+};
+
+// The same over eight entries at a time, each lane keeping its own least; `into` hands the lanes' leasts on
+struct Least8 {
+  __m256 lane_p = _mm256_set1_ps(std::numeric_limits<float>::infinity()), nans = _mm256_setzero_ps();
+  __m256i lane_tie = _mm256_set1_epi32(std::numeric_limits<int32_t>::max()), lane_e = _mm256_set1_epi32(-1);
+  void take(__m256 p, __m256i tie, __m256i at) {
+    nans = _mm256_or_ps(nans, _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+    const __m256 better = _mm256_or_ps(
+        _mm256_cmp_ps(p, lane_p, _CMP_LT_OQ),
+        _mm256_and_ps(_mm256_cmp_ps(p, lane_p, _CMP_EQ_OQ), _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane_tie, tie))));
+    lane_p = _mm256_blendv_ps(lane_p, p, better);
+    lane_tie = _mm256_blendv_epi8(lane_tie, tie, _mm256_castps_si256(better));
+    lane_e = _mm256_blendv_epi8(lane_e, at, _mm256_castps_si256(better));
+  }
+  void into(Least& least) const {
+    alignas(32) float ps[8];
+    alignas(32) int32_t ties[8], es[8];
+    _mm256_store_ps(ps, lane_p);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ties), lane_tie);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(es), lane_e);
+    for (int j = 0; j < 8; ++j)
+      if (es[j] >= 0) least.take(ps[j], ties[j], es[j]);
+    least.nan |= _mm256_movemask_ps(nans) != 0;
+  }
+};
+
+// One (layer, row, head) of the store (E entries, the last the spare; entries from `held` to the spare past the
+// row's capacity): the entry `store_place` replaces -- the least (priority, tie, entry), an empty entry's priority
+// -inf and its tie its index + 1, a held one's tie its position (`Least`). Eight entries at a time, then the rest.
+template <int RULE>
+int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int64_t E, int64_t held) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const int64_t spare = E - 1;
+  Least least;
   int64_t e = 0;
   if (E >= 8) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
     const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(held - 1)), last = _mm256_set1_epi32(spare);
-    __m256 lane_p = _mm256_set1_ps(inf), nans = _mm256_setzero_ps();
-    __m256i lane_tie = _mm256_set1_epi32(std::numeric_limits<int32_t>::max()), lane_e = _mm256_set1_epi32(-1);
+    Least8 lanes;
     for (; e + 8 <= E; e += 8) {
       const __m256i p32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + e));
       const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(e)), iota);
@@ -663,32 +693,16 @@ int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int
       __m256 p = _mm256_blendv_ps(priority8<RULE>(pos, score, marks, e), _mm256_set1_ps(-inf),
                                   _mm256_castsi256_ps(empty));
       p = _mm256_blendv_ps(p, _mm256_set1_ps(inf), _mm256_castsi256_ps(beyond));
-      nans = _mm256_or_ps(nans, _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-      const __m256i tie = _mm256_blendv_epi8(p32, _mm256_add_epi32(at, one), empty);
-      const __m256 better =
-          _mm256_or_ps(_mm256_cmp_ps(p, lane_p, _CMP_LT_OQ),
-                       _mm256_and_ps(_mm256_cmp_ps(p, lane_p, _CMP_EQ_OQ),
-                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane_tie, tie))));
-      lane_p = _mm256_blendv_ps(lane_p, p, better);
-      lane_tie = _mm256_blendv_epi8(lane_tie, tie, _mm256_castps_si256(better));
-      lane_e = _mm256_blendv_epi8(lane_e, at, _mm256_castps_si256(better));
+      lanes.take(p, _mm256_blendv_epi8(p32, _mm256_add_epi32(at, one), empty), at);
     }
-    alignas(32) float ps[8];
-    alignas(32) int32_t ties[8], es[8];
-    _mm256_store_ps(ps, lane_p);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ties), lane_tie);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(es), lane_e);
-    for (int j = 0; j < 8; ++j)
-      if (es[j] >= 0) take(ps[j], ties[j], es[j]);
-    nan = _mm256_movemask_ps(nans) != 0;
+    lanes.into(least);
   }
   for (; e < E; ++e) {
     float p = pos[e] < 0 ? -inf : priority1<RULE>(pos, score, marks, e);
     if (e >= held && e < spare) p = inf;
-    nan |= p != p;
-    take(p, pos[e] >= 0 ? pos[e] : e + 1, e);
+    least.take(p, pos[e] >= 0 ? pos[e] : e + 1, e);
   }
-  return nan || victim < 0 ? 0 : victim;
+  return least.entry();
 }
 
 // Recall's store after a decode step (store.py, `Store.append_step`'s placement, whose PyTorch operations it
@@ -772,28 +786,17 @@ struct SlotRule {
 
 // One (layer, row, head) of the slots (S of them, the last the spare): the slot a decode step's token takes -- the
 // least (priority, tie, slot) where an empty slot's priority is -inf and its tie its index + 1, a held one's tie its
-// position, and a priority of NaN anywhere gives slot 0 (as PyTorch's amin, then argmin, has it). Eight slots at a
-// time, each lane keeping its own least, then the lanes' least and the rest one at a time.
+// position (`Least`). Eight slots at a time, then the rest.
 int64_t slot_victim(const int64_t* pos, const float* score, int64_t S, const SlotRule& r) {
   const float inf = std::numeric_limits<float>::infinity();
-  float low = inf;
-  int64_t low_tie = 0, victim = -1;
-  bool nan = false;
-  const auto take = [&](float p, int64_t tie, int64_t e) {
-    if (victim < 0 || p < low || (p == low && (tie < low_tie || (tie == low_tie && e < victim)))) {
-      low = p;
-      low_tie = tie;
-      victim = e;
-    }
-  };
+  Least least;
   int64_t e = 0;
   if (S >= 8) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
     const __m256i after = _mm256_set1_epi32(static_cast<int32_t>(r.keep_after));
     const __m256i sinks = _mm256_set1_epi32(static_cast<int32_t>(r.sinks));
     const __m256i last_kept = _mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(r.limit, S) - 1));
-    __m256 lane_p = _mm256_set1_ps(inf), nans = _mm256_setzero_ps();
-    __m256i lane_tie = _mm256_set1_epi32(std::numeric_limits<int32_t>::max()), lane_e = _mm256_set1_epi32(-1);
+    Least8 lanes;
     for (; e + 8 <= S; e += 8) {
       const __m256i p32 = positions8(pos + e);
       const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(e)), iota);
@@ -805,34 +808,18 @@ int64_t slot_victim(const int64_t* pos, const float* score, int64_t S, const Slo
       p = _mm256_blendv_ps(p, _mm256_set1_ps(inf), _mm256_castsi256_ps(kept));
       p = _mm256_blendv_ps(p, _mm256_set1_ps(-inf), _mm256_castsi256_ps(empty));
       p = _mm256_blendv_ps(p, _mm256_set1_ps(inf), _mm256_castsi256_ps(beyond));
-      nans = _mm256_or_ps(nans, _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-      const __m256i tie = _mm256_blendv_epi8(p32, _mm256_add_epi32(at, one), empty);
-      const __m256 better =
-          _mm256_or_ps(_mm256_cmp_ps(p, lane_p, _CMP_LT_OQ),
-                       _mm256_and_ps(_mm256_cmp_ps(p, lane_p, _CMP_EQ_OQ),
-                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane_tie, tie))));
-      lane_p = _mm256_blendv_ps(lane_p, p, better);
-      lane_tie = _mm256_blendv_epi8(lane_tie, tie, _mm256_castps_si256(better));
-      lane_e = _mm256_blendv_epi8(lane_e, at, _mm256_castps_si256(better));
+      lanes.take(p, _mm256_blendv_epi8(p32, _mm256_add_epi32(at, one), empty), at);
     }
-    alignas(32) float ps[8];
-    alignas(32) int32_t ties[8], es[8];
-    _mm256_store_ps(ps, lane_p);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ties), lane_tie);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(es), lane_e);
-    for (int j = 0; j < 8; ++j)
-      if (es[j] >= 0) take(ps[j], ties[j], es[j]);
-    nan = _mm256_movemask_ps(nans) != 0;
+    lanes.into(least);
   }
   for (; e < S; ++e) {
     float p = r.by_score ? score[e] : static_cast<float>(pos[e]);
     if (pos[e] > r.keep_after || (pos[e] >= 0 && pos[e] < r.sinks)) p = inf;
     if (pos[e] < 0) p = -inf;
     if (e >= r.limit) p = inf;
-    nan |= p != p;
-    take(p, pos[e] >= 0 ? pos[e] : e + 1, e);
+    least.take(p, pos[e] >= 0 ? pos[e] : e + 1, e);
   }
-  return nan || victim < 0 ? 0 : victim;
+  return least.entry();
 }
 
 // The slots after a decode step (evict.py, `step` without a store, whose PyTorch operations it replaces on CPU: a
