@@ -705,6 +705,36 @@ int64_t lowest(const int32_t* pos, const float* score, const int32_t* marks, int
   return least.entry();
 }
 
+// Each per-entry field of a table (L, B, H, E, ...) checked, and the bytes of one entry of it (its trailing dims
+// contiguous): what `copy_spare` copies
+std::vector<int64_t> entry_bytes_of(at::TensorList fields, int64_t L, int64_t B, int64_t H, int64_t E,
+                                    const char* op) {
+  std::vector<int64_t> bytes;
+  for (const at::Tensor& f : fields) {
+    TORCH_CHECK(f.dim() >= 4 && f.size(0) == L && f.size(1) == B && f.size(2) == H && f.size(3) == E, op,
+                ": a field not (L, B, H, E, ...): ", f.sizes());
+    int64_t inner = 1;
+    for (int64_t d = f.dim() - 1; d >= 4; --d) {
+      TORCH_CHECK(f.size(d) == 1 || f.stride(d) == inner, op, ": an entry's trailing dims not contiguous");
+      inner *= f.size(d);
+    }
+    bytes.push_back(inner * static_cast<int64_t>(f.element_size()));
+  }
+  return bytes;
+}
+
+// Every field's spare entry (the last, E - 1) of head (l, b, h) copied into entry `victim`
+inline void copy_spare(at::TensorList fields, const std::vector<int64_t>& entry_bytes, int64_t l, int64_t b,
+                       int64_t h, int64_t victim) {
+  for (size_t f = 0; f < fields.size(); ++f) {
+    const at::Tensor& t = fields[f];
+    char* base = static_cast<char*>(t.data_ptr()) +
+                 (l * t.stride(0) + b * t.stride(1) + h * t.stride(2)) * static_cast<int64_t>(t.element_size());
+    const int64_t step = t.stride(3) * static_cast<int64_t>(t.element_size());
+    std::memcpy(base + victim * step, base + (t.size(3) - 1) * step, entry_bytes[f]);
+  }
+}
+
 // Recall's store after a decode step (store.py, `Store.append_step`'s placement, whose PyTorch operations it
 // replaces on CPU: a dozen passes over every layer's store, and a scatter per field): per (layer, row, KV head), the
 // entry of lowest keep-priority under the store's `rule` (0: the oldest position first, 1: the latest, 2: the least
@@ -727,17 +757,7 @@ void store_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
   TORCH_CHECK(drops.dim() == 3 && drops.scalar_type() == at::kLong && drops.size(0) == L && drops.size(1) == B &&
                   drops.size(2) == H,
               "drops: (L, B, H) int64");
-  std::vector<int64_t> entry_bytes;
-  for (const at::Tensor& f : fields) {
-    TORCH_CHECK(f.dim() >= 4 && f.size(0) == L && f.size(1) == B && f.size(2) == H && f.size(3) == E,
-                "store_place: a field not (L, B, H, E, ...): ", f.sizes());
-    int64_t inner = 1;
-    for (int64_t d = f.dim() - 1; d >= 4; --d) {
-      TORCH_CHECK(f.size(d) == 1 || f.stride(d) == inner, "store_place: an entry's trailing dims not contiguous");
-      inner *= f.size(d);
-    }
-    entry_bytes.push_back(inner * static_cast<int64_t>(f.element_size()));
-  }
+  const std::vector<int64_t> entry_bytes = entry_bytes_of(fields, L, B, H, E, "store_place");
   at::Tensor limit;
   if (limit_in.has_value()) {
     limit = limit_in->to(at::kLong).contiguous();
@@ -757,12 +777,7 @@ void store_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
                                          : lowest<3>(pp, sp, mp, E, held);
       if (pp[victim] >= 0) drops.data_ptr<int64_t>()[head(drops)] += 1;  // a token lost (the new one, if the spare)
       if (victim == spare) continue;
-      for (size_t f = 0; f < fields.size(); ++f) {
-        const at::Tensor& t = fields[f];
-        char* base = static_cast<char*>(t.data_ptr()) + head(t) * static_cast<int64_t>(t.element_size());
-        const int64_t step = t.stride(3) * static_cast<int64_t>(t.element_size());
-        std::memcpy(base + victim * step, base + spare * step, entry_bytes[f]);
-      }
+      copy_spare(fields, entry_bytes, l, b, h, victim);
     }
   });
 }
@@ -859,17 +874,7 @@ void slots_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
     rules[b] = {by_score.defined() && by_score.data_ptr<int64_t>()[b] != 0, std::max<int64_t>(keep, -1),
                 std::clamp<int64_t>(sink, 0, std::numeric_limits<int32_t>::max()), std::clamp<int64_t>(lim, 0, S)};
   }
-  std::vector<int64_t> entry_bytes;
-  for (const at::Tensor& f : fields) {
-    TORCH_CHECK(f.dim() >= 4 && f.size(0) == L && f.size(1) == B && f.size(2) == H && f.size(3) == S,
-                "slots_place: a field not (L, B, H, S, ...): ", f.sizes());
-    int64_t inner = 1;
-    for (int64_t d = f.dim() - 1; d >= 4; --d) {
-      TORCH_CHECK(f.size(d) == 1 || f.stride(d) == inner, "slots_place: a slot's trailing dims not contiguous");
-      inner *= f.size(d);
-    }
-    entry_bytes.push_back(inner * static_cast<int64_t>(f.element_size()));
-  }
+  const std::vector<int64_t> entry_bytes = entry_bytes_of(fields, L, B, H, S, "slots_place");
   at::parallel_for(0, L * B * H, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t l = i / (B * H), b = (i / H) % B, h = i % H;
@@ -877,12 +882,7 @@ void slots_place(at::TensorList fields, const at::Tensor& pos, const at::Tensor&
       const int64_t victim =
           slot_victim(pos.data_ptr<int64_t>() + head(pos), score.data_ptr<float>() + head(score), S, rules[b]);
       if (victim == spare) continue;
-      for (size_t f = 0; f < fields.size(); ++f) {
-        const at::Tensor& t = fields[f];
-        char* base = static_cast<char*>(t.data_ptr()) + head(t) * static_cast<int64_t>(t.element_size());
-        const int64_t step = t.stride(3) * static_cast<int64_t>(t.element_size());
-        std::memcpy(base + victim * step, base + spare * step, entry_bytes[f]);
-      }
+      copy_spare(fields, entry_bytes, l, b, h, victim);
     }
   });
 }
