@@ -46,7 +46,7 @@ def step(slots: Slots, rules: Rules, store: Store | None = None) -> None:
     if store is None:
         settle(slots, rules, _native_op(slots))
         return
-    victim = place(slots, rules.priority(slots.score, slots.pos, slots.seen), tie(slots.pos))  # (L, B, H, 1)
+    victim = _victims(slots, rules)
     keys, values = slots.gather_kv(victim)
     lost = [t.gather(3, victim)[..., None] for t in (slots.pos, slots.rot, slots.score)]
     store.append_step(keys, values, *(t[..., 0] for t in lost))
@@ -57,13 +57,19 @@ def settle(slots: Slots, rules: Rules, op: Callable | None = None) -> None:
     """`step` without a store: the spare's token into each (layer, row, head)'s lowest-priority slot. `op`: the
     native library's `slots_place` (one pass over every layer's slots), else PyTorch's operations (a dozen
     passes and a scatter per buffer)."""
-    if op is None:  # newest: the spare's position
-        _take_spare(slots, place(slots, rules.priority(slots.score, slots.pos, slots.seen), tie(slots.pos)))
+    if op is None:
+        _take_spare(slots, _victims(slots, rules))
         return
     sinks = rules.sinks if rules.any_protected_sinks else None
     limit = None if rules.uniform else rules.limit  # as `Rules.within_limits`
     op(slots.buffers(), slots.pos, slots.score, slots.seen, rules.by_score, rules.recent, sinks, limit)
     slots.clear_spare()
+
+
+def _victims(slots: Slots, rules: Rules) -> torch.Tensor:
+    """Each (layer, row, head)'s lowest-priority slot, by PyTorch's operations (newest: the spare's position).
+    (L, B, H, 1)"""
+    return place(slots, rules.priority(slots.score, slots.pos, slots.seen), tie(slots.pos))
 
 
 def _native_op(slots: Slots) -> Callable | None:
