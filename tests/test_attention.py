@@ -100,6 +100,53 @@ def test_mass_in_query_blocks_equals_one_block(monkeypatch):
     torch.testing.assert_close(out, whole_out)
 
 
+@pytest.mark.parametrize("how", ["blocked", "fused-output", "no-mass"])
+def test_a_chunk_in_causal_parts_reads_only_the_keys_each_part_sees(monkeypatch, how):
+    """On a CPU a chunk's queries attend in parts (`CPU_PART`), each over the stored keys and the chunk's keys up
+    to its last query: the output and the mass are the float64 reference's, a left-padded row's and a stored hole
+    included, and no part reads a key none of its queries may see."""
+    torch.manual_seed(4)
+    B, Hq, H, T, N, D = 2, 6, 2, 21, 9, 8
+    q = torch.randn(B, Hq, T, D)
+    k, v = torch.randn(B, H, N + T, D), torch.randn(B, H, N + T, D)
+    stored = torch.ones(B, N, dtype=torch.bool)
+    stored[:, 4] = False  # an empty slot
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[0, :5] = False  # row 0 is left-padded
+    mask = chunk_mask(real, stored)
+    widths = []
+    monkeypatch.setattr(attention, "CPU_PART", 8)
+    real_softmax, real_fused = torch.softmax, attention.fused_attention
+
+    def spy_softmax(x, *args, **kwargs):
+        widths.append((x.shape[-2], x.shape[-1]))
+        return real_softmax(x, *args, **kwargs)
+
+    def spy_fused(query, keys, *args):
+        widths.append((query.shape[2], keys.shape[2]))
+        return real_fused(query, keys, *args)
+
+    monkeypatch.setattr(attention.torch, "softmax", spy_softmax)
+    monkeypatch.setattr(attention, "fused_attention", spy_fused)
+    out, mass = attention_with_mass(q, k, v, mask, D**-0.5, mass=how != "no-mass", fused=how == "fused-output")
+    monkeypatch.undo()
+    # 21 queries in parts of 8, 8 and 5, over the 9 stored keys and the chunk's first 8, 16 and 21
+    parts = [(8, N + 8), (8, N + 16), (5, N + 21)]
+    assert widths == (parts if how != "fused-output" else parts + parts)
+    key_ok = torch.cat((stored, real), -1)
+    causal = torch.ones(T, N + T, dtype=torch.bool).tril(N)
+    allowed = causal & key_ok[:, None, None, :] & real[:, None, :, None]
+    ref_out, ref_mass = reference(q, k, v, D**-0.5, allowed)
+    torch.testing.assert_close(out[0, 5:].double(), ref_out[0, 5:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1].double(), ref_out[1], atol=1e-5, rtol=1e-5)
+    if how == "no-mass":
+        assert mass is None
+        return
+    real_keys = key_ok[:, None, :].expand(B, H, N + T)
+    torch.testing.assert_close(mass[real_keys].double(), ref_mass[real_keys], atol=1e-5, rtol=1e-5)
+    assert (mass[..., 4] == 0).all()
+
+
 def test_fallback_is_plain_causal_sdpa():
     torch.manual_seed(2)
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)

@@ -14,7 +14,9 @@ the query heads that share a KV head; per batch row, where the official code sum
   faster than a second matrix product); the mass is then recomputed in query blocks, never as one fp32
   (queries x keys) tensor. On CPU the blocked eager product that yields the mass also gives the output, which
   measured faster than the fused kernel plus the mass. Both compute the mass the same way (logits in the
-  model's dtype, softmax in fp32): the same tokens are kept whichever path runs.
+  model's dtype, softmax in fp32): the same tokens are kept whichever path runs. The chunk's own keys come last
+  and are causal, so a block of queries reads only the keys up to its last query's own; on a CPU the blocks are
+  parts of `CPU_PART` queries, whose (queries x keys) blocks stay in the processor's caches.
 
 Routing, without any side channel: `prepare_model` registers a forward pre-hook on every attention module,
 which hands the cache's layer to the attention function as the keyword `h2o_layer` (transformers forwards the
@@ -39,6 +41,11 @@ if TYPE_CHECKING:
 
 ATTN_IMPLEMENTATION = "h2o"
 MASS_BLOCK = 1 << 24  # fp32 probabilities per block of queries (64 MB): the prefill's largest transient
+# a CPU attends a chunk's queries in parts of this many: a part's keys end at its last query's own (the chunk's
+# later keys are masked for all of it), and its (queries x keys) block stays in the processor's caches. 512
+# queries over 512 slots: the mass 2.2x faster, the fused kernel 1.0-1.35x (docs/experiments.md, "A chunk's
+# attention in causal parts")
+CPU_PART = 128
 
 # keyword arguments some models pass to their attention function, which h2o-chat's attention does not honour
 _UNSUPPORTED = {
@@ -184,31 +191,53 @@ def attention_with_mass(
 
     `mass`: also sum each key's softmax probability over the queries (padding queries see only themselves, so
     they give mass to no real key). `fused`: take the output from the fused kernel even when the mass is
-    computed (faster on CUDA); otherwise the blocked product that gives the mass gives the output too."""
-    if not mass:
-        return fused_attention(query, keys, values, mask, scaling), None
+    computed (faster on CUDA); otherwise the blocked product that gives the mass gives the output too.
+
+    The last T keys are the chunk's, causal (every caller's mask): queries s..e-1 attend only the first
+    N - T + e keys, the rest being masked for all of them. Blocks of queries (parts of `CPU_PART` on a CPU)
+    therefore read only those."""
     B, Hq, T, D = query.shape
     H, N = keys.shape[1], keys.shape[2]
+    part = CPU_PART if query.device.type == "cpu" else T
+    if not mass:
+        return _fused_in_parts(query, keys, values, mask, scaling, part), None
     G = Hq // H
     q = (query * scaling).view(B, H, G, T, D)  # query heads h*G .. h*G+G-1 share KV head h (repeat_kv's order)
     kt = keys.transpose(-1, -2)
     total = torch.zeros(B, H, N, dtype=torch.float32, device=query.device)
-    block = max(1, min(T, MASS_BLOCK // max(1, B * Hq * N)))
+    block = max(1, min(T, part, MASS_BLOCK // max(1, B * Hq * N)))
     outs = []
     for s in range(0, T, block):
-        b = min(block, T - s)
-        qb = q if b == T else q[:, :, :, s : s + b]
-        logits = (qb.reshape(B, H, G * b, D) @ kt).view(B, H, G, b, N)
-        logits += mask[:, :, None, s : s + b]  # in place: one (queries x keys) block less to allocate
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (B, H, G, b, N)
+        e = min(s + block, T)
+        b, n = e - s, N - T + e  # its queries, and the keys any of them sees
+        qb = q if b == T else q[:, :, :, s:e]
+        logits = (qb.reshape(B, H, G * b, D) @ kt[..., :n]).view(B, H, G, b, n)
+        logits += mask[:, :, None, s:e, :n]  # in place: one (queries x keys) block less to allocate
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (B, H, G, b, n)
         del logits
-        total += probs.sum(dim=(2, 3))
+        total[..., :n] += probs.sum(dim=(2, 3))
         if not fused:
-            outs.append((probs.to(values.dtype).view(B, H, G * b, N) @ values).view(B, H, G, b, -1))
+            outs.append((probs.to(values.dtype).view(B, H, G * b, n) @ values[:, :, :n]).view(B, H, G, b, -1))
     if fused:
-        return fused_attention(query, keys, values, mask, scaling), total
+        return _fused_in_parts(query, keys, values, mask, scaling, part), total
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.reshape(B, Hq, T, -1).transpose(1, 2), total
+
+
+def _fused_in_parts(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, part: int
+) -> torch.Tensor:
+    """`fused_attention` of a chunk's queries `part` at a time, each part over the keys it can see (the chunk's
+    are last and causal: `attention_with_mass`). (B, T, Hq, Dv)"""
+    T, N = query.shape[2], keys.shape[2]
+    if part >= T:
+        return fused_attention(query, keys, values, mask, scaling)
+    outs = []
+    for s in range(0, T, part):
+        e = min(s + part, T)
+        n = N - T + e
+        outs.append(fused_attention(query[:, :, s:e], keys[:, :, :n], values[:, :, :n], mask[..., s:e, :n], scaling))
+    return torch.cat(outs, dim=1)
 
 
 def attention_by_row(
