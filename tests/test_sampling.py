@@ -155,6 +155,40 @@ def test_a_refilled_rows_first_token_and_its_next_step_draw_different_noise():
     assert same < trials // 10, f"{same} of {trials} first tokens equal the next step's"
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_a_rows_first_token_is_drawn_from_that_row_alone_as_the_batch_would_draw_it(top_p):
+    """first_of_row draws row r alone (its settings, window, seed and draws: 1/B of the work): the token the
+    whole batch's draw gives row r, for rows of every kind (greedy, hot, top-k, min-p, penalized), and every
+    other row's state untouched."""
+    V, B = 300, 4
+    g = torch.Generator().manual_seed(7)
+    for trial in range(12):
+        rows = Sampler(top_p=top_p, seed=trial).for_batch(
+            B,
+            torch.device("cpu"),
+            V,
+            temperature=[0.0, 0.7, 1.3, 1.0],
+            repetition_penalty=[1.0, 1.2, 1.0, 1.5],
+            top_k=[0, 0, 17, 0],
+            min_p=[0.0, 0.0, 0.0, 0.05],
+        )
+        rows.observe(torch.randint(0, V, (B, 40), generator=g))
+        rows(torch.randn(B, V, generator=g) * 3)  # a step: the rows' draws and windows move on
+        logits = torch.randn(V, generator=g) * 3
+        for r in range(B):
+            before = {name: t.clone() for name, t in rows.tensors().items()}
+            expected = rows._draw(logits.reshape(1, -1).expand(B, -1))[r]
+            assert rows.first_of_row(r, logits) == expected, (trial, r)
+            after = rows.tensors()
+            for name, t in before.items():
+                if name in ("draws", "recent"):  # the row's own draw is counted and recorded
+                    keep = [i for i in range(B) if i != r]
+                    assert torch.equal(after[name][keep], t[keep]), name
+                else:
+                    assert torch.equal(after[name], t), name
+            assert after["draws"][r] == before["draws"][r] + 1
+
+
 def test_a_seeded_batch_gives_each_row_its_prompts_text_alone_refills_included():
     """Issue 41.2: sampling at temperature > 0 with a seed, each row's noise follows the row (its own seed and
     count of draws), not its slot: six prompts through two rows -- four read into rows others left, the idle

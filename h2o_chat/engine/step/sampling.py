@@ -255,11 +255,18 @@ class RowSampler:
     def first_of_row(self, r: int, logits: torch.Tensor) -> torch.Tensor:
         """Row r's first token from its new prompt's logits (V,), drawn with the row's settings and noise, and
         counted as its draw (the next step's noise is the row's next); the other rows' state is untouched."""
-        token = self._draw(logits.reshape(1, -1).expand(self.batch, -1))[r]
+        token = self._row(r)._draw(logits.reshape(1, -1))[0]  # row r alone: 1/B of the work, the same draw
         if self.penalized:
             self.recent[r].scatter_(0, (self.draws[r] % PENALTY_WINDOW).reshape(1), token.reshape(1))
         self.draws[r] += 1
         return token
+
+    PER_ROW = ("temperature", "penalty", "top_p", "top_k", "min_p", "recent", "draws", "seeds")
+
+    def _row(self, r: int) -> RowSampler:
+        """Row r as a sampler of one row, reading views of this one's tensors (each row draws alone: its own
+        settings, window, seed and count of draws)."""
+        return self.with_tensors({name: getattr(self, name)[r : r + 1] for name in self.PER_ROW})
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalize the window's tokens only (B, W values, not the vocabulary): empty entries point at an extra
