@@ -207,9 +207,8 @@ def attention_with_mass(
     total = torch.zeros(B, H, N, dtype=torch.float32, device=query.device)
     block = max(1, min(T, part, MASS_BLOCK // max(1, B * Hq * N)))
     outs = []
-    for s in range(0, T, block):
-        e = min(s + block, T)
-        b, n = e - s, N - T + e  # its queries, and the keys any of them sees
+    for s, e, n in _causal_blocks(T, N, block):
+        b = e - s
         qb = q if b == T else q[:, :, :, s:e]
         logits = (qb.reshape(B, H, G * b, D) @ kt[..., :n]).view(B, H, G, b, n)
         logits += mask[:, :, None, s:e, :n]  # in place: one (queries x keys) block less to allocate
@@ -224,6 +223,12 @@ def attention_with_mass(
     return out.reshape(B, Hq, T, -1).transpose(1, 2), total
 
 
+def _causal_blocks(T: int, N: int, size: int) -> list[tuple[int, int, int]]:
+    """A chunk's T queries in blocks of `size`: (first, end, keys), the keys being the first N - T + end of the N
+    (the chunk's own T come last, causal: the later ones are masked for every query of the block)."""
+    return [(s, min(s + size, T), N - T + min(s + size, T)) for s in range(0, T, size)]
+
+
 def _fused_in_parts(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, part: int
 ) -> torch.Tensor:
@@ -233,9 +238,7 @@ def _fused_in_parts(
     if part >= T:
         return fused_attention(query, keys, values, mask, scaling)
     outs = []
-    for s in range(0, T, part):
-        e = min(s + part, T)
-        n = N - T + e
+    for s, e, n in _causal_blocks(T, N, part):
         outs.append(fused_attention(query[:, :, s:e], keys[:, :, :n], values[:, :, :n], mask[..., s:e, :n], scaling))
     return torch.cat(outs, dim=1)
 
