@@ -163,7 +163,9 @@ class RowSampler:
         mark_static(*self._state())
         self.serial = next(_serials)
 
-    STATE = ("temperature", "penalty", "top_p", "top_k", "min_p", "recent", "draws", "seeds", "ids", "rank")
+    # a row's own tensors (indexed by row first), then those every row shares
+    PER_ROW = ("temperature", "penalty", "top_p", "top_k", "min_p", "recent", "draws", "seeds")
+    STATE = (*PER_ROW, "ids", "rank")
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.STATE)
@@ -230,9 +232,8 @@ class RowSampler:
 
     def select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device)
-        self.temperature, self.penalty = self.temperature[index], self.penalty[index]
-        self.top_p, self.top_k, self.min_p = self.top_p[index], self.top_k[index], self.min_p[index]
-        self.recent, self.draws, self.seeds = self.recent[index], self.draws[index], self.seeds[index]
+        for name in self.PER_ROW:
+            setattr(self, name, getattr(self, name)[index])
         self._static()
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -260,8 +261,6 @@ class RowSampler:
             self.recent[r].scatter_(0, (self.draws[r] % PENALTY_WINDOW).reshape(1), token.reshape(1))
         self.draws[r] += 1
         return token
-
-    PER_ROW = ("temperature", "penalty", "top_p", "top_k", "min_p", "recent", "draws", "seeds")
 
     def _row(self, r: int) -> RowSampler:
         """Row r as a sampler of one row, reading views of this one's tensors (each row draws alone: its own
