@@ -224,6 +224,26 @@ def test_the_command_refuses_what_it_cannot_serve_in_one_line():
     assert "--policy full is not served" in result.stderr
 
 
+def test_kv_memory_is_every_rows_together_as_recall_memory_and_batch_take_it():
+    """--kv-memory SIZE with --batch-size N: each conversation's budget is what SIZE holds for N rows (the fit check
+    counts N rows of it), said on stderr before the weights load; --max-budget below it stops there in one line."""
+
+    def budget_for(rows: int) -> tuple[int, int]:
+        command = [sys.executable, "-m", "h2o_chat", "serve", "--kv-memory", "12MB", "--max-budget", "1"]
+        result = subprocess.run([*command, "--batch-size", str(rows)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        said, refused = result.stderr.splitlines()
+        each = f" for each of {rows} rows" if rows > 1 else ""
+        assert said.startswith("h2o-chat: --kv-memory 12MB: a budget of ") and f" tokens{each} (" in said, said
+        tokens = int(said.split("a budget of ")[1].split(" tokens")[0].replace(",", ""))
+        per_token = int(said.split(" (")[1].split(" bytes")[0].replace(",", ""))
+        assert f"--budget {tokens} is above --max-budget 1" in refused
+        return tokens, per_token
+
+    (one, per_token), (four, same) = budget_for(1), budget_for(4)
+    assert same == per_token and one == (12 << 20) // per_token and four == (12 << 20) // (4 * per_token)
+
+
 # -- under load ---------------------------------------------------------------------------------------------------
 def resident() -> int:
     """This process's resident memory once the C heap has given back what it freed (glibc keeps freed blocks, and

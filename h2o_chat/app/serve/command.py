@@ -106,7 +106,7 @@ def serve_command(
                 f"--policy {cache.policy} is not served: choose one of {', '.join(SERVED_POLICIES)} (bounded "
                 "caches, whose rows are saved and restored whole between turns)"
             )
-        budget = cache.tokens(models)  # a memory or a share: the tokens it comes to
+        budget = cache.tokens(models, rows=batch_size)  # a memory (every row's together, as batch) or a share
         store = cache.store_tokens(models, budget, rows=batch_size)
         policy = cache.build(knobs, budget, store)  # fails before the weights load
         if budget > max_budget:
