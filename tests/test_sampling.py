@@ -189,6 +189,36 @@ def test_a_rows_first_token_is_drawn_from_that_row_alone_as_the_batch_would_draw
             assert after["draws"][r] == before["draws"][r] + 1
 
 
+def test_rows_with_their_own_top_p_and_seed_draw_as_each_would_alone():
+    """A row's own top-p and seed (set when the sampler is built, or when the row starts: `set_row`,
+    `start_row`) make its draws those of a one-row sampler with them, step after step; a top-p that would change
+    which operations the step runs (1 in a sampler whose top-p cuts, or below 1 in one whose does not) is refused."""
+    V, B, steps = 300, 3, 6
+    g = torch.Generator().manual_seed(3)
+    own = [(0.8, 11), (0.95, 12), (0.6, None)]  # the last takes the sampler's seed (5)
+    rows = Sampler(temperature=1.0, top_p=0.9, seed=5).for_batch(
+        B, torch.device("cpu"), V, top_p=[p for p, _ in own], seed=[s for _, s in own]
+    )
+    alone = [Sampler(temperature=1.0, top_p=p, seed=5 if s is None else s).for_batch(1, torch.device("cpu"), V)
+             for p, s in own]  # fmt: skip
+    for _ in range(steps):
+        logits = torch.randn(B, V, generator=g) * 2
+        together = rows(logits)
+        assert together.tolist() == [one(logits[r : r + 1])[0].item() for r, one in enumerate(alone)]
+    # row 1 starts again with top-p 0.7 and seed 40: as a new sampler of one row with them
+    rows.set_row(1, 1.0, 1.0, top_p=0.7)
+    rows.start_row(1, torch.ones(1, 4, dtype=torch.long), seed=40)
+    fresh = Sampler(temperature=1.0, top_p=0.7, seed=40).for_batch(1, torch.device("cpu"), V)
+    for _ in range(steps):
+        logits = torch.randn(B, V, generator=g) * 2
+        assert rows(logits)[1] == fresh(logits[1:2])[0]
+    with pytest.raises(ValueError, match="top_p 1.0 in a sampler whose top-p cuts"):
+        rows.set_row(0, 1.0, 1.0, top_p=1.0)
+    whole = Sampler(temperature=1.0).for_batch(2, torch.device("cpu"), V)
+    with pytest.raises(ValueError, match="top_p 0.5 in a sampler whose top-p does not cut"):
+        whole.set_row(0, 1.0, 1.0, top_p=0.5)
+
+
 def test_a_seeded_batch_gives_each_row_its_prompts_text_alone_refills_included():
     """Issue 41.2: sampling at temperature > 0 with a seed, each row's noise follows the row (its own seed and
     count of draws), not its slot: six prompts through two rows -- four read into rows others left, the idle

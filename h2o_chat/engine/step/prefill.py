@@ -102,13 +102,19 @@ class PromptReading:
 
     @torch.inference_mode()
     def refill(
-        self, row: int, ids: torch.Tensor, chunk_size: int | None = None, progress: Progress = None, **sampling
+        self,
+        row: int,
+        ids: torch.Tensor,
+        chunk_size: int | None = None,
+        progress: Progress = None,
+        seed: int | None = None,
+        **sampling,
     ) -> torch.Tensor:
         """Start a new prompt (1, L) in batch row `row` while the other rows keep theirs (continuous batching):
         the row is emptied and the prompt read into it alone, in place, so a captured step stays valid. Returns
-        the row's first token (a 0-d tensor), drawn with `sampling` (temperature, penalty, top_k, min_p: the
-        row's own settings); feed it in the row's place at the next step. A full cache must have room for the
-        prompt (`cache.reserve`)."""
+        the row's first token (a 0-d tensor), drawn with `sampling` (temperature, penalty, top_k, min_p, top_p:
+        the row's own settings) and its own `seed` (None: the sampler's next); feed it in the row's place at the
+        next step. A full cache must have room for the prompt (`cache.reserve`)."""
         ids = ids.to(self.device).reshape(1, -1)
         self.cache.clear_row(row)
         view = self.cache.row(row)
@@ -118,7 +124,7 @@ class PromptReading:
             return logits.argmax()
         if sampling:
             self.sampler.set_row(row, **sampling)
-        self.sampler.start_row(row, ids)
+        self.sampler.start_row(row, ids, seed)
         return self.sampler.first_of_row(row, logits)
 
     @torch.inference_mode()

@@ -72,22 +72,23 @@ class Sampler:
         return (self.seed if self.seed is not None else self._auto_seed) & 0x7FFFFFFF
 
     def for_batch(self, batch: int, device: torch.device, vocab: int, **overrides) -> RowSampler:
-        """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty / top_k / min_p to
-        per-row lists."""
+        """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty / top_k / min_p /
+        top_p to per-row lists, and seed to per-row seeds (None: the row takes this sampler's)."""
         per_row = {
             name: overrides.get(name) or [getattr(self, name)] * batch
-            for name in ("temperature", "repetition_penalty", "top_k", "min_p")
+            for name in ("temperature", "repetition_penalty", "top_k", "min_p", "top_p")
         }
         return RowSampler(
             per_row["temperature"],
             per_row["repetition_penalty"],
-            self.top_p,
+            per_row["top_p"],
             self.effective_seed,
             device,
             vocab,
             top_k=per_row["top_k"],
             min_p=per_row["min_p"],
             seeded=self.seed is not None,
+            seeds=overrides.get("seed"),
         )
 
 
@@ -118,31 +119,35 @@ class RowSampler:
 
     Each row draws its noise from its own seed and its own count of draws, which move with the row when others
     leave (`select_rows`). With a seed given every row's seed is that seed, so a row gives the text its prompt
-    gives alone with it; without one, rows take successive seeds drawn from the random one, so they differ."""
+    gives alone with it; without one, rows take successive seeds drawn from the random one, so they differ. A
+    row's own seed (`seeds`, `start_row`) and top-p (`top_p` a list, `set_row`) are those it would have alone:
+    rows that differ in them share a step, as long as they agree on whether top-p cuts (`nucleus`)."""
 
     def __init__(
         self,
         temperatures,
         penalties,
-        top_p: float,
+        top_p: float | list[float],
         seed: int,
         device: torch.device,
         vocab: int,
         top_k=None,
         min_p=None,
         seeded: bool = True,
+        seeds: list[int | None] | None = None,
     ):
         B = len(temperatures)
         top_k, min_p = top_k or [0] * B, min_p or [0.0] * B
+        top_p = [float(top_p)] * B if isinstance(top_p, int | float) else [float(p) for p in top_p]
         self.device, self.vocab = device, vocab
-        self.top_p = torch.full((B,), float(top_p), device=device)  # (B,): a tensor, so a compiled step reads it
+        self.top_p = torch.tensor(top_p, dtype=torch.float32, device=device)  # (B,): a compiled step reads it
         self.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)  # (B,)
         self.penalty = torch.tensor(penalties, dtype=torch.float32, device=device)  # (B,)
         self.hot = any(t > 0 for t in temperatures)  # host-known: does any row sample?
         self.penalized = any(p != 1.0 for p in penalties)
         # host-known too: whether candidates are cut to the most likely ones, and how many a step ranks (top-p
         # and min-p look at NUCLEUS_CAP, top-k at its k); a row without top-k keeps them all (k = the cut)
-        self.nucleus = top_p < 1.0  # host-known: whether top-p cuts
+        self.nucleus = any(p < 1.0 for p in top_p)  # host-known: whether top-p cuts (every row's: `set_row`)
         self.filtered = self.nucleus or any(top_k) or any(min_p)
         self.cut = min(vocab, max(NUCLEUS_CAP, *top_k))
         self.top_k = torch.tensor([k or self.cut for k in top_k], dtype=torch.long, device=device)  # (B,)
@@ -152,7 +157,8 @@ class RowSampler:
         self.recent = torch.full((B, PENALTY_WINDOW), -1, dtype=torch.long, device=device)
         self.draws = torch.zeros(B, dtype=torch.long, device=device)
         self._seed, self._seeded, self._started = seed, seeded, 0
-        self.seeds = torch.tensor([self._next_seed() for _ in range(B)], dtype=torch.long, device=device)
+        own = seeds or [None] * B
+        self.seeds = torch.tensor([self._seed_of(s) for s in own], dtype=torch.long, device=device)
         self.ids = torch.arange(vocab, device=device)
         self.rank = torch.arange(self.cut, device=device)
         self._static()
@@ -187,6 +193,10 @@ class RowSampler:
         k, self._started = self._started, self._started + 1
         return self._seed if self._seeded else (self._seed + k * 0x9E3779B9) & 0x7FFFFFFF
 
+    def _seed_of(self, own: int | None) -> int:
+        """A starting row's seed: its own (masked as `Sampler.effective_seed` masks one), else the next one."""
+        return self._next_seed() if own is None else own & 0x7FFFFFFF
+
     @property
     def shape_key(self) -> tuple:
         """What decides which operations a step runs: samplers with equal keys can share a captured step."""
@@ -198,15 +208,29 @@ class RowSampler:
             mine.copy_(theirs)
         self._seed, self._seeded, self._started = other._seed, other._seeded, other._started
 
-    def set_row(self, r: int, temperature: float, penalty: float, top_k: int = 0, min_p: float = 0.0) -> None:
-        """Row r's settings, in place (a new prompt takes the row; the step's shape key must allow them)."""
+    def set_row(
+        self,
+        r: int,
+        temperature: float,
+        penalty: float,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        top_p: float | None = None,
+    ) -> None:
+        """Row r's settings, in place (a new prompt takes the row; the step's shape key must allow them: a top-p
+        below 1 needs a sampler whose top-p cuts, and 1 one whose top-p does not, as the row alone would)."""
+        if top_p is not None and (top_p < 1.0) != self.nucleus:
+            raise ValueError(f"top_p {top_p} in a sampler whose top-p {'cuts' if self.nucleus else 'does not cut'}")
         self.temperature[r], self.penalty[r] = temperature, penalty
         self.top_k[r], self.min_p[r] = top_k or self.cut, min_p
+        if top_p is not None:
+            self.top_p[r] = top_p
 
-    def start_row(self, r: int, ids: torch.Tensor) -> None:
-        """A new prompt (1, L) takes row r (continuous batching): the row gets the seed of a row that starts, and
-        its draws start again, so it samples as the prompt would alone; its penalty window is the prompt's tail."""
-        self.seeds[r] = self._next_seed()
+    def start_row(self, r: int, ids: torch.Tensor, seed: int | None = None) -> None:
+        """A new prompt (1, L) takes row r (continuous batching): the row gets its own `seed`, else the seed of a
+        row that starts, and its draws start again, so it samples as the prompt would alone; its penalty window
+        is the prompt's tail."""
+        self.seeds[r] = self._seed_of(seed)
         self.draws[r] = 0
         if not self.penalized:
             return
