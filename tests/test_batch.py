@@ -468,6 +468,30 @@ def test_a_line_sets_its_own_seed_and_top_p(fast_load, tmp_path):
     assert records(tmp_path / "a.jsonl")[0]["text"] == got["s1"]
 
 
+def test_lines_with_their_own_seeds_and_top_p_share_a_batch_each_drawing_as_alone(fast_load, tmp_path):
+    """A batch of lines that each carry a seed (or a top-p of their own) ran one line at a time: lines were grouped
+    by their top-p and seed values. Lines now group by what their sampling asks of a step (top-p cutting or not,
+    any filter or none; a greedy line's filters do nothing), each row with its own values, and each line gives
+    the text it gives alone."""
+    line = {"prompt": "Name a fruit.", "temperature": 1.0, "max_new_tokens": 8}
+    lines = [{"id": f"p{i}", **line, "seed": i, "top_p": p} for i, p in enumerate((0.8, 0.9, 0.95, 0.7))]
+    lines += [
+        {"id": "whole", **line, "seed": 9},  # top-p 1: the whole vocabulary
+        {"id": "greedy", **line, "temperature": 0, "top_p": 0.5, "top_k": 3},  # its filters change nothing
+    ]
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(write_lines(tmp_path / "in.jsonl", lines)), "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    got = {r["id"]: r for r in records(out)}
+    assert {i: r["batch_rows"] for i, r in got.items()} == {"p0": 4, "p1": 4, "p2": 4, "p3": 4, "whole": 2, "greedy": 2}
+    for one in lines:
+        alone = tmp_path / f"alone-{one['id']}.jsonl"
+        path = write_lines(tmp_path / f"in-{one['id']}.jsonl", [one])
+        assert runner.invoke(cli.app, ["batch", str(path), "-o", str(alone)]).exit_code == 0
+        assert records(alone)[0]["text"] == got[one["id"]]["text"], one["id"]
+    assert len({got[f"p{i}"]["text"] for i in range(4)}) > 1  # their own seeds: not one draw four times
+
+
 def test_ctrl_c_says_how_many_rows_are_done_and_how_to_resume(fast_load, tmp_path, monkeypatch):
     """Issue 38.7: Ctrl-C printed only "interrupted"; it now says how many rows are done and that a rerun with
     the same -o resumes (and the rerun does)."""

@@ -2,8 +2,9 @@
 
 Input lines: {"id", "prompt"} or {"id", "messages"}, optionally "max_new_tokens", "temperature", "top_k",
 "min_p", "repetition_penalty", "top_p", "seed", "budget".
-Rows with the same budget, top_p and seed run together, shortest first, `batch_size` at a time with continuous
-batching: a row that finishes is written at once and the next waiting prompt takes its place in the running batch.
+Rows with the same budget that cut their candidates alike (`shape`: whether top-p cuts, whether any rule does) run
+together, each with its own settings and seed, shortest first, `batch_size` at a time with continuous batching: a
+row that finishes is written at once and the next waiting prompt takes its place in the running batch.
 Output is appended, so a killed run loses nothing it finished, and a rerun skips the ids already in the output file.
 """
 
@@ -190,7 +191,6 @@ def generate_batch(
     loaded: Loaded,
     items: list[Item],
     policy: Policy,
-    top_p: float = 1.0,
     seed: int | None = None,
     chunk_size: int | None = None,
     positions: str = "auto",
@@ -202,8 +202,9 @@ def generate_batch(
     """Continuous batching: keep `rows` batch rows busy until every item is done, yielding each item's record as
     soon as it finishes. The first `rows` prompts are read together; then a row that finishes takes the next
     waiting prompt at once (read into that row alone while the others wait one step), so the decode step --
-    captured once on CUDA -- is reused for the whole run. A row decodes exactly as its prompt would alone
-    (greedy). When no prompt is left and half the rows are idle, the idle rows leave the batch."""
+    captured once on CUDA -- is reused for the whole run. A row decodes exactly as its prompt would alone, with
+    its own sampling settings and seed (`seed`: that of the items without one; None: random) as long as the items
+    are alike in `shape`. When no prompt is left and half the rows are idle, the idle rows leave the batch."""
     model, tok = loaded.model, loaded.tokenizer
     stops = set() if ignore_eos else stop_token_ids(tok, model)
     R = min(rows, len(items))
@@ -212,7 +213,7 @@ def generate_batch(
     engine = Engine(model, cache, decode)
     engine.builder = builder_for(loaded)
     # the sampler's shape (which operations a step runs) must serve every item, not only the first rows
-    engine.set_sampler(Sampler(top_p=top_p, seed=seed), len(items), **_sampling(items, lists=True))
+    engine.set_sampler(Sampler(seed=seed), len(items), **_sampling(items, lists=True))
     engine.sampler.select_rows(torch.arange(R))
     t0 = time.perf_counter()
     ids, mask = left_pad([it.ids for it in items[:R]], tok.pad_token_id or 0)
@@ -260,13 +261,34 @@ def generate_batch(
         tokens = engine.decode(tokens)[1].clone()  # a captured step's output is overwritten by the next step
 
 
+def shape(it: Item) -> tuple[bool, bool]:
+    """What a line's sampling asks of a step's sampler: whether top-p cuts its candidates, and whether any rule
+    (top-p, top-k, min-p) does. Lines alike in it share a batch, each drawing as it would alone; a greedy line
+    draws the same in any (its filters do nothing)."""
+    if it.temperature == 0:
+        return False, False
+    return it.top_p < 1, bool(it.top_p < 1 or it.top_k or it.min_p)
+
+
 def _sampling(items: list[Item], lists: bool = False) -> dict:
-    """Per-row sampling settings of `items`: lists for a new sampler, or one row's values for a refill."""
+    """Per-row sampling settings of `items` (a greedy row's filters left out: `shape`): lists for a new sampler,
+    or one row's values for a refill."""
+    rows = [
+        {
+            "temperature": it.temperature,
+            "repetition_penalty": it.repetition_penalty,
+            "top_k": it.top_k if it.temperature > 0 else 0,
+            "min_p": it.min_p if it.temperature > 0 else 0.0,
+            "top_p": it.top_p if it.temperature > 0 else 1.0,
+            "seed": it.seed,
+        }
+        for it in items
+    ]
     if lists:
-        names = ("temperature", "repetition_penalty", "top_k", "min_p")
-        return {k: [getattr(it, k) for it in items] for k in names}
-    it = items[0]
-    return {"temperature": it.temperature, "penalty": it.repetition_penalty, "top_k": it.top_k, "min_p": it.min_p}
+        return {k: [row[k] for row in rows] for k in rows[0]}
+    row = rows[0]
+    row["penalty"] = row.pop("repetition_penalty")
+    return row
 
 
 def _record(item: Item, text: str, reason: str, stats: dict, policy: Policy, started, prompt_seconds, rows) -> dict:
@@ -320,15 +342,16 @@ def run_batch(
     done = finished_ids(output_path) if done is None else done
     todo = [it for it in items if it.id not in done]
     summary.skipped = len(items) - len(todo)
-    # rows share a cache policy and a sampler's top-p and seed: one batch for each such group
-    groups = sorted({(it.budget, it.top_p, it.seed) for it in todo}, key=lambda g: (g[0] or 0, g[1], str(g[2])))
+    # rows share a cache policy and what their sampling asks of a step (`shape`): one batch for each such group,
+    # each row with its own settings and seed
+    groups = sorted({(it.budget, shape(it)) for it in todo}, key=lambda g: (g[0] or 0, g[1]))
     t0 = time.perf_counter()
     with appending(output_path) as out:
-        for budget, top_p, seed in groups:
-            group = [it for it in todo if (it.budget, it.top_p, it.seed) == (budget, top_p, seed)]
+        for budget, kind in groups:
+            group = [it for it in todo if (it.budget, shape(it)) == (budget, kind)]
             group.sort(key=lambda it: len(it.ids))
             records = generate_batch(
-                *(loaded, group, by_budget[budget], top_p, seed, chunk_size, positions, decode),
+                *(loaded, group, by_budget[budget], None, chunk_size, positions, decode),
                 rows=batch_size,
                 kv_quant=kv_quant,
                 ignore_eos=defaults.ignore_eos,
