@@ -197,8 +197,8 @@ def test_rows_joining_and_leaving_a_server_lane_reuse_one_compiled_program(model
     real_build = compiled.build
     monkeypatch.setattr(compiled, "build", lambda *a, **k: (builds.append(1), real_build(*a, **k))[1])
     loaded = SimpleNamespace(model=model, tokenizer=SimpleNamespace(pad_token_id=0), context=128, device=model.device)
-    lane = Lane(loaded, LaneKey("h2o", 24, 0.9, True), make_policy("h2o", 24), EngineSettings(decode="compile"))
-    request = SimpleNamespace(temperature=0.7, repetition_penalty=1.1, top_k=0, min_p=0.0, seed=1)
+    lane = Lane(loaded, LaneKey("h2o", 24, True, True), make_policy("h2o", 24), EngineSettings(decode="compile"))
+    request = SimpleNamespace(temperature=0.7, repetition_penalty=1.1, top_k=0, min_p=0.0, top_p=0.9, seed=1)
     programs = set()
 
     def join(r: int, n: int) -> None:

@@ -93,6 +93,35 @@ def test_a_seed_gives_the_same_sampled_text(embedded_server):
     assert others - {first}
 
 
+def test_requests_differing_in_top_p_seed_or_greedy_filters_share_one_lane_each_as_alone(embedded_server, monkeypatch):
+    """Lanes were keyed by the top-p value: requests at top-p 0.8 and 0.95 (and a greedy one at top-p 1) took
+    three lanes, each stepping its few rows apart, and a fifth value closed a busy lane. A lane now serves every
+    top-p below 1 (each row its own), and a greedy request the defaults' lane; each reply is its text alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from h2o_chat.app.serve.lanes import Lanes
+
+    server, port = embedded_server
+    c = client(port)
+    asks = [
+        {"temperature": 1.5, "top_p": 0.8, "seed": 3},
+        {"temperature": 1.5, "top_p": 0.95, "seed": 4},
+        {"temperature": 1.2, "seed": 5},  # the server's top-p, 0.9
+        {"temperature": 0, "top_p": 1.0, "extra_body": {"top_k": 2}},  # greedy: its filters change nothing
+    ]
+
+    def reply(ask: dict) -> str:
+        return c.chat.completions.create(model="m", messages=CHAT, max_tokens=8, **ask).choices[0].message.content
+
+    keys, place = [], Lanes.place
+    monkeypatch.setattr(Lanes, "place", lambda lanes, key, *a: (keys.append(key), place(lanes, key, *a))[1])
+    alone = [reply(ask) for ask in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(reply, asks))
+    assert together == alone and len(set(alone[:3])) > 1
+    assert len(keys) >= 2 * len(asks) and len(set(keys)) == 1, set(keys)
+
+
 def test_a_conversation_reads_only_its_new_turn_and_says_when_it_was_read_again(embedded_server):
     _, port = embedded_server
     c = client(port)

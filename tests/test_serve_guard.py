@@ -403,7 +403,7 @@ def test_a_burst_grows_its_lane_once_and_memory_decides_how_far(tiny, monkeypatc
     from h2o_chat.engine.policies import make_policy
     from h2o_chat.errors import H2OChatError
 
-    key, policy = LaneKey("h2o", 16, 1.0, False), make_policy("h2o", 16)
+    key, policy = LaneKey("h2o", 16, False, False), make_policy("h2o", 16)
     sizes: list[int] = []
     real_resize = Lane.resize
     monkeypatch.setattr(Lane, "resize", lambda lane, rows: (sizes.append(rows), real_resize(lane, rows))[1])
@@ -428,7 +428,7 @@ def test_a_burst_grows_its_lane_once_and_memory_decides_how_far(tiny, monkeypatc
     for want in range(6, 0, -1):
         lane, r = lanes.place(key, policy, 8, want)
         lane.jobs[r] = SimpleNamespace(reading=None)
-    other = LaneKey("h2o", 16, 0.9, True)
+    other = LaneKey("h2o", 16, True, True)
     for want in (5, 4):
         lane, r = lanes.place(other, policy, 8, want)
         lane.jobs[r] = SimpleNamespace(reading=None)

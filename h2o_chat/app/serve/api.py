@@ -220,6 +220,8 @@ def parse_request(obj: dict, kind: str, limits: Limits, key: str = "") -> GenReq
     pick = lambda name: getattr(limits, name) if getattr(body, name) is None else getattr(body, name)  # noqa: E731
     sampling = {k: pick(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     _check_sampling(sampling)
+    if sampling["temperature"] == 0:  # greedy: its filters change nothing, so it shares the defaults' lane
+        sampling.update(top_p=limits.top_p, top_k=limits.top_k, min_p=limits.min_p)
     return GenRequest(
         kind=kind,
         messages=messages,

@@ -28,6 +28,7 @@ from h2o_chat.models.prebuild import builder_for
 
 NOTES_KEPT = 8  # a lane's last notices, in /v1/stats
 CLEAR_FREE_EVERY = 256  # steps: free rows are fed filler tokens; emptying them keeps their positions small
+NUCLEUS = 0.9  # the top-p a nucleus lane's sampler is built with: a row sets its own when it starts (`set_row`)
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,19 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class LaneKey:
+    """What a request asks of a lane: its cache's policy and budget, and of its step's sampler whether top-p cuts
+    and whether any rule cuts the candidates; requests that differ only in the values (top-p 0.9 or 0.95, a
+    seed, a temperature) share the lane, each row drawing as it would alone."""
+
     policy: str
     budget: int
-    top_p: float
+    nucleus: bool  # top-p < 1 cuts the candidates
     filtered: bool  # top-k or min-p cut the candidates (top-p < 1 does too)
 
     @classmethod
     def of(cls, req) -> LaneKey:
-        return cls(req.policy.name, req.policy.budget, req.top_p, bool(req.top_k or req.min_p or req.top_p < 1))
+        cuts = req.top_p < 1
+        return cls(req.policy.name, req.policy.budget, cuts, bool(req.top_k or req.min_p or cuts))
 
 
 class ReadingStopped(Exception):
@@ -141,14 +147,14 @@ class Lane:
     def _sampler(self, rows: int) -> tuple:
         """A sampler whose step can serve any row's settings (sampling, a penalty, the key's cut): each row's
         own values are set when it starts, and greedy rows stay exact (argmax; a penalty of 1 changes nothing)."""
-        cut = self.key.filtered and self.key.top_p == 1.0
+        cut = self.key.filtered and not self.key.nucleus
         per_row = {
             "temperature": [1.0] * rows,
             "repetition_penalty": [1.1] * rows,
             "top_k": [0] * rows,
             "min_p": [0.5 if cut else 0.0] * rows,
         }
-        return Sampler(top_p=self.key.top_p), per_row
+        return Sampler(top_p=NUCLEUS if self.key.nucleus else 1.0), per_row  # each row's top-p: `set_row`
 
     @property
     def size(self) -> int:
@@ -200,10 +206,8 @@ class Lane:
         prompt, logits = reading.prompt, reading.logits
         reading.release()
         sampler = self.engine.sampler
-        sampler.set_row(r, req.temperature, req.repetition_penalty, req.top_k, req.min_p)
-        sampler.start_row(r, prompt)
-        if req.seed is not None:  # the row samples as the conversation would alone with this seed
-            sampler.seeds[r] = req.seed & 0x7FFFFFFF
+        sampler.set_row(r, req.temperature, req.repetition_penalty, req.top_k, req.min_p, req.top_p)
+        sampler.start_row(r, prompt, req.seed)  # its seed: the row samples as the conversation would alone
         first = sampler.first_of_row(r, logits.to(self.device))
         self.tokens[r] = first
         return int(first)
@@ -236,7 +240,8 @@ class Lane:
         return {
             "policy": self.key.policy,
             "budget": self.key.budget,
-            "top_p": self.key.top_p,
+            "nucleus": self.key.nucleus,
+            "filtered": self.key.filtered,
             "rows": self.size,
             "decode": self.engine.describe(),
             "closing": self.closing,
