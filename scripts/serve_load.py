@@ -7,6 +7,7 @@ loopback port, drives it with the `openai` client (streamed, greedy), and prints
 
     python scripts/serve_load.py                        # the embedded model, 2 turns of 32 tokens each
     python scripts/serve_load.py --turns 3 --max-tokens 64 -- --budget 256 --threads 2
+    python scripts/serve_load.py --top-p 0.8,0.9,0.95   # sampled (temperature 0.7, a seed each), top-p in turn
     (arguments after -- go to h2o-chat serve)
 """
 
@@ -51,15 +52,16 @@ class Peak:
         return self.peak
 
 
-def conversation(client, name: str, turns: int, max_tokens: int, firsts: list[float]) -> int:
-    """One conversation of `turns` turns; returns tokens generated, appends each turn's time to first token."""
+def conversation(client, name: str, turns: int, max_tokens: int, firsts: list[float], sampling=None) -> int:
+    """One conversation of `turns` turns (greedy, or `sampling`); returns tokens generated, appends each turn's
+    time to first token."""
     messages, tokens = [], 0
     for t in range(turns):
         messages.append({"role": "user", "content": f"{name}: tell me something about the number {t + 7}."})
         t0, first, text = time.perf_counter(), None, []
         stream = client.chat.completions.create(
-            model="m", messages=messages, stream=True, temperature=0, max_tokens=max_tokens,
-            stream_options={"include_usage": True},
+            model="m", messages=messages, stream=True, max_tokens=max_tokens,
+            stream_options={"include_usage": True}, **(sampling or {"temperature": 0}),
         )  # fmt: skip
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -72,13 +74,15 @@ def conversation(client, name: str, turns: int, max_tokens: int, firsts: list[fl
     return tokens
 
 
-def run(client, tag: str, n: int, together: bool, turns: int, max_tokens: int) -> tuple[float, list[float]]:
-    """n conversations, at once or one after another: (tokens/s over the wall time, times to first token)."""
+def run(client, tag: str, n: int, together: bool, turns: int, max_tokens: int, top_p=()) -> tuple[float, list[float]]:
+    """n conversations, at once or one after another: (tokens/s over the wall time, times to first token).
+    `top_p`: conversation i samples at top_p[i % len] (temperature 0.7, seed i) instead of greedily."""
     firsts: list[float] = []
     counts = [0] * n
 
     def one(i: int) -> None:
-        counts[i] = conversation(client, f"{tag}-{i}", turns, max_tokens, firsts)
+        sampling = {"temperature": 0.7, "top_p": top_p[i % len(top_p)], "seed": i} if top_p else None
+        counts[i] = conversation(client, f"{tag}-{i}", turns, max_tokens, firsts, sampling)
 
     t0 = time.perf_counter()
     if together:
@@ -98,8 +102,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--conversations", default="1,4,16")
+    parser.add_argument("--top-p", default="", help="comma-separated: conversations sample, at these top-p in turn")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    top_p = tuple(float(x) for x in args.top_p.split(",") if x)
     proc, port = start_server(extra)
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep its pipe drained
     peak = Peak(proc.pid)
@@ -108,15 +114,16 @@ def main() -> None:
         conversation(client, "warm-up", 1, 4, [])
         rows = []
         for n in (int(x) for x in args.conversations.split(",")):
-            alone, _ = run(client, f"seq{n}", n, False, args.turns, args.max_tokens)
-            together, firsts = run(client, f"par{n}", n, True, args.turns, args.max_tokens)
+            alone, _ = run(client, f"seq{n}", n, False, args.turns, args.max_tokens, top_p)
+            together, firsts = run(client, f"par{n}", n, True, args.turns, args.max_tokens, top_p)
             p90 = statistics.quantiles(firsts, n=10)[-1] if len(firsts) > 1 else firsts[0]
             rows.append((n, together, alone, statistics.median(firsts), p90))
             print(f"{n} at once: {together:.1f} tok/s, one after another {alone:.1f} tok/s", file=sys.stderr)
     finally:
         proc.terminate()
         proc.wait(120)
-    print(f"\n{args.turns} turns of up to {args.max_tokens} tokens per conversation, greedy; server: "
+    how = f"temperature 0.7 at top-p {args.top_p} in turn" if top_p else "greedy"
+    print(f"\n{args.turns} turns of up to {args.max_tokens} tokens per conversation, {how}; server: "
           f"h2o-chat serve {' '.join(extra)}; peak resident memory {peak.stop() / 2**20:,.0f} MB\n")  # fmt: skip
     print("| conversations | tok/s at once | tok/s one after another | speed-up | first token, median | p90 |")
     print("|---:|---:|---:|---:|---:|---:|")
