@@ -462,6 +462,35 @@ def test_load_refuses_devices_and_huge_files_and_ctrl_c_stops_only_the_command(e
     assert "(stopped)" in out and [m["role"] for m in chat.conv.messages] == ["user", "assistant"]
 
 
+def test_save_into_a_missing_folder_says_so_and_the_session_goes_on(embedded, tmp_path):
+    """/save of a state file into a folder that does not exist ended the session in a traceback (safetensors'
+    own error, not an OSError), and the conversation with it."""
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    missing = tmp_path / "nodir" / "x.h2o"
+    out = drive(chat, tmp_path, f"Say hi.\r/save {missing}\r/save {tmp_path / 'x.h2o'}\r/exit\r")
+    assert f"cannot write {missing}: the folder {missing.parent} does not exist" in out
+    assert "Traceback" not in out and (tmp_path / "x.h2o").is_file()  # the session went on, and saved
+
+
+def test_a_state_file_that_safetensors_cannot_write_is_one_error(monkeypatch, tmp_path):
+    """safetensors reports its own I/O failures (a full disk) as SafetensorError: one StateError line, no file
+    half written under the name or beside it."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from h2o_chat.app import statefile
+    from h2o_chat.engine.storage.persist import StateError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(StateError, match="cannot write .*x.h2o: Error while serializing: I/O error: No space"):
+        statefile.write(tmp_path / "x.h2o", "conversation", {}, None, {"t": torch.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_load_warns_before_replacing_an_unsaved_conversation(embedded, tmp_path):
     """Issue 22.8: the first /load over unsaved messages says so; the same /load again replaces them."""
     other = tmp_path / "other.json"

@@ -163,9 +163,13 @@ def write(path, kind: str, settings: dict, state: dict | None, tensors: dict[str
     nothing), and the kind's own parts. Returns its size in bytes."""
     from safetensors.torch import save_file
 
+    from safetensors import SafetensorError
+
     path = Path(path).expanduser()
     if path.is_dir():
         raise StateError(f"cannot write {path}: it is a folder")
+    if not path.parent.is_dir():
+        raise StateError(f"cannot write {path}: the folder {path.parent} does not exist")
     header = json.dumps(
         {"version": VERSION, "kind": kind, "settings": settings, "state": state, **parts}, ensure_ascii=False
     )
@@ -179,6 +183,9 @@ def write(path, kind: str, settings: dict, state: dict | None, tensors: dict[str
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise StateError(f"cannot write {path}: {e.strerror or e}") from None
+    except SafetensorError as e:  # its own writes fail with its own error (a full disk, a folder gone)
+        tmp.unlink(missing_ok=True)
+        raise StateError(f"cannot write {path}: {str(e).splitlines()[0]}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
