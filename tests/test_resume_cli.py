@@ -51,6 +51,9 @@ def test_bad_resume_and_prompt_cache_files_are_one_line(fast_load, tmp_path):
     assert_one_line_error(invoke(["--resume", str(cut)], "hi"), "is damaged")
     assert_one_line_error(invoke(["--resume", str(tmp_path / "none.h2o")], "hi"), "not found")
     assert_one_line_error(invoke(["--prompt-cache", str(tmp_path)], "hi"), "is a folder")
+    # a folder that is not there: said before the weights load (it read the prompt, then failed in a traceback)
+    missing = tmp_path / "nodir" / "c.cache"
+    assert_one_line_error(invoke(["--prompt-cache", str(missing)], "hi"), f"the folder {missing.parent} does not exist")
     assert_one_line_error(invoke(["--prompt-cache", str(cut), "--resume", str(cut)], "hi"), "give one")
     assert cut.read_bytes().endswith(b"x" * 20)  # left as it was
 
