@@ -446,6 +446,23 @@ def test_ctrl_c_during_json_writes_a_partial_record(fast_load, monkeypatch):
     assert record["finish_reason"] == "interrupted" and record["text"] and record["generated_tokens"] == 3
 
 
+def test_ctrl_c_while_the_prompts_last_chunk_is_read_ends_as_interrupted(fast_load, monkeypatch):
+    """Ctrl-C during the prompt's last chunk (or its only one): the conversation keeps the message read whole and
+    ends the turn before its first token, so the piped run had no reply to report and died in a traceback. It
+    is an interrupted run: one line, status 130, and with --json a record saying so."""
+    import contextlib
+
+    from h2o_chat.engine.step import prefill
+
+    monkeypatch.setattr(prefill, "deferred_interrupt", lambda: contextlib.nullcontext(lambda: True))  # Ctrl-C hit
+    for args in (["--json"], []):
+        result = invoke([*args, "--temperature", "0", "--max-new-tokens", "8"], "Count from one to ten.")
+        assert result.exit_code == 130 and "Traceback" not in result.output, result.output
+        assert result.stderr.strip().splitlines()[-1] == "h2o-chat: interrupted", result.stderr
+    record = json.loads(invoke(["--json", "-n", "8"], "Count from one to ten.").stdout)
+    assert record["finish_reason"] == "interrupted" and record["generated_tokens"] == 0 and record["text"] == ""
+
+
 def test_stop_strings_end_the_reply(fast_load):
     """Issue 22.20: --stop (repeatable) ends the reply before the first one."""
     args = ["--json", "--temperature", "0", "--max-new-tokens", "16", "What is the capital of France?"]

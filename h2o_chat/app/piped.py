@@ -166,6 +166,8 @@ def run_piped(loaded: Loaded, options: RunOptions, prompt: str) -> dict:
                 out.write(r.text)
             for notice in conv.cache.pop_notices():
                 say(f"note: {notice}")
+        if last is None:  # Ctrl-C while the prompt's last chunk was read: the turn ends before its first token
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         bar.close()
         if options.json:  # what was generated so far, and why it ends there
