@@ -161,9 +161,8 @@ def write(path, kind: str, settings: dict, state: dict | None, tensors: dict[str
     """Write a state file (under a temporary name in the same folder, then renamed over `path`): `settings` as
     `identity` gives them, the state's values and tensors (`persist.capture`; None and {} for a cache that has read
     nothing), and the kind's own parts. Returns its size in bytes."""
-    from safetensors.torch import save_file
-
     from safetensors import SafetensorError
+    from safetensors.torch import save_file
 
     path = Path(path).expanduser()
     if path.is_dir():
