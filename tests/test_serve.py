@@ -253,6 +253,24 @@ def test_the_command_refuses_what_it_cannot_serve_in_one_line():
     assert "--policy full is not served" in result.stderr
 
 
+def test_an_address_it_cannot_serve_is_one_line_before_the_weights_load():
+    """A port in use, or a host that is not this machine's: uvicorn said so in its own log line (status 3) once the
+    weights had loaded, after a warning about listening without a key. The socket is now bound first."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = (
+            (["--port", str(port)], f"cannot serve on 127.0.0.1:{port}: port {port} is in use by another program"),
+            (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address this machine can listen on"),
+        )
+        for args, said in cases:
+            command = [sys.executable, "-m", "h2o_chat", "serve", *args]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 2 and result.stderr.startswith("h2o-chat: error: "), result.stderr
+            assert said in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def test_kv_memory_is_every_rows_together_as_recall_memory_and_batch_take_it():
     """--kv-memory SIZE with --batch-size N: each conversation's budget is what SIZE holds for N rows (the fit check
     counts N rows of it), said on stderr before the weights load; --max-budget below it stops there in one line."""

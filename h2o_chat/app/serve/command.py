@@ -7,6 +7,8 @@ module level (start-up stays fast for --help).
 
 from __future__ import annotations
 
+import errno
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -29,6 +31,32 @@ from h2o_chat.errors import H2OChatError
 MAX_PROMPT_TOKENS = 8192
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the weights load: an address that cannot be served is one line at once,
+    not uvicorn's log line (and its own exit status) after the load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise H2OChatError(
+            f"--host {host}: not an address this machine can listen on ({getattr(e, 'strerror', e)})"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = {
+            errno.EADDRINUSE: f"port {port} is in use by another program (--port N, or --port 0 for any free one)",
+            errno.EADDRNOTAVAIL: f"{host} is not an address of this machine",
+            errno.EACCES: f"port {port} needs privileges (ports below 1024): choose one above",
+        }.get(e.errno, e.strerror or str(e))
+        raise H2OChatError(f"cannot serve on {host}:{port}: {why}") from None
+    return sock
 
 
 @grouped
@@ -119,55 +147,57 @@ def serve_command(
         keys = tuple(api_key or ())
         if any(not k.strip() for k in keys):
             raise H2OChatError("--api-key is empty")
-        if host not in LOOPBACK and not keys:
-            status(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
-        loaded = models.load(
-            kv_tokens=policy.budget, kv_rows=batch_size, kv_quant=cache.kv_quant, store_tokens=store_of(policy)
-        )
-        if limit is None:
-            from h2o_chat.models.memory import available_memory
-
-            limit = available_memory() // 4
-        from h2o_chat.app.serve.rows import EngineSettings
-        from h2o_chat.app.serve.server import ServeOptions, Server
-
-        options = ServeOptions(
-            host=host,
-            port=port,
-            api_keys=keys,
-            rows=batch_size,
-            max_sessions=max_sessions,
-            memory_limit=limit,
-            session_dir=session_dir,
-            limits=Limits(
-                policy=policy.name,
-                budget=policy.budget,
-                max_budget=max_budget,
-                max_tokens=sampling.max_new_tokens,
-                max_prompt_tokens=max_prompt_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                repetition_penalty=sampling.repetition_penalty,
-                seed=sampling.given_seed,
-                knobs=tuple(knobs.kwargs().items()),
-                store=store,
-            ),
-            engine=EngineSettings(cache.positions, cache.kv_quant, models.decode, cache.chunk_size),
-            verbose=verbose,
-        )
-        server = Server(loaded, options, log=status)
-
-        def ready(bound: int) -> None:
-            shown = f"[{host}]" if ":" in host else host
-            status(
-                f"serving {loaded.spec.name} ({policy.describe()}) at http://{shown}:{bound}/v1 "
-                f"with up to {batch_size} conversations at once; Ctrl-C stops"
+        sock = listen(host, port)  # before the weights load: an address it cannot serve is said at once
+        with sock:
+            if host not in LOOPBACK and not keys:
+                status(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
+            loaded = models.load(
+                kv_tokens=policy.budget, kv_rows=batch_size, kv_quant=cache.kv_quant, store_tokens=store_of(policy)
             )
+            if limit is None:
+                from h2o_chat.models.memory import available_memory
 
-        try:
-            server.run(on_ready=ready)
-        except OSError as e:
-            raise H2OChatError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
-        status("stopped")
+                limit = available_memory() // 4
+            from h2o_chat.app.serve.rows import EngineSettings
+            from h2o_chat.app.serve.server import ServeOptions, Server
+
+            options = ServeOptions(
+                host=host,
+                port=port,
+                api_keys=keys,
+                rows=batch_size,
+                max_sessions=max_sessions,
+                memory_limit=limit,
+                session_dir=session_dir,
+                limits=Limits(
+                    policy=policy.name,
+                    budget=policy.budget,
+                    max_budget=max_budget,
+                    max_tokens=sampling.max_new_tokens,
+                    max_prompt_tokens=max_prompt_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    min_p=sampling.min_p,
+                    repetition_penalty=sampling.repetition_penalty,
+                    seed=sampling.given_seed,
+                    knobs=tuple(knobs.kwargs().items()),
+                    store=store,
+                ),
+                engine=EngineSettings(cache.positions, cache.kv_quant, models.decode, cache.chunk_size),
+                verbose=verbose,
+            )
+            server = Server(loaded, options, log=status)
+
+            def ready(bound: int) -> None:
+                shown = f"[{host}]" if ":" in host else host
+                status(
+                    f"serving {loaded.spec.name} ({policy.describe()}) at http://{shown}:{bound}/v1 "
+                    f"with up to {batch_size} conversations at once; Ctrl-C stops"
+                )
+
+            try:
+                server.run(on_ready=ready, sockets=[sock])
+            except OSError as e:
+                raise H2OChatError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+            status("stopped")

@@ -94,11 +94,12 @@ class Server:
     def port(self) -> int:
         return self.uvicorn.servers[0].sockets[0].getsockname()[1]
 
-    def run(self, on_ready: Callable[[int], None] | None = None) -> None:
+    def run(self, on_ready: Callable[[int], None] | None = None, sockets: list | None = None) -> None:
+        """Serve until a signal drains it: on `sockets` (bound by the caller), else on the options' address."""
         self.scheduler.start()
         self.uvicorn.on_ready = on_ready
         try:
-            self.uvicorn.run()
+            self.uvicorn.run(sockets=sockets)
         finally:
             self.scheduler.stop()
             self.store.close()
