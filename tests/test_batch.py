@@ -450,6 +450,8 @@ def test_a_line_sets_its_own_seed_and_top_p(fast_load, tmp_path):
             {"id": "p", **line, "top_p": 0.5, "seed": 3},
             {"id": "bad-p", **line, "top_p": 0},
             {"id": "bad-seed", **line, "seed": "x"},
+            {"id": "negative-seed", **line, "seed": -5},
+            {"id": "wide-seed", **line, "seed": 2**31},
         ],
     )
     out = tmp_path / "out.jsonl"
@@ -459,6 +461,8 @@ def test_a_line_sets_its_own_seed_and_top_p(fast_load, tmp_path):
     assert skipped == [
         'h2o-chat: skipped in.jsonl line 4: "top_p" must be above 0 and at most 1, got 0',
         'h2o-chat: skipped in.jsonl line 5: "seed" must be a whole number, got "x"',
+        'h2o-chat: skipped in.jsonl line 6: "seed" must be a whole number from 0 to 2147483647, got -5',
+        'h2o-chat: skipped in.jsonl line 7: "seed" must be a whole number from 0 to 2147483647, got 2147483648',
     ]
     got = {r["id"]: r["text"] for r in records(out)}
     assert set(got) == {"s1", "s2", "p"} and got["s1"] == got["s2"]

@@ -171,6 +171,8 @@ def test_models_keeps_whole_repo_ids_at_80_columns(monkeypatch, tmp_path):
         (["--top-k", "-1"], "hi", ["--top-k must be a whole number >= 0"]),
         (["--min-p", "1.5"], "hi", ["--min-p must be at least 0 (off) and below 1, got 1.5"]),
         (["--threads", "0"], "hi", ["--threads must be a positive integer"]),
+        # seeds are 31 bits: a larger one was folded onto a smaller one's draws without a word
+        (["--seed", "2147483648"], "hi", ["--seed must be a whole number from 0 to 2147483647, got 2147483648"]),
         (["--stop", ""], "hi", ["--stop needs some text"]),
         (["--decode", "fast"], "hi", ["--decode must be one of auto, eager, graph, compile, got 'fast'"]),
         (["--kv-quant", "4bit"], "hi", ["--kv-quant must be none or 8bit, got '4bit'"]),

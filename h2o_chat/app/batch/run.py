@@ -25,7 +25,14 @@ from h2o_chat.engine.policies import Policy
 from h2o_chat.engine.stats import mean_count
 from h2o_chat.engine.step.decode import Engine, left_pad
 from h2o_chat.engine.step.generate import finish_reason, stop_token_ids
-from h2o_chat.engine.step.sampling import Sampler, check_min_p, check_repetition_penalty, check_temperature, check_top_k
+from h2o_chat.engine.step.sampling import (
+    Sampler,
+    check_min_p,
+    check_repetition_penalty,
+    check_seed,
+    check_temperature,
+    check_top_k,
+)
 from h2o_chat.errors import H2OChatError, InputError, SettingError, StdoutError
 from h2o_chat.files import read_user_bytes
 from h2o_chat.models.loading import Loaded
@@ -136,6 +143,11 @@ def parse_line(text: str, number: int, tokenizer, defaults: Defaults) -> Item:
     seed = obj.get("seed", defaults.seed)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f'"seed" must be a whole number, got {json.dumps(seed)}')
+    if seed is not None:
+        try:
+            check_seed(seed)
+        except SettingError as e:
+            raise ValueError(e.worded('"seed"')) from None
     budget = obj.get("budget", defaults.budget)
     if budget is not None:
         budget = _positive_int(budget, "budget")

@@ -32,6 +32,7 @@ NUCLEUS_CAP = 512  # top-p and min-p choose among at most this many of the most 
 MAX_TEMPERATURE = 10.0  # far past any useful setting: the distribution is flat noise well before
 MAX_PENALTY = 10.0
 _M32 = 0xFFFFFFFF
+MAX_SEED = 0x7FFFFFFF  # seeds are 31 bits: a larger one is refused, not folded onto a smaller one's draws
 _serials = itertools.count()  # names a RowSampler's tensors for the captured steps that read them (ids are reused)
 
 
@@ -59,17 +60,19 @@ class Sampler:
         check_repetition_penalty(self.repetition_penalty)
         check_top_k(self.top_k)
         check_min_p(self.min_p)
+        if self.seed is not None:
+            check_seed(self.seed)
 
     def reseeded(self) -> Sampler:
         """The same settings with another draw: a fresh random seed, or the next seed after a given one (a
         retried reply should differ, and stay repeatable when a seed was given)."""
         if self.seed is not None:
-            return dataclasses.replace(self, seed=self.seed + 1)
+            return dataclasses.replace(self, seed=(self.seed + 1) & MAX_SEED)
         return dataclasses.replace(self, _auto_seed=int.from_bytes(os.urandom(4), "little"))
 
     @property
     def effective_seed(self) -> int:
-        return (self.seed if self.seed is not None else self._auto_seed) & 0x7FFFFFFF
+        return (self.seed if self.seed is not None else self._auto_seed) & MAX_SEED
 
     def for_batch(self, batch: int, device: torch.device, vocab: int, **overrides) -> RowSampler:
         """Device state for `batch` rows; `overrides` maps temperature / repetition_penalty / top_k / min_p /
@@ -111,6 +114,11 @@ def check_top_k(value: int) -> None:
 def check_min_p(value: float) -> None:
     if not 0 <= value < 1:
         raise SettingError("min_p", "must be at least 0 (off) and below 1", value)
+
+
+def check_seed(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise SettingError("seed", f"must be a whole number from 0 to {MAX_SEED}", value)
 
 
 class RowSampler:
@@ -191,11 +199,11 @@ class RowSampler:
         """The seed of the next row to start a prompt: the given seed, or the next of a sequence from the random
         one (host arithmetic; the hash mixes it on the device)."""
         k, self._started = self._started, self._started + 1
-        return self._seed if self._seeded else (self._seed + k * 0x9E3779B9) & 0x7FFFFFFF
+        return self._seed if self._seeded else (self._seed + k * 0x9E3779B9) & MAX_SEED
 
     def _seed_of(self, own: int | None) -> int:
         """A starting row's seed: its own (masked as `Sampler.effective_seed` masks one), else the next one."""
-        return self._next_seed() if own is None else own & 0x7FFFFFFF
+        return self._next_seed() if own is None else own & MAX_SEED
 
     @property
     def shape_key(self) -> tuple:
