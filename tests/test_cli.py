@@ -491,6 +491,11 @@ def test_threads_sets_torch_cpu_threads(fast_load):
         result = invoke(["--threads", "1", "--max-new-tokens", "2", "--temperature", "0"], "Hi")
         assert result.exit_code == 0, result.stderr
         assert torch.get_num_threads() == 1
+        # more threads than CPUs only wait for each other (1000 on 2 cores: 0.4 tok/s): at most the CPUs, said
+        cpus = len(os.sched_getaffinity(0))
+        result = invoke(["--threads", str(cpus + 3), "--max-new-tokens", "2", "--temperature", "0"], "Hi")
+        assert result.exit_code == 0 and torch.get_num_threads() == cpus, result.stderr
+        assert f"--threads {cpus + 3}: this process may run on {cpus} CPUs; using {cpus}" in result.stderr
     finally:
         torch.set_num_threads(before)
 
