@@ -505,6 +505,13 @@ def test_load_warns_before_replacing_an_unsaved_conversation(embedded, tmp_path)
     chat = session(embedded, tmp_path, max_new_tokens=4)
     out = drive(chat, tmp_path, f"Say hi.\r/save {saved}\r/load {other}\r/exit\r")  # saved: no question asked
     assert "unsaved" not in out and chat.conv.messages == [{"role": "user", "content": "Old question"}]
+    # a file that cannot load says so at once, not after asking to replace the unsaved messages
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    out = drive(chat, tmp_path, f"Say hi.\r/load {tmp_path / 'none.json'}\r/load {broken}\r/load {tmp_path}\r/exit\r")
+    assert "unsaved" not in out and out.count("error:") == 3, out
+    assert "is not a saved conversation (invalid JSON" in out and chat.conv.messages[0]["content"] == "Say hi."
 
 
 def test_save_and_load_keep_the_system_prompt(embedded, tmp_path):

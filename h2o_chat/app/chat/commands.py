@@ -12,7 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from h2o_chat.app.chat.conversation import Conversation
-from h2o_chat.app.chat.resume import load_conversation, loaded_line, save_conversation, saved_line
+from h2o_chat.app.chat.resume import (
+    check_conversation_file,
+    load_conversation,
+    loaded_line,
+    save_conversation,
+    saved_line,
+)
 from h2o_chat.app.chat.view import ChatView
 from h2o_chat.app.ui import describe_device, plural, quote
 from h2o_chat.engine.policies import DEFAULT_POLICY
@@ -256,6 +262,7 @@ class SlashCommands:
             raise InputError("/load needs a file name")
         unsaved = self.conv.unsaved
         if unsaved and self.replacing != arg:  # said once; the same /load again goes ahead
+            check_conversation_file(arg)  # a file that cannot load says so first, not after the question
             self.replacing = arg
             self.view.say(
                 f"/load replaces this conversation and its {plural(unsaved, 'unsaved message')}: /save FILE keeps "

@@ -58,6 +58,15 @@ def save_conversation(conv: Conversation, path) -> tuple[Path, int]:
     return path, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def check_conversation_file(path) -> None:
+    """What /load can tell of `path` before it asks to replace unsaved messages: a file it can read, a saved
+    conversation's JSON whole, or a state file's header (its tensors are checked when it loads)."""
+    if statefile.is_state_file(path):
+        statefile.read_header(path, kind="conversation")
+    else:
+        read_conversation(path)
+
+
 def load_conversation(conv: Conversation, path) -> int:
     """Replace `conv` by the conversation saved in `path`: with its cache when the file holds one (restored in
     place where the storage has its shape), else its messages, read again on the next turn. Everything is read
