@@ -77,7 +77,7 @@ FOREIGN_OPTIONS["-c"] = FOREIGN_OPTIONS["--ctx-size"]
 
 
 def usage_error(error: typer.TyperException) -> typing.NoReturn:
-    """`h2o-chat: error: Missing option '--output' / '-o'.` and `Try 'h2o-chat batch --help'`, then exit 2. An
+    """`h2o-chat: error: Missing option '--output' / '-o' (see 'h2o-chat batch --help')`, one line, then exit 2. An
     option another tool takes says what it is here (click would suggest the nearest spelling: --chunk-size for
     --ctx-size)."""
     if type(error).__name__ == "NoArgsIsHelpError":  # `h2o-chat eval`: Typer has printed the help
@@ -86,10 +86,10 @@ def usage_error(error: typer.TyperException) -> typing.NoReturn:
     name = getattr(error, "option_name", None)
     if type(error).__name__ == "NoSuchOption" and name in FOREIGN_OPTIONS:
         message = f"No such option: {name}: {FOREIGN_OPTIONS[name]}."
-    typer.echo(f"h2o-chat: error: {message}", err=True)
     ctx = getattr(error, "ctx", None)
     if ctx is not None:
-        typer.echo(f"Try '{ctx.command_path} --help'", err=True)
+        message = f"{message.rstrip('.')} (see '{ctx.command_path} --help')"
+    typer.echo(f"h2o-chat: error: {message}", err=True)
     sys.exit(error.exit_code)
 
 
