@@ -55,6 +55,7 @@ def test_bad_resume_and_prompt_cache_files_are_one_line(fast_load, tmp_path):
     missing = tmp_path / "nodir" / "c.cache"
     assert_one_line_error(invoke(["--prompt-cache", str(missing)], "hi"), f"the folder {missing.parent} does not exist")
     assert_one_line_error(invoke(["--prompt-cache", str(cut), "--resume", str(cut)], "hi"), "give one")
+    assert_one_line_error(invoke(["--raw", "--resume", str(cut)], "hi"), "--raw continues plain text and --resume")
     assert cut.read_bytes().endswith(b"x" * 20)  # left as it was
 
 

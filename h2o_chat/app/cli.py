@@ -199,6 +199,8 @@ def main_command(
             )
         if stop is not None and not all(stop):
             raise InputError("--stop needs some text to stop at")
+        if raw and resume is not None:  # a chat's cache ends in its template: plain text after it is neither
+            raise InputError("--raw continues plain text and --resume a saved chat: give one")
         policy = _policy(cache, knobs, models)
         if resume is not None:  # the saved model and cache settings, where not given (one line for a bad file)
             from h2o_chat.app.chat.resume import given_options, resumed_settings
