@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -208,9 +209,11 @@ def test_a_cache_that_cannot_fit_is_a_503_and_the_server_serves_on(tiny, one_thr
         assert server.scheduler.busy == 0
 
 
-def test_a_client_gone_mid_stream_frees_its_row_at_the_next_step(embedded_server):
+def test_a_client_gone_mid_stream_frees_its_row_at_the_next_step(embedded_server, monkeypatch):
+    """...and --verbose says so in a line of its own (such a reply had none)."""
     server, port = embedded_server
-    served = server.scheduler.served
+    served, said = server.scheduler.served, []
+    monkeypatch.setattr(server.scheduler.replies, "log", said.append)
     body = json.dumps({"messages": CHAT, "max_tokens": 5000, "temperature": 0, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -224,6 +227,8 @@ def test_a_client_gone_mid_stream_frees_its_row_at_the_next_step(embedded_server
         time.sleep(0.05)
     stats = get(port, "/v1/stats")[1]
     assert stats["rows_busy"] == 0 and server.scheduler.served == served  # freed, not finished: 5000 tokens
+    gone = r"conv-\w+: the client went away after \d+ generated tokens; its row is free"
+    assert len(said) == 1 and re.fullmatch(gone, said[0]), said
 
 
 def test_the_command_serves_and_stops_cleanly_on_sigterm(tiny):

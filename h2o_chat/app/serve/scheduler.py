@@ -226,6 +226,10 @@ class Scheduler:
         for r, job in enumerate(lane.jobs):
             if job is None or not job.cancelled:
                 continue
+            if self.replies.log:  # --verbose: a reply that ends this way gets its line too
+                where = "while its prompt was read" if job.reading is not None else (
+                    f"after {len(job.stream.tokens)} generated tokens")  # fmt: skip
+                self.replies.log(f"{job.turn.session.id}: the client went away {where}; its row is free")
             if job.reading is not None:
                 self.reader.unread(job, lane, job.reading.cancel)
             else:
