@@ -32,6 +32,7 @@ from h2o_chat.engine.step.sampling import (
     check_seed,
     check_temperature,
     check_top_k,
+    cuts,
 )
 from h2o_chat.errors import H2OChatError, InputError, SettingError, StdoutError
 from h2o_chat.files import read_user_bytes
@@ -277,9 +278,7 @@ def shape(it: Item) -> tuple[bool, bool]:
     """What a line's sampling asks of a step's sampler: whether top-p cuts its candidates, and whether any rule
     (top-p, top-k, min-p) does. Lines alike in it share a batch, each drawing as it would alone; a greedy line
     draws the same in any (its filters do nothing)."""
-    if it.temperature == 0:
-        return False, False
-    return it.top_p < 1, bool(it.top_p < 1 or it.top_k or it.min_p)
+    return (False, False) if it.temperature == 0 else cuts(it.top_p, it.top_k, it.min_p)
 
 
 def _sampling(items: list[Item], lists: bool = False) -> dict:

@@ -22,7 +22,7 @@ import torch
 
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.step.decode import Engine
-from h2o_chat.engine.step.sampling import Sampler
+from h2o_chat.engine.step.sampling import Sampler, cuts
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
 
@@ -54,8 +54,7 @@ class LaneKey:
 
     @classmethod
     def of(cls, req) -> LaneKey:
-        cuts = req.top_p < 1
-        return cls(req.policy.name, req.policy.budget, cuts, bool(req.top_k or req.min_p or cuts))
+        return cls(req.policy.name, req.policy.budget, *cuts(req.top_p, req.top_k, req.min_p))
 
 
 class ReadingStopped(Exception):

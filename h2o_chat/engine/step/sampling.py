@@ -116,6 +116,14 @@ def check_min_p(value: float) -> None:
         raise SettingError("min_p", "must be at least 0 (off) and below 1", value)
 
 
+def cuts(top_p: float, top_k: int, min_p: float) -> tuple[bool, bool]:
+    """What one row's filters ask of a step's sampler (the part of `RowSampler.shape_key` a row decides): whether
+    top-p cuts its candidates, and whether any filter (top-p, top-k, min-p) does. Rows alike in it share a step,
+    each with its own values (batch's groups, the server's lanes)."""
+    nucleus = top_p < 1.0
+    return nucleus, bool(nucleus or top_k or min_p)
+
+
 def check_seed(value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
         raise SettingError("seed", f"must be a whole number from 0 to {MAX_SEED}", value)
@@ -155,8 +163,9 @@ class RowSampler:
         self.penalized = any(p != 1.0 for p in penalties)
         # host-known too: whether candidates are cut to the most likely ones, and how many a step ranks (top-p
         # and min-p look at NUCLEUS_CAP, top-k at its k); a row without top-k keeps them all (k = the cut)
-        self.nucleus = any(p < 1.0 for p in top_p)  # host-known: whether top-p cuts (every row's: `set_row`)
-        self.filtered = self.nucleus or any(top_k) or any(min_p)
+        rows = [cuts(p, k, m) for p, k, m in zip(top_p, top_k, min_p, strict=True)]
+        self.nucleus = any(n for n, _ in rows)  # host-known: whether top-p cuts (every row's: `set_row`)
+        self.filtered = any(f for _, f in rows)
         self.cut = min(vocab, max(NUCLEUS_CAP, *top_k))
         self.top_k = torch.tensor([k or self.cut for k in top_k], dtype=torch.long, device=device)  # (B,)
         self.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)  # (B,)
