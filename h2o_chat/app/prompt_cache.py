@@ -55,14 +55,15 @@ def options(path: Path | None, interactive: bool, resume: Path | None, sampling)
         raise InputError("--prompt-cache is for piped runs and prompt arguments; a chat keeps its cache with /save")
     if resume is not None:
         raise InputError("--prompt-cache and --resume both give the cache to start from: give one")
-    if Path(path).expanduser().is_dir():
+    file = Path(path).expanduser()
+    if file.is_dir():
         raise InputError(f"--prompt-cache {path} is a folder; give a file")
-    if not Path(path).expanduser().parent.is_dir():
-        raise InputError(f"--prompt-cache {path}: the folder {Path(path).expanduser().parent} does not exist")
+    if not file.parent.is_dir():
+        raise InputError(f"--prompt-cache {path}: the folder {file.parent} does not exist")
     read_only = sampling.max_new_tokens == 0
     if read_only:  # the checks want a positive count; no token is generated
         sampling = dataclasses.replace(sampling, max_new_tokens=1)
-    return PromptCacheOptions(Path(path).expanduser(), read_only), sampling
+    return PromptCacheOptions(file, read_only), sampling
 
 
 @dataclass(frozen=True)
