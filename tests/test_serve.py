@@ -168,7 +168,17 @@ BAD = [
     ("budget too small for snap", {"messages": CHAT, "budget": 1}, 400, "snap needs a budget of at least 2"),
     ("a policy not served", {"messages": CHAT, "policy": "full"}, 400, "\"policy\" 'full' is not served"),
     ("huge body", b'{"messages": "' + b"a" * 200_000 + b'"}', 413, "larger than this server's limit of 65,536"),
-]
+    ("an image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, '"messages.0.content.0": only text parts are supported (type "text"), got a part of type "image_url"'),
+    ("a text part without its text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     '"messages.0.content.0.text" is required'),
+    ("an unknown field in a message", {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, 400,
+     'unknown field "messages.0.colour"; a message takes: role, content, name'),
+    ("an unknown stream option", {"messages": CHAT, "stream": True, "stream_options": {"continuous": True}}, 400,
+     'unknown field "stream_options.continuous"; "stream_options" takes: include_usage'),
+    ("a tool call sent back", {"messages": [*CHAT, {"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]}]},
+     400, '"messages.1.tool_calls": "tool_calls" is not supported by this server'),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("case", "body", "status", "words"), BAD, ids=[b[0] for b in BAD])
@@ -180,6 +190,20 @@ def test_bad_input_gets_one_clear_error_and_the_server_serves_on(embedded_server
     assert words in message and "\n" not in message and "Traceback" not in message
     ok, reply = post(port, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0})
     assert ok == 200 and reply["usage"]["completion_tokens"] == 1
+
+
+def test_a_reply_sent_back_as_openai_clients_dump_it_and_null_fields_are_taken():
+    """`messages.append(reply.choices[0].message.model_dump())` sends the reply back with OpenAI's empty fields
+    (refusal, tool_calls, ... null or empty), and clients send null where a field has a default (stream)."""
+    from h2o_chat.app.serve.api import ApiError, parse_request
+
+    dumped = {"role": "assistant", "content": "Blue.", "refusal": None, "tool_calls": None, "function_call": None,
+              "audio": None, "annotations": []}  # fmt: skip
+    req = parse_request({"messages": [*CHAT, dumped, {"role": "user", "content": "Another?"}], "stream": None},
+                        "chat", Limits())  # fmt: skip
+    assert req.messages[1] == {"role": "assistant", "content": "Blue."} and req.stream is False
+    assert ApiError(503, "busy").body()["error"]["type"] == "server_error"  # OpenAI's type for its 5xx
+    assert ApiError(400, "bad").body()["error"]["type"] == "invalid_request_error"
 
 
 def test_an_api_key_is_required_when_set(tiny, one_thread):

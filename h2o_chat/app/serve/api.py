@@ -38,12 +38,13 @@ class ApiError(Exception):
         self,
         status: int,
         message: str,
-        kind: str = "invalid_request_error",
+        kind: str | None = None,  # None: OpenAI's type for the status
         param: str | None = None,
         code: str | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
         codes = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "unavailable"}
         self.code = code or codes.get(status)
 
@@ -64,6 +65,12 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    # what OpenAI's clients send back with an assistant reply (`message.model_dump()`): taken when empty
+    refusal: str | None = None
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+    annotations: list | None = None
 
     def as_dict(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -81,7 +88,7 @@ class _Body(_Strict):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None  # null: false, as OpenAI takes it
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None  # with cache_salt: conversations are reused only within one (key, user, salt)
@@ -181,16 +188,29 @@ def _depth(obj) -> int:
     return deepest
 
 
+_BRANCHES = ("str", "list[str]", "list[TextPart]")  # how pydantic names the branches of a union in a location
+# a field of objects -> (their model, what one is called)
+_NESTED = {"messages": ("Message", "a message"), "content": ("TextPart", "a content part"),
+           "stream_options": ("StreamOptions", '"stream_options"')}  # fmt: skip
+
+
 def _pydantic_problem(error: ValidationError, model: type[BaseModel]) -> ApiError:
-    """The first problem pydantic found, as one line naming the field."""
-    first = error.errors()[0]
-    loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and p in ("str", "list[str]", "list[TextPart]"))]
+    """The most telling problem pydantic found, as one line naming the field: the deepest, so that of a union's
+    branches the one the input's kind took speaks (a part of a message's list, not "should be a valid string")."""
+    first = max(error.errors(), key=lambda e: len(e["loc"]))
+    loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and p in _BRANCHES)]
     field = ".".join(loc) or "body"
     if first["type"] == "extra_forbidden":
-        known = ", ".join(model.model_fields)
-        return ApiError(400, f'unknown field "{field}"; this endpoint takes: {known}', param=field)
+        parent = next((p for p in reversed(loc[:-1]) if not p.isdigit()), None)
+        name, noun = _NESTED.get(parent, (None, "this endpoint"))
+        fields = globals()[name].model_fields if name else model.model_fields
+        where = f"{noun} takes"
+        return ApiError(400, f'unknown field "{field}"; {where}: {", ".join(fields)}', param=field)
     if first["type"] == "missing":
         return ApiError(400, f'"{field}" is required', param=field)
+    if loc[-1:] == ["type"] and "content" in loc and first["type"] == "literal_error":
+        return ApiError(400, f'"{".".join(loc[:-1])}": only text parts are supported (type "text"), got a part of '
+                        f"type {json.dumps(first.get('input'))[:40]}", param=field)  # fmt: skip
     got = json.dumps(first.get("input"))[:60]
     return ApiError(400, f'"{field}": {first["msg"][0].lower()}{first["msg"][1:]}, got {got}', param=field)
 
@@ -231,7 +251,7 @@ def parse_request(obj: dict, kind: str, limits: Limits, key: str = "") -> GenReq
         **sampling,
         seed=body.seed if body.seed is not None else limits.seed,
         stop=stop,
-        stream=body.stream,
+        stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         scope=(key, body.user or "", body.cache_salt or ""),
     )
@@ -262,6 +282,12 @@ def _refuse_unsupported(body: _Body) -> None:
             )  # fmt: skip
     if body.logprobs not in (None, False, 0):
         raise ApiError(400, '"logprobs" is not supported by this server', param="logprobs")
+    for number, m in enumerate(getattr(body, "messages", ())):
+        for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
+            if getattr(m, name):  # null or empty is what a client sends back with a plain reply
+                what = "a refusal" if name == "refusal" else f'"{name}"'
+                raise ApiError(400, f'"messages.{number}.{name}": {what} is not supported by this server (text '
+                               "messages only)", param=f"messages.{number}.{name}")  # fmt: skip
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, '"stream_options" needs "stream": true', param="stream_options")
 

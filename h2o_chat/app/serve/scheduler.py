@@ -102,7 +102,7 @@ class Scheduler:
             self.store.put(job.turn.session)
 
     def _dead(self) -> ApiError:
-        return ApiError(500, f"the engine stopped: {self.failed}", "server_error")
+        return ApiError(500, f"the engine stopped: {self.failed}")
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish the replies already decoding (the others get a 503), then end the thread."""

@@ -200,7 +200,7 @@ def _app(server: Server) -> Starlette:
 
     async def bug(request: Request, exc: Exception) -> Response:  # what no handler expected: still JSON, one line
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        error = ApiError(500, f"internal error (a bug): {type(exc).__name__}: {why}"[:300], "server_error")
+        error = ApiError(500, f"internal error (a bug): {type(exc).__name__}: {why}"[:300])
         return JSONResponse(error.body(), status_code=500)
 
     routes = [
