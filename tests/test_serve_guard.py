@@ -301,6 +301,31 @@ def test_a_long_prompt_is_read_a_chunk_at_a_time_while_the_other_rows_keep_decod
     assert stats["rows_busy"] == 1 and len(arrivals) > 1000
 
 
+def test_a_short_prompt_sent_while_a_long_one_is_read_waits_a_chunk_not_the_whole(tiny):
+    """Prompts are read a chunk of each in turn: a short request sent while a 1,500-token prompt is being read
+    (16-token chunks) has its whole reply before the long prompt's first token. Before, prompts were read the
+    oldest first, so the short one waited for every chunk of the long one (the audit's client: 27 s)."""
+    from h2o_chat.app.serve.rows import EngineSettings
+
+    prompt = " ".join(f"w{4 + (7 * i) % 250}" for i in range(1500))
+    with serving(tiny, ends=False, engine=EngineSettings(decode="eager", chunk_size=16)) as (_, port):
+        alone = post(port, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 2, "temperature": 0})[1]
+        t0 = time.monotonic()
+        long_th, long_out = in_thread(post, port, "/v1/completions", {"prompt": prompt, "max_tokens": 2}, None, 120)
+        reading = False
+        while not reading and time.monotonic() - t0 < 60:  # the long prompt's reading has begun
+            lanes = get(port, "/v1/stats")[1]["lanes"]
+            reading = any("reading" in row for lane in lanes for row in lane["active"])
+        status, short = post(port, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 2, "temperature": 0})
+        short_done = time.monotonic()
+        long_th.join(120)
+    long_status, long_reply = long_out[0]
+    assert reading and status == 200 and long_status == 200
+    assert short["choices"][0]["text"] == alone["choices"][0]["text"]
+    long_first = t0 + long_reply["h2o"]["time_to_first_token"]  # from its submission: at least as early as t0
+    assert short_done < long_first, (short_done - t0, long_first - t0)
+
+
 def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkeypatch, capfd):
     """A lane whose step cannot be compiled (or captured) decodes eagerly and says why. The server used to drop
     its engines' notices: on the H200 its lanes ran eagerly and nothing said why."""

@@ -12,10 +12,11 @@ from h2o_chat.errors import H2OChatError, out_of_memory
 
 
 class Reader:
-    """The prompts being read (`rows.Reading`), the oldest first: a job's reading `begin`s in the row placed for
-    it, `read_some` reads a chunk's worth each turn, and a prompt read moves into its row, where `replies` takes
-    its first token. A prompt not read to its end (`unread`) frees its row and gives its conversation back as
-    it was (`release`); `draining` stops every reading at its next chunk."""
+    """The prompts being read (`rows.Reading`), in turn: a job's reading `begin`s in the row placed for it,
+    `read_some` reads a chunk's worth of tokens each turn, a chunk of one prompt after another, and a prompt read
+    moves into its row, where `replies` takes its first token. So a short prompt waits for one chunk of each
+    prompt ahead of it, not for a long one's whole. A prompt not read to its end (`unread`) frees its row and
+    gives its conversation back as it was (`release`); `draining` stops every reading at its next chunk."""
 
     def __init__(
         self,
@@ -27,7 +28,7 @@ class Reader:
     ):
         self.chunk_size, self.outbox, self.replies = chunk_size, outbox, replies
         self.release, self.draining = release, draining
-        # prompts being read, the oldest first (their rows are looked up when used: a resize moves rows)
+        # prompts being read, the next to read first (their rows are looked up when used: a resize moves rows)
         self.readings: list[tuple[Job, Lane]] = []
 
     def begin(self, job: Job, lane: Lane, r: int) -> None:
@@ -44,8 +45,9 @@ class Reader:
         self.readings.append((job, lane))
 
     def read_some(self) -> None:
-        """Read prompts, the oldest first, until a chunk's worth of tokens (`--chunk-size`) is read this turn or
-        none is left; each prompt read moves into its row and its first token goes out at once."""
+        """Read prompts a chunk at a time, each in turn (round robin), until a chunk's worth of tokens
+        (`--chunk-size`) is read this turn or none is left; each prompt read moves into its row and its first
+        token goes out at once."""
         quantum = self.chunk_size
         while self.readings and quantum > 0:
             job, lane = self.readings[0]
@@ -61,10 +63,12 @@ class Reader:
                 self.outbox.send(job, ("error", error))
                 continue
             quantum -= max(1, reading.read - before)
+            self.readings.pop(0)
             if done:
-                self.readings.pop(0)
                 self._enter(job, lane)
                 self.outbox.flush()  # its first token, before the next prompt is read
+            else:
+                self.readings.append((job, lane))  # its next chunk after one of each other prompt
 
     def unread(self, job: Job, lane: Lane, end: Callable[[], None]) -> None:
         """A prompt that will not be read to its end: its reading ends (`end`), its row is free, and the

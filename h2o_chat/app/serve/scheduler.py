@@ -10,8 +10,9 @@ of the loop:
    of its key waiting together: lanes.py): a row is theirs, and their conversation's new tokens are read beside it
    (`rows.Reading`); a prompt that cannot fit is a 503 for that job alone. A job that needs a fifth lane closes the
    least busy one to new rows, so it waits for that lane's replies, never for ever;
-3. read prompts for one chunk's worth of tokens (the oldest first: a long prompt a chunk per turn, several short
-   ones at once: reading.py); a prompt read moves into its row, and its first token goes out at once;
+3. read prompts for one chunk's worth of tokens (a chunk of each in turn: a long prompt a chunk per turn, several
+   short ones at once, and a short one behind a long one waits a chunk, not the whole: reading.py); a prompt read
+   moves into its row, and its first token goes out at once;
 4. decode one step of every lane with rows decoding, and hand each row's text to its job (replies.py); a finished
    reply's row is copied out as an idle conversation before the next step. A long prompt never holds the other
    rows' replies back for more than a chunk.
