@@ -19,6 +19,8 @@ openai = pytest.importorskip("openai")
 
 from serving import client, get, load_tiny, post, request, serving  # noqa: E402
 
+from h2o_chat.app.serve import rows as rows_module  # noqa: E402
+from h2o_chat.app.serve import server as server_module  # noqa: E402
 from h2o_chat.app.serve.api import Limits  # noqa: E402
 from h2o_chat.app.serve.rows import Lane  # noqa: E402
 
@@ -60,6 +62,7 @@ def test_a_dead_engine_answers_everything_at_once_with_a_json_500(tiny, monkeypa
         raise RuntimeError("a bug in a decode step")
 
     monkeypatch.setattr(Lane, "step", broken_step)
+    monkeypatch.setattr(server_module, "STATS_WAIT", 60)  # stats waits for the thread, not for its last figures
     body = {"prompt": "w5 w6", "max_tokens": 4}
     with serving(tiny) as (server, port):
         decoding, got_a = in_thread(post, port, "/v1/completions", body, None, 15)
@@ -324,6 +327,35 @@ def test_a_short_prompt_sent_while_a_long_one_is_read_waits_a_chunk_not_the_whol
     assert short["choices"][0]["text"] == alone["choices"][0]["text"]
     long_first = t0 + long_reply["h2o"]["time_to_first_token"]  # from its submission: at least as early as t0
     assert short_done < long_first, (short_done - t0, long_first - t0)
+
+
+def test_stats_answer_within_a_second_while_a_chunk_is_read_with_the_last_figures(tiny, monkeypatch):
+    """/v1/stats is read in the engine thread between two turns; a turn that reads a prompt's chunk can take
+    seconds on a busy CPU (the audit's client waited 7-40 s, and its 5 s timeout fired). After a second it gets
+    the last turn's figures and how old they are; the next one, once the turn ends, is fresh again."""
+    entered, release = threading.Event(), threading.Event()
+    advance = rows_module.Reading.advance
+
+    def slow_chunk(self):
+        if self.total > 100:  # the long prompt's chunk takes as long as the test holds it
+            entered.set()
+            release.wait(30)
+        return advance(self)
+
+    monkeypatch.setattr(rows_module.Reading, "advance", slow_chunk)
+    monkeypatch.setattr(server_module, "STATS_WAIT", 0.2)
+    with serving(tiny) as (_, port):
+        assert "stale_seconds" not in get(port, "/v1/stats")[1]
+        long_th, _ = in_thread(post, port, "/v1/completions", {"prompt": " ".join(["w5"] * 200), "max_tokens": 2})
+        assert entered.wait(30)
+        t = time.monotonic()
+        status, stats = get(port, "/v1/stats", timeout=10)
+        waited = time.monotonic() - t
+        release.set()
+        long_th.join(30)
+        status_after, after = get(port, "/v1/stats")
+    assert status == 200 and stats["stale_seconds"] >= 0 and waited < 5, (stats, waited)
+    assert stats["rows_max"] == after["rows_max"] and status_after == 200 and "stale_seconds" not in after
 
 
 def test_a_step_that_falls_back_says_why_on_stderr_and_in_the_stats(tiny, monkeypatch, capfd):

@@ -29,6 +29,7 @@ import gc
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -68,6 +69,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._threads = torch.get_num_threads()  # --threads, set in the main thread: the engine thread's too
         self._thread = threading.Thread(target=self._run, name="h2o-chat-engine", daemon=True)
+        self.last_stats: tuple[float, dict] | None = None  # (when, what) `stats` gave last: while a chunk is read
 
     def start(self) -> None:
         self._thread.start()
@@ -128,6 +130,7 @@ class Scheduler:
         # those objects are no longer scanned, and a collection after each reply costs next to nothing. Frozen
         # objects are never freed, this server's own among them (it is a cycle): unfrozen when the thread ends.
         gc.freeze()
+        self.stats()  # what /v1/stats shows before the first turn ends
         with torch.inference_mode():
             try:
                 while True:
@@ -258,9 +261,10 @@ class Scheduler:
 
     # -- what /v1/stats shows ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        """What /v1/stats shows, read in the engine thread between two turns (kept as `last_stats`)."""
         from h2o_chat.models.memory import process_memory
 
-        return {
+        body = {
             "lanes": [lane.describe() for lane in self.lanes],
             "rows_busy": self.busy,
             "rows_max": self.lanes.max_rows,
@@ -276,6 +280,8 @@ class Scheduler:
             },
             "memory": process_memory(self.loaded.device),
         }
+        self.last_stats = (time.monotonic(), body)
+        return body
 
     def _disk_stats(self) -> dict:
         disk = self.store.disk

@@ -50,6 +50,7 @@ from h2o_chat.app.serve.sessions import SessionStore, plan_turn
 
 MAX_BODY = 8 * 2**20  # bytes of one request body; a larger one is a 413 (a prompt of ~2M tokens fits)
 DRAIN_SECONDS = 60  # on SIGINT/SIGTERM, how long replies under way may take before they are cut
+STATS_WAIT = 1.0  # seconds /v1/stats waits for the engine thread's next turn before it shows the last figures
 POLL = 0.5  # seconds between checks that a client still waits for a reply that is not streamed
 
 
@@ -182,7 +183,17 @@ def _app(server: Server) -> Starlette:
         return JSONResponse(card())
 
     async def stats(request: Request) -> Response:
-        return JSONResponse(await asyncio.wrap_future(server.scheduler.call(server.scheduler.stats)))
+        """The engine thread's figures at its next turn; while it reads a prompt's chunk (seconds on a CPU), the
+        last ones it gave, saying how old they are."""
+        scheduler = server.scheduler
+        answer = asyncio.wrap_future(scheduler.call(scheduler.stats))
+        try:
+            return JSONResponse(await asyncio.wait_for(asyncio.shield(answer), STATS_WAIT))
+        except TimeoutError:
+            if scheduler.last_stats is None:
+                return JSONResponse(await answer)
+            when, body = scheduler.last_stats
+            return JSONResponse({**body, "stale_seconds": round(time.monotonic() - when, 2)})
 
     async def chat(request: Request) -> Response:
         return await _generate(server, request, "chat")
