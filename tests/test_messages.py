@@ -52,3 +52,52 @@ def test_a_base_model_gets_the_plain_template_in_batch_lines_too(tmp_path):
     summary = Summary()
     items, _ = read_items(lines, tok, Defaults(budget=16), summary, lambda b: b)
     assert summary.malformed == [] and items[0].ids == chat_ids(tok, [{"role": "user", "content": "w5 w6"}])
+
+
+class _Pieces:
+    """A tokenizer whose tokens are the given strings (what `TextStream` needs: decode)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, **_):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_a_reply_cut_by_a_stop_string_knows_what_its_cache_read_past_the_cut():
+    from h2o_chat.engine.step.generate import TextStream
+
+    pieces = ["Hello", " there", "\n", "User", ":", " 5"]
+    stream = TextStream(_Pieces(pieces), 100, set(), ("\nUser:",))
+    said = [stream.add(t) for t in range(5)]
+    assert "".join(t for t, _ in said) == "Hello there" and said[-1][1] == "stop"
+    assert stream.seam(4) == ("", "\nUser")  # every token but the last read: "\nUser" is past the reply
+    assert stream.seam(5) == ("", "\nUser:")
+    inside = TextStream(_Pieces(pieces), 100, set(), ("re",))  # cut inside " there": " the" is the reply's
+    assert "".join(inside.add(t)[0] for t in range(2)) == "Hello the" and inside.seam(1) == (" the", "")
+    plain = TextStream(_Pieces(pieces), 2, set(), ("\nUser:",))
+    assert [plain.add(t)[1] for t in range(2)] == [None, "length"] and plain.seam(1) is None
+
+
+def test_the_next_turn_after_a_cut_reply_reads_what_the_cache_lacks_and_skips_what_it_read():
+    """A base model's reply ends at "\\nUser:" (a stop string): "\\nUser" is in its cache, and the template's next
+    turn begins with it; the next turn reads only what follows (before, "\\nUser:" was read twice). A cut the
+    template does not continue: None for the server (it reads the conversation again), the chat keeps it."""
+    from conftest import tiny_tokenizer
+    from h2o_chat.app.chat.template import turn_ids
+    from h2o_chat.app.messages import encode, use_chat_template
+
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    assert use_chat_template(tok)  # User:/Assistant: lines
+    before = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
+    new = [{"role": "user", "content": "w7"}]
+    after = "\nUser: w7\nAssistant:"
+    assert turn_ids(tok, before, new, 9, None, None) == [9, *encode(tok, after)]
+    assert turn_ids(tok, before, new, 9, None, ("", "\nUser")) == encode(tok, after[len("\nUser") :])
+    assert turn_ids(tok, before, new, 9, None, (" w8", "")) == encode(tok, " w8" + after)
+    assert turn_ids(tok, before, new, 9, None, ("", " w9")) is None
+    assert turn_ids(tok, before, new, 9, None, ("", " w9"), strict=False) == encode(tok, after)
+    # a message that quotes the sentinel does not move the split
+    quoting = [{"role": "user", "content": "w5 \x00h2o-chat-reply\x00 w6"}, {"role": "assistant", "content": "w6"}]
+    assert turn_ids(tok, quoting, new, None, None, None) == encode(tok, after)

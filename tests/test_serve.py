@@ -143,6 +143,32 @@ def test_a_conversation_reads_only_its_new_turn_and_says_when_it_was_read_again(
     assert three.h2o["conversation"] != one.h2o["conversation"]
 
 
+def test_a_reply_cut_by_a_stop_string_is_continued_only_where_its_cache_holds_what_the_client_was_sent(
+    embedded_server,
+):
+    """A stop string's tokens may be in the reply's cache although its text was cut off. Cut at a token's start,
+    the cache holds the reply as sent (its last token, the stop's, is dropped): continued. Cut past tokens the
+    cache read (" in this": " in" was read): the client's history is not what the cache read, so the next turn
+    reads the conversation again. Before, it continued, the model seeing text the client never got."""
+    _, port = embedded_server
+    c = client(port)
+    ask = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    whole = c.chat.completions.create(model="m", messages=ask, temperature=0).choices[0].message.content
+    assert whole.startswith("The numbers in this"), whole  # greedy: the tokens The, numbers, in, this, ...
+    for stop, continued in ((" this", True), (" in this", False)):
+        one = c.chat.completions.create(model="m", messages=ask, temperature=0, stop=[stop], extra_body={
+            "cache_salt": stop})  # fmt: skip
+        sent = one.choices[0].message.content
+        assert sent == whole[: whole.index(stop)] and one.choices[0].finish_reason == "stop"
+        messages = [*ask, {"role": "assistant", "content": sent}, {"role": "user", "content": "Why?"}]
+        two = c.chat.completions.create(model="m", messages=messages, temperature=0, extra_body={"cache_salt": stop})
+        assert two.h2o["read_again"] is not continued, (stop, two.h2o)
+        assert (two.h2o["conversation"] == one.h2o["conversation"]) is continued
+        fresh = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=1,
+                                          extra_body={"cache_salt": f"fresh {stop}"})  # fmt: skip
+        assert two.usage.prompt_tokens == fresh.usage.prompt_tokens  # the continued cache: no token of the stop
+
+
 def test_models_health_and_stats(embedded_server):
     _, port = embedded_server
     assert [m.id for m in client(port).models.list()] == ["smollm2-135m"]

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from h2o_chat.app import statefile
-from h2o_chat.app.chat.conversation import SENTINEL, Conversation
+from h2o_chat.app.chat.conversation import Conversation
+from h2o_chat.app.chat.template import sentinel_for
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.ui import human_bytes, plural
 from h2o_chat.engine.storage import persist
@@ -79,8 +80,9 @@ class Split:
 def split(conv: Conversation, prompt: str, raw: bool) -> Split:
     if raw:
         return Split(prompt, conv.tokenizer(prompt)["input_ids"], "")
-    user = {"role": "user", "content": prompt + SENTINEL}
-    head, found, after = render(conv.tokenizer, [*conv.messages, user]).partition(SENTINEL)
+    sentinel = sentinel_for([*conv.messages, {"content": prompt}])
+    user = {"role": "user", "content": prompt + sentinel}
+    head, found, after = render(conv.tokenizer, [*conv.messages, user]).partition(sentinel)
     if not found:  # a template that drops the text it is given: the whole rendering is the text
         head = render(conv.tokenizer, [*conv.messages, {"role": "user", "content": prompt}])
         after = ""

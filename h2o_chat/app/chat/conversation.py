@@ -13,7 +13,7 @@ from pathlib import Path
 
 from h2o_chat.app.chat.ledger import EvictionReport, Ledger, Span
 from h2o_chat.app.chat.slowdown import TurnPace
-from h2o_chat.app.chat.template import SENTINEL, ChatTemplate
+from h2o_chat.app.chat.template import ChatTemplate
 from h2o_chat.app.messages import PLAIN_STOP, read_conversation, write_conversation
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import Policy
@@ -27,7 +27,7 @@ from h2o_chat.models.loading import Loaded
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
 
-__all__ = ["SENTINEL", "ChatSettings", "Conversation", "EvictionReport", "Span", "budget_note"]
+__all__ = ["ChatSettings", "Conversation", "EvictionReport", "Span", "budget_note"]
 
 UNDO_SNAPSHOT_BYTES = 64 * 2**20  # a cache up to this size is copied before each turn, for /undo
 FAR_BEYOND = 8  # a prompt longer than this many budgets is mostly evicted while it is read
@@ -98,6 +98,7 @@ class Conversation:
         self.ledger = Ledger()  # where each message lies, what the user was told of it, what recall brought back
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
+        self._seam: tuple[str, str] | None = None  # a reply cut by a stop string: `TextStream.seam`
         self._undo: tuple | None = None  # how to go back to before the last turn (/undo), when it can
 
     # -- settings ---------------------------------------------------------------------------------
@@ -153,10 +154,11 @@ class Conversation:
         last = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
         if undo is None or last is None or undo[0] != last or len(self.messages) != last + 2:
             return self.drop_last_turn(), False
-        _, before, (fed, spans), (unfed, fed_stop) = undo
+        _, before, (fed, spans), carried = undo
         text = self.messages[last]["content"]
         del self.messages[last:]
-        self.fed, self.ledger.spans, self._unfed, self._fed_stop = fed, spans, unfed, fed_stop
+        self.fed, self.ledger.spans = fed, spans
+        self._unfed, self._fed_stop, self._seam = carried
         self.ledger.recalled = {}
         self.ledger.warned.pop(last, None)
         self.cache.restore(before)
@@ -179,7 +181,7 @@ class Conversation:
         [(message index, end offset)], the new message being index len(self.messages)."""
         if self.fed == 0:  # nothing cached: the whole conversation (a loaded one keeps its messages apart)
             return self.template.whole([*self.messages, user])
-        return self.template.next_turn(self.messages, user, self._unfed, self._fed_stop)
+        return self.template.next_turn(self.messages, user, self._unfed, self._fed_stop, self._seam)
 
     def reads(self, tokens: int) -> int:
         """Columns a turn of `tokens` new tokens is read for: snap reads an overflowing prompt twice (its probe
@@ -230,8 +232,8 @@ class Conversation:
             self.ledger.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
             begin = start + end
         self.fed += len(ids)
-        carried = (self._unfed, self._fed_stop)  # what the last turn left for this one (restored if taken back)
-        self._unfed = self._fed_stop = None
+        carried = (self._unfed, self._fed_stop, self._seam)  # what the last turn left (restored if taken back)
+        self._unfed = self._fed_stop = self._seam = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
         reply, last, count, taken_back = [], None, 0, False
         reply_index = len(self.messages)
@@ -290,6 +292,7 @@ class Conversation:
                 self._fed_stop = last.token
         elif last is not None and last.token not in self.stop_ids:
             self._unfed = last.token
+        self._seam = last.seam if last is not None else None  # a --stop string cut the reply: `turn_ids`
         self.fed += fed_reply
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.ledger.spans.append(Span("assistant", reply_index, reply_start, self.fed))
@@ -300,7 +303,7 @@ class Conversation:
         were before it (`before`, `kept`), the message gone. `stopped` says how far the reading got."""
         del self.messages[next(i for i, m in enumerate(self.messages) if m is user) :]
         self.fed, self.ledger.spans = kept
-        self._unfed, self._fed_stop = carried
+        self._unfed, self._fed_stop, self._seam = carried
         if before is not None:
             self.cache.restore(before)
         else:

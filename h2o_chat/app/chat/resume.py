@@ -27,14 +27,16 @@ from h2o_chat.engine.storage.persist import StateError
 # among them): saved and restored with the cache, under the file's name for it -> where it lives. `tests/
 # test_session_files.py` checks that every attribute `_restart` sets, and every field of the ledger, is here or in
 # `PER_TURN`, so one added there is classified before it can be lost.
-CARRIED = {"fed": "fed", "spans": "ledger.spans", "_unfed": "_unfed", "_fed_stop": "_fed_stop",
+CARRIED = {"fed": "fed", "spans": "ledger.spans", "_unfed": "_unfed", "_fed_stop": "_fed_stop", "_seam": "_seam",
            "warned": "ledger.warned", "_recall_told": "ledger.told"}  # fmt: skip
+SINCE = {"_seam": None}  # carried values that files saved before them lack: what such a file means
 PER_TURN = ("cache", "pending", "pending_messages", "_undo", "ledger.recalled", "ledger.recall_note")
 # the carried values that JSON cannot hold as they are
 _CODECS = {
     "spans": (lambda spans: [dataclasses.asdict(s) for s in spans], lambda v: [Span(**s) for s in v]),
     "warned": (lambda d: {str(k): v for k, v in d.items()}, lambda v: {int(k): float(x) for k, x in v.items()}),
     "_recall_told": (list, tuple),
+    "_seam": (lambda v: None if v is None else list(v), lambda v: None if v is None else (str(v[0]), str(v[1]))),
 }
 # the command line's options that set the policy: none given, --resume takes the file's policy whole
 POLICY_OPTIONS = {"budget", "kv_memory", "policy", "heavy_ratio", "sinks", "snap_window", "snap_kernel"}
@@ -85,8 +87,9 @@ def load_conversation(conv: Conversation, path) -> int:
         return len(messages)
     file.check(statefile.identity(conv.loaded, conv.cache), "this chat")
     try:
-        carried = {name: _CODECS.get(name, (_same, _same))[1](saved[name]) for name in CARRIED}
-    except (KeyError, TypeError, ValueError, AttributeError):
+        raw = {name: saved.get(name, SINCE[name]) if name in SINCE else saved[name] for name in CARRIED}
+        carried = {name: _CODECS.get(name, (_same, _same))[1](value) for name, value in raw.items()}
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         raise StateError(f"{file.path} is damaged (its conversation's bookkeeping is not valid)") from None
     state = file.unpack(conv.cache, conv.loaded)  # the last check: from here on nothing can refuse it
     conv.messages, conv._saved = messages, list(messages)

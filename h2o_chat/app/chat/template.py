@@ -17,6 +17,53 @@ from h2o_chat.errors import InputError
 SENTINEL = "\x00h2o-chat-reply\x00"
 
 
+def sentinel_for(messages: list[dict]) -> str:
+    """SENTINEL, or a variant of it that no message's text holds (a message that quotes it must not move the
+    split)."""
+    sentinel, k = SENTINEL, 0
+    while any(sentinel in m["content"] for m in messages):
+        k += 1
+        sentinel = f"\x00h2o-chat-reply-{k}\x00"
+    return sentinel
+
+
+def turn_ids(
+    tokenizer,
+    messages: list[dict],
+    new: list[dict],
+    unfed: int | None,
+    fed_stop: int | None,
+    seam: tuple[str, str] | None,
+    strict: bool = True,
+) -> list[int] | None:
+    """The ids a cache that has read `messages` up to the end of their last reply has not read, for the `new`
+    messages that follow. `unfed`: the reply's last token when the cache has not read it; `fed_stop`: the stop
+    token the cache has read already (the template adds it again); `seam`: a reply cut by a stop string
+    (`TextStream.seam`): the reply's text the cache lacks (read now) and the text past it that the cache has read
+    (then it must be what the template renders next: a base model's "\nUser:"). None when the cache cannot be
+    continued: the template does not render the reply where it was, or (`strict`) the cache read text past the
+    reply that the conversation does not hold; not strict, that text stays and the rest is read after it."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    sentinel = sentinel_for([*messages, *new])
+    marked = [dict(m) for m in messages]
+    marked[last]["content"] = sentinel
+    text = render(tokenizer, [*marked, *new])
+    if sentinel not in text:
+        return None
+    text = text.split(sentinel, 1)[1]
+    if seam is not None:
+        missing, extra = seam
+        if text.startswith(extra):
+            text = text[len(extra) :]
+        elif strict:
+            return None
+        text, unfed = missing + text, None  # the last token was the stop string's, or its text is in `missing`
+    ids = encode(tokenizer, text)
+    if fed_stop is not None and ids and ids[0] == fed_stop:
+        ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
+    return ([unfed] if unfed is not None else []) + ids
+
+
 class ChatTemplate:
     """A tokenizer with the template that renders a conversation: the tokenizer's own, one given with
     --chat-template (`chat_template`: its file and its Jinja text), or plain User:/Assistant: lines."""
@@ -37,19 +84,15 @@ class ChatTemplate:
             self.source = "plain User:/Assistant: lines (the model has no chat template)"
 
     def next_turn(
-        self, messages: list[dict], user: dict, unfed: int | None, fed_stop: int | None
+        self, messages: list[dict], user: dict, unfed: int | None, fed_stop: int | None, seam=None
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids a cache that has seen `messages` (up to the end of the last reply) has not seen yet, for a new
-        user message, and where it ends in them: [(len(messages), end offset)]. `unfed`: the reply's last token when
-        the cache has not read it; `fed_stop`: the stop token the cache read already (the template adds it again)."""
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        marked = [dict(m) for m in messages]
-        marked[last]["content"] = SENTINEL
-        text = render(self.tokenizer, [*marked, user])
-        ids = encode(self.tokenizer, text.split(SENTINEL, 1)[1])
-        if fed_stop is not None and ids and ids[0] == fed_stop:
-            ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
-        ids = ([unfed] if unfed is not None else []) + ids
+        user message (`turn_ids`), and where it ends in them: [(len(messages), end offset)]. What the cache read
+        past a reply cut by a --stop string stays in it (the chat's cache is the conversation as the model saw
+        it)."""
+        ids = turn_ids(self.tokenizer, messages, [user], unfed, fed_stop, seam, strict=False)
+        if ids is None:  # checked when the template was chosen (`template_problem`): a bug if it happens
+            raise InputError("the chat template does not render the last reply where it was")
         return ids, [(len(messages), len(ids))]
 
     def whole(self, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:

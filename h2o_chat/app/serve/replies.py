@@ -51,7 +51,9 @@ class Replies:
         turn, req = job.turn, job.req
         stats, state = lane.stop(r, keep=True)
         session = turn.session
-        end_turn(session, req, turn, job.stream.tokens, "".join(job.text), False, self.stop_ids)
+        stream = job.stream
+        seam = stream.seam(len(stream.tokens) - 1)  # a row's last token is never fed before its reply ends
+        end_turn(session, req, turn, stream.tokens, "".join(job.text), False, self.stop_ids, seam)
         session.state, session.nbytes = state, snapshot_bytes(state)
         self.store.put(session)
         self.served += 1

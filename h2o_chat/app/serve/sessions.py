@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.app.chat.template import SENTINEL
+from h2o_chat.app.chat.template import turn_ids
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.serve.api import ApiError
 from h2o_chat.engine.storage.persist import StateError
@@ -49,6 +49,7 @@ class Session:
     fed: int = 0  # tokens the cache has seen
     unfed: int | None = None  # the reply's last token, sampled but not fed (the next turn reads it first)
     fed_stop: int | None = None  # an end-of-turn token already fed (the template's own is then skipped)
+    seam: tuple[str, str] | None = None  # chat: its reply was cut by a stop string (`TextStream.seam`)
     state: dict | None = None  # the row's snapshot while idle; None while the conversation holds a row
     nbytes: int = 0
     turns: int = 0
@@ -216,7 +217,7 @@ def plan_turn(store: SessionStore, req, tokenizer, max_prompt_tokens: int) -> Tu
         ids = continuation(tokenizer, session, new)
         if ids:
             return _within(store, Turn(session, ids, session.fed, False, from_disk), max_prompt_tokens)
-        store.evicted += 1  # the template does not render its replies where they were: read the whole again
+        store.evicted += 1  # its cache cannot be continued with these messages (`continuation`): read them again
     ids = encode(tokenizer, render(tokenizer, list(messages)))
     turn = Turn(Session("chat", key, scope), ids, 0, any(m["role"] == "assistant" for m in messages))
     return _within(store, turn, max_prompt_tokens)
@@ -244,21 +245,18 @@ def _within(store: SessionStore, turn: Turn, limit: int) -> Turn:
 
 
 def continuation(tokenizer, session: Session, new: tuple[dict, ...]) -> list[int] | None:
-    """The ids a chat session has not seen: the conversation rendered with a sentinel for its last reply, what
-    follows the sentinel (as Conversation._new_turn); None when the template does not render that reply."""
-    marked = [dict(m) for m in session.messages]
-    marked[-1]["content"] = SENTINEL
-    text = render(tokenizer, [*marked, *new])
-    if SENTINEL not in text:
-        return None
-    ids = encode(tokenizer, text.split(SENTINEL, 1)[1])
-    if session.fed_stop is not None and ids and ids[0] == session.fed_stop:
-        ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
-    return ([session.unfed] if session.unfed is not None else []) + ids
+    """The ids a chat session has not seen (`template.turn_ids`, as the chat reads a new turn); None when its cache
+    cannot be continued: the template does not render its reply where it was, or the cache has read text past a
+    reply cut by a stop string that these messages do not hold (the client's history is the conversation)."""
+    return turn_ids(tokenizer, session.messages, list(new), session.unfed, session.fed_stop, session.seam)
 
 
-def end_turn(session: Session, req, turn: Turn, generated: list[int], text: str, fed_last: bool, stop_ids) -> None:
-    """Record a finished reply: every generated token but the last has been fed (the last too when `fed_last`)."""
+def end_turn(
+    session: Session, req, turn: Turn, generated: list[int], text: str, fed_last: bool, stop_ids, seam=None
+) -> None:
+    """Record a finished reply: every generated token but the last has been fed (the last too when `fed_last`);
+    `seam`: where a stop string cut it (`TextStream.seam`)."""
+    session.seam = seam if req.kind == "chat" else None  # a completion continues only by its token ids
     fed = len(turn.ids) + max(0, len(generated) - 1)
     last = generated[-1] if generated else None
     session.unfed = session.fed_stop = None

@@ -63,6 +63,7 @@ class Response:
     cache: H2OCache
     finish_reason: str | None = None  # "stop" | "length" | None while running
     fed: bool = False  # whether this token has been fed to the cache already (the engine runs one step ahead)
+    seam: tuple[str, str] | None = None  # the last record's, when a stop string cut the reply: `TextStream.seam`
 
     @property
     def prompt_tps(self) -> float:
@@ -101,7 +102,8 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
 
 class TextStream:
     """A reply's tokens -> its text (`stream_generate`, the server's rows): stop tokens and stop strings end it,
-    text that could begin a stop string is held back until it cannot."""
+    text that could begin a stop string is held back until it cannot. A reply cut by a stop string knows where
+    (`seam`): the tokens past the cut may already be in the cache."""
 
     def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stops: tuple[str, ...]):
         self.detok = StreamingDetokenizer(tokenizer)
@@ -109,17 +111,25 @@ class TextStream:
         self.hold = max((len(s) - 1 for s in stops), default=0)
         self.pending = ""
         self.tokens: list[int] = []
+        self.pieces: list[str] = []  # all the text the tokens gave, the cut-off part too
+        self.ends: list[int] = []  # characters of it after each token
+        self.length = 0
+        self.cut: int | None = None  # a stop string cut the reply here (characters)
 
     def add(self, token: int) -> tuple[str, str | None]:
         """(new text, finish reason or None)."""
         self.tokens.append(token)
         reason = finish_reason(token, len(self.tokens), self.max_tokens, self.stop_ids)
-        if reason != "stop":
-            self.pending += self.detok.add(token)
+        piece = self.detok.add(token) if reason != "stop" else ""
         if reason is not None:
-            self.pending += self.detok.flush()
+            piece += self.detok.flush()
+        self.pending += piece
+        self.pieces.append(piece)
+        self.length += len(piece)
+        self.ends.append(self.length)
         cut = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
         if cut >= 0:
+            self.cut = self.length - len(self.pending) + cut
             text, self.pending, reason = self.pending[:cut], "", "stop"
         elif reason is None and self.hold:
             keep = max(0, len(self.pending) - self.hold)
@@ -127,6 +137,16 @@ class TextStream:
         else:
             text, self.pending = self.pending, ""
         return text, reason
+
+    def seam(self, fed: int) -> tuple[str, str] | None:
+        """Where a cache that has read the reply's first `fed` tokens stands against its text, when a stop string
+        cut it: (the reply's text it has not read, the text past the reply it has read); one of the two is empty.
+        None when no stop string cut the reply (the cache's tokens are the reply's)."""
+        if self.cut is None:
+            return None
+        text = "".join(self.pieces)
+        read = self.ends[fed - 1] if fed else 0
+        return text[read : self.cut], text[self.cut : read]
 
 
 def stream_generate(
@@ -165,7 +185,9 @@ def stream_generate(
         token = row_tokens[0]
         text, reason = stream.add(token)
         seconds = time.perf_counter() - t1
-        yield Response(text, token, ids.shape[1], prompt_seconds, n, seconds, cache, reason, engine.fed_last)
+        fed = engine.fed_last
+        seam = stream.seam(n if fed else n - 1) if reason is not None else None
+        yield Response(text, token, ids.shape[1], prompt_seconds, n, seconds, cache, reason, fed, seam)
         if reason is not None:
             return
 
