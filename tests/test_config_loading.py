@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+import torch
 
 from h2o_chat.errors import ConfigError, DeviceError, ModelNotFoundError, UnknownModelError
 from h2o_chat.models import loading
@@ -191,3 +192,21 @@ def test_a_model_whose_layers_span_two_devices_is_refused_in_one_line(monkeypatc
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spread_over_two)
     with pytest.raises(DeviceError, match="spread over cuda:0, cuda:1"):
         load(load_registry().resolve(str(tiny_folder)), device="cpu")
+
+
+def test_a_device_is_checked_against_the_gpus_torch_sees_in_one_line(monkeypatch):
+    """--device cuda:0 on a machine without a GPU was torch's AssertionError (a traceback), and cuda:abc its
+    RuntimeError; a GPU's index beyond those present is refused too. Faked counts: the same on any machine."""
+    for bad, words in (("cuda:abc", "auto, cpu, cuda or cuda:N"), ("gpu", "auto, cpu, cuda or cuda:N"),
+                       ("cuda:", "auto, cpu, cuda or cuda:N")):  # fmt: skip
+        with pytest.raises(DeviceError, match=words):
+            loading.resolve_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(DeviceError, match=f"--device {device}: no CUDA GPU is visible"):
+            loading.resolve_device(device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert loading.resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(DeviceError, match="torch sees 2 GPU"):
+        loading.resolve_device("cuda:2")

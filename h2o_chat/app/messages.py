@@ -82,7 +82,15 @@ def template_problem(tokenizer) -> str | None:
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    """The conversation as the chat template writes it; InputError when the template refuses it (its own
+    `raise_exception`: roles that must alternate, a system prompt it does not take)."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise InputError(f"the chat template refuses this conversation: {reason}") from None
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -299,27 +299,23 @@ class ModelOptions:
         spec = load_registry(self.models_file).resolve(self.model)
         if spec.context:
             return spec.context
-        from transformers import AutoConfig
-
-        from h2o_chat.models.loading import weights_location
+        from h2o_chat.models.loading import read_config, weights_location
 
         download = self.downloads(spec)
-        location = weights_location(spec, download, status)
-        config = AutoConfig.from_pretrained(location, local_files_only=not download)
+        config = read_config(spec, weights_location(spec, download, status), download)
         return getattr(config.get_text_config(), "max_position_embeddings", None)
 
     def store_sizes(self) -> tuple[int, int]:
         """Bytes one evicted token takes in recall's store per row, and the store's fixed bytes per row (from the
         model's config: nothing loads)."""
-        from transformers import AutoConfig
 
         from h2o_chat.engine.storage.store import store_bytes, store_entry_bytes
-        from h2o_chat.models.loading import weights_location
+        from h2o_chat.models.loading import read_config, weights_location
         from h2o_chat.models.memory import _kv_shape
 
         spec = load_registry(self.models_file).resolve(self.model)
         download = self.downloads(spec)
-        config = AutoConfig.from_pretrained(weights_location(spec, download, status), local_files_only=not download)
+        config = read_config(spec, weights_location(spec, download, status), download)
         L, H, D = (_kv_shape(config)[k] for k in ("layers", "kv_heads", "head_dim"))
         return store_entry_bytes(L, 1, H, D, D), store_bytes(L, 1, H, D, D, 0)
 

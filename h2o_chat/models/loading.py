@@ -14,6 +14,7 @@ import importlib.util
 import io
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +23,10 @@ from pathlib import Path
 import torch
 
 from h2o_chat.engine.step.attention import prepare_model
-from h2o_chat.errors import DeviceError, ModelNotFoundError
+from h2o_chat.errors import ConfigError, DeviceError, ModelNotFoundError
 from h2o_chat.files import user_cache_dir, writable_cache_dir
 from h2o_chat.models import native  # noqa: F401 (imported: it hands a CPU step's attention kernel to the engine)
-from h2o_chat.models.registry import ModelSpec
+from h2o_chat.models.registry import FAMILIES, ModelSpec
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -74,12 +75,17 @@ class Loaded:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """auto, cpu, cuda or cuda:N (one GPU of several), checked against the GPUs torch sees here."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("--device cuda: no CUDA GPU is visible to torch on this machine (use --device cpu)")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise DeviceError(f"--device must be auto, cpu or cuda, got {device!r}")
+    index = device.removeprefix("cuda:")
+    if device not in ("cpu", "cuda") and (index == device or not index.isdigit()):
+        raise DeviceError(f"--device must be auto, cpu, cuda or cuda:N (a GPU's index), got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(f"--device {device}: no CUDA GPU is visible to torch on this machine (use --device cpu)")
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        raise DeviceError(f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s) here, cuda:0 to "
+                          f"cuda:{torch.cuda.device_count() - 1}")  # fmt: skip
     return torch.device(device)
 
 
@@ -189,7 +195,8 @@ def converted_folder(gguf: Path, status: Status = None) -> Path:
         with contextlib.redirect_stderr(io.StringIO()):  # the GGUF reader draws a progress bar
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError, RuntimeError) as e:  # a damaged file, or an architecture it lacks
+    except (ValueError, OSError, KeyError, IndexError, RuntimeError, EOFError, struct.error) as e:
+        # a damaged or cut file (the GGUF reader's struct.error), or an architecture it lacks
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         raise ModelNotFoundError(f"cannot convert {gguf}: {reason}") from None
     # the dequantised weights are plain fp32 tensors: drop the GGUF marker so they can be saved
@@ -317,20 +324,37 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def read_config(spec: ModelSpec, location: str, download: bool = False):
+    """The model's config, read before its weights, and checked: a model whose architecture h2o-chat does not run
+    (its attention, positions or eviction are not handled: T5, BLOOM, Falcon, GPT-2, ...) is refused here, in one
+    line, before anything loads; so is a config.json that cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        with _fetching(spec, download):
+            config = AutoConfig.from_pretrained(location, local_files_only=not download)
+    except (OSError, ValueError, KeyError) as e:  # broken JSON, an unknown model_type, no config.json
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ModelNotFoundError(f"cannot read {spec.name}'s config in {location}: {reason}") from None
+    kind = getattr(config, "model_type", "")
+    if kind not in FAMILIES:
+        raise ConfigError(
+            f"{spec.name} is a {kind or 'model of no known'} model, which h2o-chat does not run: it runs "
+            f"{', '.join(FAMILIES[:-1])} and {FAMILIES[-1]} models (Llama, SmolLM, Mistral, Qwen2, OPT, Pythia)"
+        )
+    return config
+
+
 def kv_token_bytes_of(
     spec: ModelSpec, device: str, dtype: str | None, quantize: str | None, download: bool, kv_quant: str = "none"
 ) -> int:
     """Bytes one token's keys and values take per row, as `kv_quant` stores them, before anything loads: from the
     model's config and the dtype it would load in (what --kv-memory divides)."""
-    from transformers import AutoConfig
-
     from h2o_chat.models.memory import kv_token_bytes
 
     _quiet_transformers()
     _, torch_dtype, _ = resolve_settings(spec, device, dtype, quantize)
-    location = weights_location(spec, download)
-    with _fetching(spec, download):
-        config = AutoConfig.from_pretrained(location, local_files_only=not download)
+    config = read_config(spec, weights_location(spec, download), download)
     return kv_token_bytes(config, torch_dtype, kv_quant)
 
 
@@ -353,11 +377,9 @@ def load(
     dev, torch_dtype, quant = resolve_settings(spec, device, dtype, quantize)
     location = weights_location(spec, download, status)
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dev.type == "cuda" or kv_tokens or download:
-        with _fetching(spec, download):  # the first contact with the Hub, when downloading
-            config = AutoConfig.from_pretrained(location, local_files_only=not download)
+    config = read_config(spec, location, download)  # with --download, the first contact with the Hub
     if dev.type == "cuda":
         from h2o_chat.models.memory import check_fits, footprint, free_gpu_bytes
 

@@ -31,6 +31,7 @@ from h2o_chat.app.chat.template import turn_ids
 from h2o_chat.app.messages import encode, render
 from h2o_chat.app.serve.api import ApiError
 from h2o_chat.engine.storage.persist import StateError
+from h2o_chat.errors import InputError
 
 # A prompt with more characters to read than this many per token allowed is refused before it is tokenized (no
 # text averages near 16 characters a token: English ~4.5, code ~3.5), so a huge body costs no tokenizer time
@@ -204,8 +205,17 @@ def plan_turn(store: SessionStore, req, tokenizer, max_prompt_tokens: int) -> Tu
         else:
             turn = Turn(Session("text", key, scope), ids, 0, False)
         return _within(store, turn, max_prompt_tokens)
-    messages = req.messages
-    session, from_disk = store.read_back(store.take_chat(scope, key, messages))
+    session, from_disk = store.read_back(store.take_chat(scope, key, req.messages))
+    try:
+        return _plan_chat(store, req, tokenizer, max_prompt_tokens, session, from_disk)
+    except InputError as e:  # the chat template refuses these messages
+        if session is not None and not store.holds(session):
+            store.put(session)
+        raise ApiError(400, f'"messages": {e}', param="messages") from None
+
+
+def _plan_chat(store: SessionStore, req, tokenizer, max_prompt_tokens: int, session, from_disk: bool) -> Turn:
+    key, scope, messages = req.cache_key, req.scope, req.messages
     new = messages[len(session.messages) :] if session is not None else messages
     try:
         _check_chars(sum(len(m["content"]) for m in new), max_prompt_tokens)
