@@ -394,10 +394,18 @@ def test_a_file_that_is_not_gguf_is_refused_before_converting(fast_load, tmp_pat
     damaged.write_bytes(b"GGUF" + bytes(60))
     # a GGUF header: its conversion starts (and says so: the budget is checked against the model's trained context,
     # which its config gives), then fails on one line
-    result = invoke(["-m", str(damaged)], "hi")
-    assert result.exit_code != 0 and "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert lines[-1].startswith("h2o-chat: error: cannot convert") and all("converting" in line for line in lines[:-1])
+    from h2o_chat.models import loading
+    from h2o_chat.models.registry import load_registry
+
+    cut = tmp_path / "cut.gguf"  # a partial download: the embedded model's first megabyte (inside its header)
+    with open(loading.embedded_gguf(load_registry().resolve(None).source), "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    for path in (damaged, cut):  # the second was the GGUF reader's struct.error, a traceback
+        result = invoke(["-m", str(path)], "hi")
+        assert result.exit_code != 0 and "Traceback" not in result.output
+        lines = result.stderr.splitlines()
+        assert lines[-1].startswith("h2o-chat: error: cannot convert"), lines
+        assert all("converting" in line for line in lines[:-1]), lines
 
 
 @pytest.mark.parametrize(
@@ -821,3 +829,83 @@ def test_json_and_raw_in_a_terminal_say_what_they_need(tmp_path):
         'h2o-chat: error: --json and --raw need piped input or a prompt argument (h2o-chat --json --raw "PROMPT"); '
         "the interactive chat takes neither"
     )
+
+
+def test_an_architecture_it_does_not_run_or_a_broken_config_is_one_line_before_anything_loads(tmp_path):
+    """BLOOM and MPT read the prompt and then crashed in the attention's routing, T5 crashed after its tokenizer
+    loaded, GPT-2 ran with no word and failed past its context naming OPT, and a config.json that is not JSON
+    was a traceback: each is refused from its config, before the tokenizer or the weights load."""
+    from transformers import AutoConfig
+
+    from conftest import tiny_tokenizer
+
+    for kind in ("bloom", "t5", "gpt2"):
+        folder = tmp_path / kind
+        AutoConfig.for_model(kind).save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+        result = invoke(["-m", str(folder), "--device", "cpu"], "hi")
+        assert_one_line_error(result, f"is a {kind} model, which h2o-chat does not run", "llama, mistral")
+        inp = tmp_path / "in.jsonl"
+        inp.write_text('{"id": 1, "prompt": "w5 w6"}\n')
+        result = invoke(["batch", str(inp), "-o", str(tmp_path / "out.jsonl"), "-m", str(folder), "--device", "cpu"])
+        assert_one_line_error(result, f"is a {kind} model")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    tiny_tokenizer().save_pretrained(broken)
+    assert_one_line_error(invoke(["-m", str(broken), "--device", "cpu"], "hi"), "cannot read", "config")
+
+
+REFUSES_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+)
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_one_line_in_the_cli_and_a_400_in_the_server(tmp_path):
+    """Templates that refuse a system prompt (Gemma's, older Mistral-Instruct's) raised jinja's TemplateError
+    through every front end: a traceback after the weights loaded; in the server, a 500."""
+    from conftest import tiny_model, tiny_tokenizer
+    from h2o_chat.app.serve.api import ApiError, Limits, parse_request
+    from h2o_chat.app.serve.sessions import SessionStore, plan_turn
+
+    folder = tmp_path / "no-system"
+    tiny_model("llama").save_pretrained(folder)
+    tok = tiny_tokenizer()
+    tok.chat_template = REFUSES_SYSTEM
+    tok.save_pretrained(folder)
+    result = invoke(["-m", str(folder), "--device", "cpu", "--system", "Be terse.", "-n", "2"], "w5")
+    assert_one_line_error(result, "the chat template refuses this conversation: System role not supported")
+    assert invoke(["-m", str(folder), "--device", "cpu", "-n", "2"], "w5").exit_code == 0
+    body = {"messages": [{"role": "system", "content": "w5"}, {"role": "user", "content": "w6"}]}
+    with pytest.raises(ApiError, match="System role not supported") as caught:
+        plan_turn(SessionStore(8, 1 << 30), parse_request(body, "chat", Limits()), tok, 1000)
+    assert caught.value.status == 400
+
+
+def test_a_reply_that_reaches_a_learned_context_ends_there_whole_piped_and_in_batch(tmp_path):
+    """OPT's learned positions end at its trained context: a reply asked to run past it stopped with an error in
+    the middle (--json: stdout empty, the tokens generated lost), and in batch one such line ended the whole run
+    (a rerun died on it again). Now it ends at the context with finish_reason "length" and a note, and the
+    other lines run."""
+    from conftest import tiny_model, tiny_tokenizer
+
+    folder = tmp_path / "tiny-opt"
+    tiny_model("opt", max_positions=32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    args = ["-m", str(folder), "--device", "cpu", "--temperature", "0", "--ignore-eos"]
+    result = invoke([*args, "-n", "200", "--json"], "w5 w6 w7")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    prompt = record["prompt_tokens"]
+    assert record["finish_reason"] == "length" and record["generated_tokens"] == 32 - prompt + 1
+    assert "at the model's trained context (32 tokens)" in result.stderr
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": "w5 w6", "max_new_tokens": n}) + "\n"
+                           for i, n in enumerate((5, 200, 5, 5))))  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    result = invoke(["batch", str(inp), "-o", str(out), *args, "--batch-size", "1"])
+    assert result.exit_code == 0, result.stderr
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == [0, 1, 2, 3] and records[1]["finish_reason"] == "length"
+    assert [records[i]["generated_tokens"] for i in (0, 2, 3)] == [5, 5, 5] and records[1]["generated_tokens"] < 32

@@ -309,6 +309,11 @@ class H2OCache(CacheViews, CacheProtocol):
         """How tokens are numbered now and why (the first group's rows)."""
         return stats.positions_label(self, self.groups[0], slice(None))
 
+    def room(self, row: int = 0) -> int | None:
+        """Tokens row `row` can still be fed before the model's learned positions end (None: no end). A reply may
+        be one token longer: its last token is never fed."""
+        return self.numbering.room(self.seq.rows[row].bound if self.seq.rows else 0)
+
     def kept_fraction(self, start: int, end: int, row: int = 0) -> float:
         """Share of positions [start, end) still held, averaged over layers and heads (for /evicted)."""
         return stats.kept_fraction(self, start, end, row)

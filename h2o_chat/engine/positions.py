@@ -76,6 +76,13 @@ class Numbering:
                 got=False,
             )
 
+    def room(self, bound: int) -> int | None:
+        """Tokens a row whose positions reach `bound` can still be fed before the model's learned positions end
+        (OPT's), or None: positions never stop it (rotary ones are renumbered, or kept absolute with a warning)."""
+        if self.context is None or self.rope is not None or self.rope_problem is not None:
+            return None
+        return max(0, self.context - bound)
+
     def starts_switched(self, group: Group) -> bool:
         return group.positions == "rolling" and self.rope is not None
 

@@ -177,6 +177,13 @@ def stream_generate(
     engine.set_sampler(sampler or Sampler(), 1)
     t0 = time.perf_counter()
     logits = engine.prefill(ids, None, chunk_size, progress)
+    room = cache.room()  # a model with learned positions (OPT) ends there: the reply stops, whole, at "length"
+    if room is not None and room + 1 < max_new_tokens:
+        max_new_tokens = stream.max_tokens = room + 1  # a reply's last token is never fed
+        cache.notices.append(
+            f"the reply stops after {max_new_tokens:,} tokens, at the model's trained context ({cache.context:,} "
+            "tokens): its learned positions end there"
+        )
     steps = engine.tokens(logits, max_new_tokens)
     first = next(steps)  # waits for the prefill and the first token
     prompt_seconds = time.perf_counter() - t0
