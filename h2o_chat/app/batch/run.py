@@ -237,7 +237,7 @@ def generate_batch(
     out: dict[int, list[int]] = {i: [] for i in range(R)}
     started = dict.fromkeys(range(R), t0)
     prompt_seconds = dict.fromkeys(range(R), time.perf_counter() - t0)
-    most = {i: within_context(items[i].max_new_tokens, cache.room(i)) for i in range(R)}
+    most = {i: reply_cap(items[i].max_new_tokens, cache.room(i)) for i in range(R)}
 
     def finished(i: int, token: int) -> str | None:
         """Take item i's next token; the reason it is done, or None."""
@@ -262,7 +262,7 @@ def generate_batch(
                     started[i], out[i] = time.perf_counter(), []
                     chunk, _ = prefill_chunk(model, cache, 1, len(items[i].ids), chunk_size)
                     first = engine.refill(r, torch.tensor([items[i].ids]), chunk, **_sampling([items[i]]))
-                    most[i] = within_context(items[i].max_new_tokens, cache.room(r))
+                    most[i] = reply_cap(items[i].max_new_tokens, cache.room(r))
                     prompt_seconds[i] = time.perf_counter() - started[i]
                     tokens[r] = first
                     reason = finished(i, int(first))  # fed with the next step unless it already ends the item
@@ -276,7 +276,7 @@ def generate_batch(
         tokens = engine.decode(tokens)[1].clone()  # a captured step's output is overwritten by the next step
 
 
-def within_context(max_new_tokens: int, room: int | None) -> int:
+def reply_cap(max_new_tokens: int, room: int | None) -> int:
     """A row's most tokens: its max_new_tokens, or fewer where the model's learned positions end (OPT's: `room`
     tokens can still be fed, and a reply's last token never is); such a line ends at "length" whole, and the
     others run on (before, the whole run stopped there)."""

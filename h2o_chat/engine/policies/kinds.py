@@ -185,7 +185,9 @@ class Snap(H2O):
                 f"snap needs a budget of at least 2 (a slot for its query window and one more), got {self.budget}"
             )
         if not 1 <= self.window < self.budget:
-            raise ConfigError(f"the snap window must be between 1 and the budget ({self.budget}), got {self.window}")
+            raise ConfigError(
+                f"the snap window must be at least 1 and below the budget ({self.budget}), got {self.window}"
+            )
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ConfigError(f"the snap pooling kernel must be a positive odd number, got {self.kernel}")
 
