@@ -259,7 +259,7 @@ def test_soak_command_reports_memory_and_perplexity_per_window(monkeypatch, tmp_
     result = CliRunner().invoke(cli.app, [*args, "--context", "96", "--json"])
     assert result.exit_code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["window"] for r in records] == [[1, 200], [200, 400], [400, 600]]
+    assert [r["window"] for r in records] == [[1, 200], [201, 400], [401, 600]]  # a window names its own tokens
     labels = ["absolute", "rolling", "absolute + 4 sinks", "rolling + 4 sinks", "auto + 4 sinks"]
     assert all(list(r["ppl"]) == labels and r["rss"] > 0 for r in records)
     assert records[-1]["positions"][4].startswith("auto: renumbered")  # auto renumbered past the 96-token context

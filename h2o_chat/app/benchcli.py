@@ -5,6 +5,7 @@ No torch import at module level (start-up stays fast for --help).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -82,7 +83,13 @@ def bench_command(
             show_default=False,
         ),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Timed decode steps per configuration and length.")] = 24,
+    steps: Annotated[
+        int,
+        typer.Option(
+            help="Timed decode steps per configuration and length, in 6 rounds of equal size: rounded down to a "
+            "multiple of 6 (at least 6)."
+        ),
+    ] = 24,
     batch: Annotated[int, typer.Option(help="Rows decoded together.")] = 1,
     throughput: Annotated[
         bool,
@@ -129,14 +136,16 @@ def bench_command(
             ("--gen-tokens", gen_tokens),
         ):
             check_positive(name, value)
-        if memory_limit is not None and memory_limit <= 0:
-            raise H2OChatError(f"--memory-limit must be a positive number of GB, got {memory_limit}")
+        if memory_limit is not None and not (math.isfinite(memory_limit) and memory_limit > 0):
+            raise H2OChatError(f"--memory-limit must be a positive finite number of GB, got {memory_limit:g}")
+        if prefill:
+            check_positive("--chunk-size", chunk_size)
+            _prefill_names(configs)
         build_policy("h2o", budget, {})  # validates the budget
         loaded = _load(models, shape, budget)
         tokenizer = None if shape else loaded.tokenizer
         gguf = None if shape else gguf_file(loaded.spec)
         if prefill:
-            check_positive("--chunk-size", chunk_size)
             _prefill_bench(loaded, points, budget, chunk_size, batch, configs, json_out, gguf)
             return
         if throughput:
@@ -206,6 +215,18 @@ def _with_llamacpp(names: tuple[str, ...], default: bool, gguf) -> tuple[str, ..
     return (*names, llamacpp.CONFIG) if default and llamacpp.CONFIG not in names else names
 
 
+def _prefill_names(configs: str | None) -> tuple[str, ...]:
+    """--configs for --prefill (its own set), or one clear error naming the first unknown one: checked before the
+    model loads."""
+    from h2o_chat.measure import prefill
+
+    names = tuple(c.strip() for c in (configs or ",".join(prefill.DEFAULT_CONFIGS)).split(",") if c.strip())
+    unknown = [c for c in names if c not in prefill.PREFILL_CONFIGS]
+    if unknown:
+        raise H2OChatError(f"unknown --prefill config {unknown[0]!r}; choose from {', '.join(prefill.PREFILL_CONFIGS)}")
+    return names
+
+
 def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out, gguf=None) -> None:
     import json
 
@@ -214,11 +235,8 @@ def _prefill_bench(loaded, points, budget, chunk, batch, configs, json_out, gguf
     from h2o_chat.app.ui import make_console, prefill_table
     from h2o_chat.measure import prefill
 
-    names = tuple(c.strip() for c in (configs or ",".join(prefill.DEFAULT_CONFIGS)).split(",") if c.strip())
-    unknown = [c for c in names if c not in prefill.PREFILL_CONFIGS]
-    if unknown:
-        raise H2OChatError(f"unknown --prefill config {unknown[0]!r}; choose from {', '.join(prefill.PREFILL_CONFIGS)}")
-    names = _with_llamacpp(names, configs is None and loaded.device.type == "cpu" and batch == 1, gguf)
+    anchor = configs is None and loaded.device.type == "cpu" and batch == 1
+    names = _with_llamacpp(_prefill_names(configs), anchor, gguf)
     vocab = loaded.model.config.get_text_config().vocab_size
     for length in points:
         ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
@@ -261,6 +279,12 @@ def soak_command(
 
         for name, value in (("--tokens", tokens), ("--window", window), ("--context", context)):
             check_positive(name, value)
+        if tokens < 2:
+            raise H2OChatError(
+                f"--tokens must be at least 2 (the first token is context, the rest are scored), got {tokens}"
+            )
+        if shape and text is not None:
+            raise H2OChatError("--text needs a model that reads text: --shape's random weights read random ids")
         if sinks < 0:
             raise H2OChatError(f"--sinks must be >= 0, got {sinks}")
         from h2o_chat.measure.soak import SOAK_POLICIES, flatness, run_soak, soak_configs
@@ -268,16 +292,17 @@ def soak_command(
         if policy not in SOAK_POLICIES:
             raise H2OChatError(f"--policy for a soak must be one of {', '.join(SOAK_POLICIES)}, got {policy!r}")
         build_policy(policy, budget, {"sinks": sinks})  # validates budget and sinks
-        loaded = _load(models, shape, budget)
         import torch
 
         from h2o_chat.measure import evaluate as ev
 
+        content = None if shape else ev.read_text(text)
+        loaded = _load(models, shape, budget)
         if shape:  # random weights: any ids will do
             vocab = loaded.model.config.get_text_config().vocab_size
             ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
         else:
-            base = ev.token_ids(loaded.tokenizer, ev.read_text(text))
+            base = ev.token_ids(loaded.tokenizer, content)
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
         configs = soak_configs(budget, sinks, policy)
         with progress_bar("soak") as bar:

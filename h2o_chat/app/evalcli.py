@@ -8,6 +8,7 @@ Options in, calls out: the work is in `h2o_chat.measure.evaluate`, tables and fi
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from h2o_chat.app.options import (
 from h2o_chat.app.reporting import reported, status
 from h2o_chat.app.ui import plural, progress_bar
 from h2o_chat.errors import ConfigError, InputError
+from h2o_chat.files import unwritable
 
 eval_app = typer.Typer(
     cls=Group,
@@ -50,18 +52,29 @@ Budgets = Annotated[
         "Repeat for several. Default: 10% and 20%.",
     ),
 ]
+# the defaults the help names are `evaluate.DEFAULT_POLICIES`, `recall.DEFAULT_POLICIES`, `evaluate.SHIPPED` and
+# `dialogues.RECALL_TEXTS`, written out: importing them would import torch for --help (a test holds them equal)
 Policies = Annotated[
     list[str] | None,
     typer.Option(
         "--policy", "-p", help="Policy to compare with the full cache; repeat. Default: h2o, snap, sink, recent."
     ),
 ]
+RecallPolicies = Annotated[
+    list[str] | None,
+    typer.Option("--policy", "-p", help="Policy to compare with the full cache; repeat. Default: h2o, snap, recall."),
+]
 JsonOut = Annotated[bool, typer.Option("--json", help="One JSON record per line instead of a table.")]
 AnswerTokens = Annotated[int, typer.Option(help="Greedy tokens of answer.")]
 Plot = Annotated[Path | None, typer.Option(help="Also draw a figure to this file (.png, .svg or .pdf).")]
 MarkdownOut = Annotated[Path | None, typer.Option("--markdown", help="Also write the table as markdown here.")]
 Texts = Annotated[
-    list[Path] | None, typer.Option(help="UTF-8 text file; repeat for several. Default: the two shipped novels.")
+    list[Path] | None,
+    typer.Option(help="UTF-8 text file; repeat for several. Default: the shipped alice.txt and moby_dick.txt."),
+]
+RecallTexts = Annotated[
+    list[Path] | None,
+    typer.Option(help="UTF-8 text file; repeat for several. Default: the shipped workshop.txt and as_you_like_it.txt."),
 ]
 
 
@@ -98,10 +111,32 @@ class Compared:
         check_kv_quant(self.kv_quant)
         if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
             raise ConfigError(f"--plot must end in {', '.join(PLOT_SUFFIXES)}, got {plot.name!r}")
-        for path in (plot, self.markdown_path):
-            if path is not None and not path.parent.exists():
-                raise InputError(f"output folder does not exist: {path.parent}")
+        for option, path in (("--plot", plot), ("--markdown", self.markdown_path)):
+            check_output(option, path)
         return specs, names
+
+
+@dataclass(frozen=True)
+class RecallCompared(Compared):
+    """`Compared` for eval recall, whose default policies are its own."""
+
+    policy: RecallPolicies = None
+
+
+def check_output(option: str, path: Path | None) -> None:
+    """A file the run writes at its end, checked before the model loads (a run of minutes or hours should not die
+    at its last line): not a folder, in a folder that exists, and writable."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise InputError(f"output folder does not exist: {path.parent}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"cannot write {option} {path}: permission denied")
+    why = None if path.exists() else unwritable(path.parent)
+    if why is not None:
+        raise InputError(f"cannot write {option} {path}: {why}")
 
 
 def forecast(bar, label: str, rows: int | None, unit: str = "step"):
@@ -311,7 +346,7 @@ def agree_command(
 @eval_app.command("recall", cls=Command)
 @grouped
 def recall_command(
-    text: Texts = None,
+    text: RecallTexts = None,
     conversations: Annotated[int, typer.Option(help="Conversations (each with its own facts and passages).")] = 30,
     turns: Annotated[int, typer.Option(help="User turns per conversation (at least 4; the last asks).")] = 10,
     passage_tokens: Annotated[int, typer.Option(help="Tokens of text in each passage turn.")] = 120,
@@ -334,7 +369,7 @@ def recall_command(
             "(the least recalled) | first (the latest positions: it keeps the conversation's opening)."
         ),
     ] = "first",
-    compared: Compared = Compared(),
+    compared: RecallCompared = RecallCompared(),
     models: ModelOptions = ModelOptions(),
     knobs: PolicyKnobs = PolicyKnobs(),
 ) -> None:

@@ -3,10 +3,11 @@
 Each has `turns` user turns: a greeting with one fact, then two more facts (a name, a locker number, a short
 passkey, a dog's name: three of the four kinds), then turns that ask about passages of a shipped text, then a
 question for one of the facts. Replies are fixed, so every policy sees the same conversation: the fact turns get
-FACT_REPLY, a passage turn "In short:" and the passage's first tokens, `reply_tokens` of them (every row of a
-batch then decodes its replies in step). The same conversation with the asked fact's statement replaced by a
-neutral one measures what the answer owes to the fact. A turn's ids are what the chat reads for it
-(`app/chat/conversation.py`): the first turn's whole rendering, then what follows the previous reply.
+FACT_REPLY, a passage turn "In short:" and the passage's first tokens, `reply_tokens` of them, or as many as the
+set's shortest such reply has when a passage is short (every row of a batch then decodes its replies in step).
+The same conversation with the asked fact's statement replaced by a neutral one measures what the answer owes to
+the fact. A turn's ids are what the chat reads for it (`app/chat/conversation.py`): the first turn's whole
+rendering, then what follows the previous reply.
 """
 
 from __future__ import annotations
@@ -152,55 +153,70 @@ def dialogues(
 ) -> list[Dialogue]:
     """`count` conversations of `turns` user turns each (at least 4): two turns state three facts, the rest but
     the last ask about passages of `texts` (in turn), the last asks for one fact. Replies are fixed:
-    FACT_REPLY, or the passage's first `reply_tokens` tokens after "In short:" (all rows then decode in step)."""
+    FACT_REPLY, or "In short:" and the passage, cut to `reply_tokens` tokens, or to the set's shortest such reply
+    when that is shorter (all rows of any batch then decode in step)."""
     if turns < 4:
         raise ValueError("a recall conversation needs at least 4 turns: two of facts, one between, the question")
     rng = random.Random(seed)
     text_ids = {name: token_ids(tokenizer, text) for name, text in texts.items()}
     names = list(texts)
+    drafts = [_draft(rng, tokenizer, text_ids, names, c, turns, passage_tokens) for c in range(count)]
+    # a reply is cut to one length for the whole set: a short passage ("In short:" and fewer tokens than
+    # `reply_tokens`) cuts every conversation's, as rows of any batch must decode the same number of reply tokens
+    cut = min([reply_tokens, *(len(r) for d in drafts for r in d["passage_replies"])])
+    fact_reply = _encode(tokenizer, FACT_REPLY)
     out = []
-    for c in range(count):
-        kinds = rng.sample(KINDS, 3)
-        values = [k.value(rng) for k in kinds]
-        asked = rng.randrange(3)
-        statements = [k.statement.format(v=v) for k, v in zip(kinds, values, strict=True)]
-        neutral = list(statements)
-        neutral[asked] = rng.choice(NEUTRAL)
-        fact_turns = [f"{rng.choice(GREETINGS)} {{0}}", "Two more things about me. {0} {1}"]
-        fact_of_turn = [0, 1, 1]  # fact i is stated in user turn fact_of_turn[i]
-        users = [fact_turns[0].format(statements[0]), fact_turns[1].format(*statements[1:])]
-        neutral_users = [fact_turns[0].format(neutral[0]), fact_turns[1].format(*neutral[1:])]
-        replies = [_encode(tokenizer, FACT_REPLY)] * 2
-        sources = []
-        for t in range(turns - 3):
-            name = names[(c + t) % len(names)]
-            passage = _passage(rng, text_ids[name], tokenizer, passage_tokens)
-            sources.append(name)
-            users.append(f"Here is a passage from {TITLES.get(name, name)}:\n\n{passage}\n\n{rng.choice(REQUESTS)}")
-            neutral_users.append(users[-1])
-            replies.append(_encode(tokenizer, f"In short: {passage}")[:reply_tokens])
-        kind = kinds[asked]
-        question = QUESTION.format(mention=kind.mention, question=kind.question)
-        users.append(question)
-        neutral_users.append(question)
+    for d in drafts:
+        replies = [fact_reply] * 2 + [r[:cut] for r in d["passage_replies"]]
         texts_of_replies = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
-
-        messages = _alternate(users, texts_of_replies)
+        messages = _alternate(d["users"], texts_of_replies)
+        kind, value = d["kind"], d["value"]
         before, after = kind.answer.split("{v}")
-        prefix, value = _encode(tokenizer, before.rstrip()), _encode(tokenizer, " " + values[asked])
-        answer = prefix + value + _encode(tokenizer, after)
+        prefix, spelled = _encode(tokenizer, before.rstrip()), _encode(tokenizer, " " + value)
+        answer = prefix + spelled + _encode(tokenizer, after)
         out.append(
             Dialogue(
                 messages=messages,
                 turns=turn_ids(tokenizer, messages),
                 replies=replies,
-                neutral_turns=turn_ids(tokenizer, _alternate(neutral_users, texts_of_replies)),
+                neutral_turns=turn_ids(tokenizer, _alternate(d["neutral_users"], texts_of_replies)),
                 answer=answer,
-                scored=(len(prefix), len(prefix) + len(value)),
+                scored=(len(prefix), len(prefix) + len(spelled)),
                 kind=kind.name,
-                fact=values[asked],
-                fact_turn=fact_of_turn[asked],
-                sources=tuple(sources),
+                fact=value,
+                fact_turn=d["fact_turn"],
+                sources=d["sources"],
             )
         )
     return out
+
+
+def _draft(rng: random.Random, tokenizer, text_ids: dict, names: list[str], c: int, turns: int, size: int) -> dict:
+    """Conversation `c`'s facts, user turns and uncut passage replies, drawn from `rng` (in the order that makes a
+    seed give the same conversations as it always did)."""
+    kinds = rng.sample(KINDS, 3)
+    values = [k.value(rng) for k in kinds]
+    asked = rng.randrange(3)
+    statements = [k.statement.format(v=v) for k, v in zip(kinds, values, strict=True)]
+    neutral = list(statements)
+    neutral[asked] = rng.choice(NEUTRAL)
+    fact_turns = [f"{rng.choice(GREETINGS)} {{0}}", "Two more things about me. {0} {1}"]
+    fact_of_turn = [0, 1, 1]  # fact i is stated in user turn fact_of_turn[i]
+    users = [fact_turns[0].format(statements[0]), fact_turns[1].format(*statements[1:])]
+    neutral_users = [fact_turns[0].format(neutral[0]), fact_turns[1].format(*neutral[1:])]
+    passage_replies, sources = [], []
+    for t in range(turns - 3):
+        name = names[(c + t) % len(names)]
+        passage = _passage(rng, text_ids[name], tokenizer, size)
+        sources.append(name)
+        users.append(f"Here is a passage from {TITLES.get(name, name)}:\n\n{passage}\n\n{rng.choice(REQUESTS)}")
+        neutral_users.append(users[-1])
+        passage_replies.append(_encode(tokenizer, f"In short: {passage}"))
+    kind = kinds[asked]
+    question = QUESTION.format(mention=kind.mention, question=kind.question)
+    users.append(question)
+    neutral_users.append(question)
+    return {
+        "kind": kind, "value": values[asked], "fact_turn": fact_of_turn[asked], "users": users,
+        "neutral_users": neutral_users, "passage_replies": passage_replies, "sources": tuple(sources),
+    }  # fmt: skip

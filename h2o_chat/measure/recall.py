@@ -108,7 +108,7 @@ def _turn_by_turn(model, turns: list[list[list[int]]], replies, rows, policies, 
         logits = engine.prefill(ids, mask, opts.chunk_size, meter.part(B * ids.shape[1]))
         meter.advance(B * ids.shape[1])
         if t < len(replies[0]):
-            reply = torch.tensor([r[t] for r in replies], device=engine.device)  # (B, K): every row's the same length
+            reply = torch.tensor([r[t] for r in replies], device=engine.device)  # (B, K): `dialogues` cuts them alike
             for j in range(reply.shape[1]):
                 logits = engine.decode(reply[:, j])[0]
             meter.advance(B * reply.shape[1])

@@ -49,8 +49,9 @@ def run_soak(
     progress: Callable[[int, int], None] | None = None,
     decode: str = "auto",
 ) -> list[dict]:
-    """One record per window: tokens seen, memory, KV bytes, and each configuration's perplexity.
-    `progress(tokens done, tokens total)` after each token."""
+    """One record per window: tokens seen, the window's tokens (`window`: its first and last, counted from 1; the
+    text's first token is read but not scored), memory, KV bytes, and each configuration's perplexity over the
+    window's tokens. `progress(tokens done, tokens total)` after each token."""
     device = next(model.parameters()).device
     marks: list[dict] = []
 
@@ -76,18 +77,18 @@ def run_soak(
         context=context,
         decode=decode,
     )
-    records, start = [], 0
+    records, start, first = [], 0, 1
     for mark in marks:
         end = mark["seen"] - 1  # nll[:, i] predicts token i + 1
         chunk = nll[:, start:end]
         records.append(
             {
                 **mark,
-                "window": [start + 1, mark["seen"]],
+                "window": [first, mark["seen"]],
                 "ppl": {c.label: round(math.exp(float(chunk[g].mean())), 3) for g, c in enumerate(configs)},
             }
         )
-        start = end
+        start, first = end, mark["seen"] + 1
     return records
 
 

@@ -1,0 +1,147 @@
+"""The measuring commands' inputs (eval, bench, soak): a bad one is refused on one line before the model loads, the
+help names the defaults a run uses, and settings at the edge of their range run instead of crashing mid-run."""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_model, tiny_tokenizer
+from h2o_chat.app import cli
+from h2o_chat.measure import dialogues as dl
+from h2o_chat.measure import evaluate as ev
+from h2o_chat.measure import recall as rc
+from h2o_chat.measure.soak import run_soak, soak_configs
+
+runner = CliRunner()
+
+
+def refused(args: list[str], *fragments: str) -> None:
+    """`args` end with exit status 2 and one error line holding `fragments`, no traceback."""
+    result = runner.invoke(cli.app, args)
+    assert result.exit_code == 2, (result.exit_code, result.stderr, result.exception)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("h2o-chat: error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def flat_help(args: list[str]) -> str:
+    result = runner.invoke(cli.app, [*args, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.stdout.replace("│", " ").split())  # borders and wraps gone
+
+
+# -- recall with short passages ------------------------------------------------------------------------------
+def test_recall_runs_when_passages_give_replies_of_different_lengths(single_thread):
+    """A passage shorter than the reply ("In short:" and the passage, cut to 24 tokens) made conversations' replies
+    differ in length, and the batch that decodes them in step crashed after minutes (torch.tensor of ragged
+    lists): every reply is now cut to the set's shortest."""
+    tok = tiny_tokenizer()
+    rng = random.Random(0)
+    texts = {
+        "long.txt": " ".join(f"w{rng.randrange(4, 256)}" for _ in range(400)),
+        "short.txt": "w5 w6 w7 w8 w9",  # its passages have 5 tokens, the long text's 20
+    }
+    convs = dl.dialogues(tok, texts, count=4, turns=5, passage_tokens=20)
+    lengths = {len(r) for d in convs for r in d.replies[2:]}
+    assert lengths == {3 + 5}  # "In" "short" ":" and the short text's 5 tokens, for every passage reply
+    assert {d.sources[0] for d in convs} == set(texts)
+    records = rc.recall(tiny_model("llama", seed=1), tok, convs, ["h2o"], [ev.BudgetSpec.parse("50%")], group=4)
+    assert [r["policy"] for r in records] == ["full", "without fact", "h2o"]
+    assert all(len(r["answers"]) == 4 for r in records)
+
+
+# -- output files, checked before the model loads ------------------------------------------------------------
+TINY_EVALS = {
+    "ppl": ["eval", "ppl", "--tokens", "8"],
+    "needle": ["eval", "needle", "--haystack-tokens", "40", "--depth", "0.5", "--answer-tokens", "2"],
+    "recall": ["eval", "recall", "--conversations", "1", "--turns", "4", "--passage-tokens", "30"],
+    "agree": ["eval", "agree", "--prompts", "1", "--prompt-tokens", "16", "--tokens", "2"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(TINY_EVALS))
+def test_an_output_file_that_is_a_folder_is_refused_before_the_model_loads(command, tmp_path, fast_load):
+    """--markdown (and --plot) naming a folder: the run went to its end, then died on IsADirectoryError."""
+    folder = tmp_path / "out.md"
+    folder.mkdir()
+    refused([*TINY_EVALS[command], "-b", "50%", "-p", "h2o", "--markdown", str(folder)], "--markdown", "is a folder")
+    assert fast_load == []
+
+
+@pytest.mark.parametrize("command", ["ppl", "needle", "recall"])
+def test_a_plot_file_that_is_a_folder_is_refused_before_the_model_loads(command, tmp_path, fast_load):
+    folder = tmp_path / "out.png"
+    folder.mkdir()
+    refused([*TINY_EVALS[command], "-b", "50%", "-p", "h2o", "--plot", str(folder)], "--plot", "is a folder")
+    assert fast_load == []
+
+
+# -- bench and soak, refused before the model loads ----------------------------------------------------------
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_bench_refuses_a_memory_limit_that_is_not_a_positive_finite_number(value, fast_load):
+    refused(["bench", "--throughput", "--memory-limit", value], "--memory-limit", "positive finite number of GB")
+    assert fast_load == []
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [(["--configs", "nope"], "unknown --prefill config 'nope'"), (["--chunk-size", "0"], "--chunk-size")],
+)
+def test_bench_prefill_settings_are_checked_before_the_model_loads(args, said, fast_load):
+    refused(["bench", "--prefill", "--lengths", "8", *args], said)
+    assert fast_load == []
+
+
+def test_soak_refuses_too_few_tokens(fast_load):
+    """One token has nothing to score: the soak had no window to report and ended on an IndexError."""
+    refused(["soak", "--tokens", "1"], "--tokens must be at least 2")
+    assert fast_load == []
+
+
+def test_soak_refuses_a_text_it_would_ignore_or_cannot_read_before_the_model_loads(tmp_path, fast_load):
+    missing = tmp_path / "missing.txt"
+    refused(["soak", "--shape", "llama-tiny", "--text", str(missing)], "--text", "--shape")  # was ignored
+    refused(["soak", "--text", str(missing)], "not found", str(missing))
+    assert fast_load == []
+
+
+# -- soak windows --------------------------------------------------------------------------------------------
+def test_soak_windows_do_not_overlap(single_thread):
+    """Each window names its own tokens (1-10, 11-20, 21-30), not 1-10, 10-20, 20-30; its perplexity is over
+    the tokens it names that are scored (all but the text's first)."""
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(4, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    configs = soak_configs(8, 2)
+    records = run_soak(model, ids, configs, window=10)
+    assert [r["window"] for r in records] == [[1, 10], [11, 20], [21, 30]]
+    nll, _ = ev.streaming_nll(model, ids, [c.policy for c in configs], [c.positions for c in configs])
+    for r in records:
+        first, last = r["window"]
+        scored = nll[0, max(first, 2) - 2 : last - 1]  # nll[:, i] scores token i + 2 (counted from 1)
+        assert r["ppl"]["absolute"] == pytest.approx(float(scored.mean().exp()), rel=1e-3)
+
+
+# -- help ----------------------------------------------------------------------------------------------------
+def test_eval_help_names_the_defaults_a_run_uses():
+    recall = flat_help(["eval", "recall"])
+    assert f"Default: {', '.join(rc.DEFAULT_POLICIES)}." in recall
+    assert f"Default: the shipped {' and '.join(dl.RECALL_TEXTS)}." in recall
+    for command in ("ppl", "needle", "agree"):
+        assert f"Default: {', '.join(ev.DEFAULT_POLICIES)}." in flat_help(["eval", command])
+    for command in ("needle", "agree"):
+        assert f"Default: the shipped {' and '.join(ev.SHIPPED)}." in flat_help(["eval", command])
+
+
+def test_bench_help_says_steps_are_rounded_to_its_rounds():
+    from h2o_chat.measure.bench import run_decode_bench
+
+    rounds = inspect.signature(run_decode_bench).parameters["rounds"].default
+    assert f"in {rounds} rounds of equal size: rounded down to a multiple of {rounds} (at least {rounds})" in (
+        flat_help(["bench"])
+    )
