@@ -87,6 +87,16 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
+def kept_in() -> str:
+    """Where converted weights go, as `models` says it: the user cache folder, or the temporary one a folder that
+    cannot be written gives way to (`writable_cache_dir`), with why."""
+    wanted = user_cache_dir()
+    why = unwritable(wanted)
+    if why is None:
+        return str(wanted)
+    return f"{writable_cache_dir()} ({wanted} cannot be written: {why})"
+
+
 _fallback: dict[Path, Path] = {}
 
 

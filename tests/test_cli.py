@@ -119,6 +119,16 @@ def test_models_lists_aliases_and_presence():
     assert "no" in next(line for line in result.stdout.splitlines() if line.startswith("llama-2-7b"))
 
 
+def test_models_names_the_folder_weights_go_to_when_the_cache_cannot_be_written(monkeypatch):
+    """H2O_CHAT_CACHE=/proc/nope: `models` named that folder, where nothing can be written; the weights go to a
+    private temporary folder then (as the README says), and `models` says so."""
+    from h2o_chat.files import writable_cache_dir
+
+    monkeypatch.setenv("H2O_CHAT_CACHE", "/proc/h2o-chat-nope")
+    caption = " ".join(invoke(["models"]).stdout.split())
+    assert f"kept in {writable_cache_dir()} (/proc/h2o-chat-nope cannot be written" in caption, caption
+
+
 @pytest.mark.parametrize("columns", ["80", "200"])
 def test_models_shows_every_source_whole_on_one_line(columns):
     """Issue 21.1: what an 80-column terminal or a pipe gets, line by line (not flattened): no repo id is cut."""
@@ -909,3 +919,19 @@ def test_a_reply_that_reaches_a_learned_context_ends_there_whole_piped_and_in_ba
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(records) == [0, 1, 2, 3] and records[1]["finish_reason"] == "length"
     assert [records[i]["generated_tokens"] for i in (0, 2, 3)] == [5, 5, 5] and records[1]["generated_tokens"] < 32
+
+
+def test_a_small_learned_context_model_quantizes_to_4bit_on_cpu(tmp_path):
+    """The 4-bit packing calibrates the LM head on a 512-token text: a model whose learned positions end sooner
+    (an OPT of 32) failed there with an IndexError traceback; it calibrates within its context now."""
+    from conftest import tiny_model, tiny_tokenizer
+    from h2o_chat.models.loading import cpu_kernels
+
+    if not cpu_kernels():
+        pytest.skip("the 4-bit CPU kernels are not built here")
+    folder = tmp_path / "tiny-opt"
+    tiny_model("opt", max_positions=32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    result = invoke(["-m", str(folder), "--device", "cpu", "--quantize", "4bit", "-n", "2", "--json"], "w5 w6")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["generated_tokens"] >= 1

@@ -57,6 +57,7 @@ def test_user_file_adds_and_overrides(tmp_path):
         ("[models.x\n", "not valid TOML"),
         ('[models.x]\nsource = "a/b"\nflavour = "x"\n', "unknown keys"),
         ('[models.x]\nsource = "a/b"\nfamily = "gpt5"\n', "models.x.family must be one of llama"),
+        ('[foo]\nsource = "x/y"\n', r"unknown top-level key 'foo' .*\[models.foo\]\?"),  # was dropped silently
     ],
 )
 def test_bad_user_file_is_a_config_error(tmp_path, text, message):

@@ -288,7 +288,7 @@ def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
     with reported():
         require_stdout()
         from h2o_chat.app.ui import make_console, models_tables
-        from h2o_chat.files import user_cache_dir
+        from h2o_chat.files import kept_in
         from h2o_chat.models.loading import is_present
 
         registry = load_registry(models_file)
@@ -308,7 +308,7 @@ def models_command(ctx: typer.Context, models_file: ModelsFile = None) -> None:
         caption = (
             "* the default model; dtype/quant are the defaults on CUDA; on a CPU a GGUF model (the embedded one) runs "
             "from its own 4-bit weights, others in float32\n"
-            f"Converted weights are kept in {user_cache_dir()} (H2O_CHAT_CACHE sets another folder)."
+            f"Converted weights are kept in {kept_in()} (H2O_CHAT_CACHE sets another folder)."
         )
         for i, table in enumerate(models_tables(rows, caption, console.width)):
             if i:

@@ -485,7 +485,9 @@ def _pack_for_cpu(model: torch.nn.Module, spec: ModelSpec, quant: str, status: S
     if status and not blocks:
         status(f"quantizing the weights to {quant} for CPU")
     text = resources.files("h2o_chat").joinpath("data", "alice.txt").read_text(encoding="utf-8")[:20_000]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or CALIBRATION_TOKENS
+    # within the trained context: a model with learned positions (a small OPT's 64) has no embedding past it
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: min(CALIBRATION_TOKENS, context)]
     quantize_model(model, quant, blocks, calibration=torch.tensor([ids]))
     for t in [*model.parameters(), *model.buffers()]:
         if t.dtype == torch.float32:  # norms: not views that keep the float32 file's pages resident

@@ -135,6 +135,13 @@ def _read_toml(path: Path) -> dict:
 
 
 def _specs(data: dict, path: Path) -> dict[str, ModelSpec]:
+    unknown = set(data) - {"models", "default"}
+    if unknown:  # `[foo]` for `[models.foo]`: an alias that would vanish without a word
+        first = sorted(unknown)[0]
+        raise ConfigError(
+            f"{path}: unknown top-level key {first!r} (a file holds `default` and [models.ALIAS] tables: "
+            f"[models.{first}]?)"
+        )
     models = data.get("models", {})
     if not isinstance(models, dict):
         raise ConfigError(f"{path}: [models] must be a table of aliases")
