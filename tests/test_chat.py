@@ -33,7 +33,9 @@ def session(
     console = Console(file=io.StringIO(), force_terminal=terminal, width=width, no_color=True)
     options = RunOptions(
         policy=policy or make_policy("h2o", budget),
-        settings=ChatSettings(max_new_tokens=max_new_tokens, sampler=Sampler(temperature=0), **settings),
+        settings=ChatSettings(
+            max_new_tokens=max_new_tokens, sampler=settings.pop("sampler", Sampler(temperature=0)), **settings
+        ),
         panel=panel,
     )
     return ChatSession(embedded, options, console)
@@ -895,3 +897,34 @@ def test_the_one_step_ahead_bookkeeping_holds_on_cpu(embedded, tmp_path, monkeyp
     assert ahead.messages == behind.messages
     assert ahead.fed == behind.fed == ahead.cache.stats().seen
     assert torch.equal(ahead.cache.slots.pos, behind.cache.slots.pos)
+
+
+def test_a_turn_s_penalty_window_starts_with_what_the_cache_read_before_it(embedded, monkeypatch):
+    """Each turn reads only its new text: the repetition window now starts with the conversation's last tokens
+    the cache read (the earlier turns, replies included), as reading the conversation whole would."""
+    from h2o_chat.app.chat import conversation as conversation_module
+    from h2o_chat.engine.step.sampling import PENALTY_WINDOW
+
+    turns = []
+    real = conversation_module.stream_generate
+
+    def recording(model, tokenizer, cache, prompt_ids, **kwargs):
+        turn = {"ids": list(prompt_ids), "history": list(kwargs["history"]), "tokens": [], "fed": False}
+        turns.append(turn)
+        for r in real(model, tokenizer, cache, prompt_ids, **kwargs):
+            turn["tokens"].append(r.token)
+            turn["fed"] = r.fed
+            yield r
+
+    monkeypatch.setattr(conversation_module, "stream_generate", recording)
+    sampler = Sampler(0.0, repetition_penalty=1.1)
+    conv = Conversation(embedded, make_policy("h2o", 512), ChatSettings(max_new_tokens=6, sampler=sampler))
+    story = " ".join(f"The fox ran past tree number {i}." for i in range(40))  # ~400 tokens: past the window
+    for text in (f"Summarise: {story}", "And then?", "Why?"):
+        list(conv.send(text))
+    one, two, three = turns
+    assert one["history"] == []
+    read = one["ids"] + one["tokens"][: len(one["tokens"]) - 1 + one["fed"]]
+    assert two["history"] == read[-PENALTY_WINDOW:]
+    read += two["ids"] + two["tokens"][: len(two["tokens"]) - 1 + two["fed"]]
+    assert three["history"] == read[-PENALTY_WINDOW:] and len(read) > PENALTY_WINDOW

@@ -9,6 +9,7 @@ from test_chat import drive, session
 from test_cli import assert_one_line_error, invoke
 
 from h2o_chat.app import statefile
+from h2o_chat.engine.step.sampling import Sampler
 
 FIRST, NEXT = "Name three colours of the rainbow, please.", "And two more?"
 
@@ -19,16 +20,18 @@ def replies(chat) -> list[str]:
 
 def test_save_then_load_and_resume_continue_as_the_chat_that_never_stopped(embedded, tmp_path, fast_load):
     """/save writes the cache with the messages; /load in a new chat and --resume (piped: the prompt is the next
-    message) read nothing again, and the next reply is the one the unbroken chat gives. A messages-only file
-    (the format /save wrote before, whatever its name) still loads and is read again."""
+    message) read nothing again, and the next reply is the one the unbroken chat gives, repetition penalty
+    included (its window starts with the conversation's last tokens, saved with it). A messages-only file (the
+    format /save wrote before, whatever its name) still loads and is read again."""
     saved, old = tmp_path / "talk.h2o", tmp_path / "old-talk"
-    unbroken = session(embedded, tmp_path, budget=32, max_new_tokens=8, decode="eager")
+    greedy = Sampler(temperature=0, repetition_penalty=1.1)  # as the command's defaults with --temperature 0
+    unbroken = session(embedded, tmp_path, budget=32, max_new_tokens=8, decode="eager", sampler=greedy)
     out = drive(unbroken, tmp_path, f"{FIRST}\r/save {saved}\r{NEXT}\r/exit\r")
     assert "saved 2 messages and their cache" in out and "/load or --resume continues" in out
     assert statefile.read(saved).kind == "conversation"
     unbroken.conv.save(old)  # the messages alone, as JSON, as /save wrote them before
 
-    loaded = session(embedded, tmp_path, budget=32, max_new_tokens=8, decode="eager")
+    loaded = session(embedded, tmp_path, budget=32, max_new_tokens=8, decode="eager", sampler=greedy)
     out = drive(loaded, tmp_path, f"/load {saved}\r{NEXT}\r/exit\r")
     assert "loaded 2 messages and their cache" in out and "the next reply reads only your message" in out
     assert replies(loaded) == replies(unbroken)

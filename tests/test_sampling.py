@@ -244,3 +244,21 @@ def test_a_seeded_batch_gives_each_row_its_prompts_text_alone_refills_included()
     for item in items:
         alone = next(generate_batch(loaded, [item], policy, seed=5))
         assert alone["text"] == together[item.id], item.id
+
+
+def test_the_penalty_window_sees_what_the_cache_read_before_the_prompt():
+    """A conversation continued from its cache reads only its new turn: the repetition window held that turn
+    alone, where the same conversation read whole (another request, a restart) holds its last 256 tokens, so the
+    same request's reply depended on whether its cache was kept (the audit: another reply at turn 2, greedy).
+    `history` (the tokens read before) fills the window as the whole conversation would."""
+    history, prompt = list(range(100, 400)), torch.arange(500, 520)[None]
+    whole, split = (Sampler(0.7, repetition_penalty=1.3).for_batch(1, torch.device("cpu"), 1024) for _ in range(2))
+    whole.observe(torch.cat([torch.tensor(history)[None], prompt], 1))
+    split.observe(prompt, history=history)
+    assert torch.equal(whole.recent, split.recent) and int(split.recent[0, 0]) == 100 + 300 + 20 - PENALTY_WINDOW
+    row = Sampler(0.7, repetition_penalty=1.3).for_batch(2, torch.device("cpu"), 1024)
+    row.start_row(1, prompt, seed=5, history=history)
+    assert torch.equal(row.recent[1], whole.recent[0])
+    short = Sampler(0.7, repetition_penalty=1.3).for_batch(1, torch.device("cpu"), 1024)
+    short.observe(prompt, history=[7, 8])
+    assert short.recent[0, -22:].tolist() == [7, 8, *range(500, 520)] and int(short.recent[0, 0]) == -1

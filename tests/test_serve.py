@@ -169,6 +169,31 @@ def test_a_reply_cut_by_a_stop_string_is_continued_only_where_its_cache_holds_wh
         assert two.usage.prompt_tokens == fresh.usage.prompt_tokens  # the continued cache: no token of the stop
 
 
+def test_a_continued_conversation_s_penalty_window_holds_what_its_cache_read(embedded_server, monkeypatch):
+    """A request that continues a kept conversation reads only its new turn; the row's repetition window now
+    starts with the conversation's last tokens (its earlier prompt and reply), as a fresh read of the whole
+    would hold them: before, it held the new turn alone, and the same greedy request got another reply
+    depending on whether its conversation was kept."""
+    from h2o_chat.engine.step.sampling import PENALTY_WINDOW, RowSampler
+
+    _, port = embedded_server
+    seen: list[list[int]] = []
+    real = RowSampler.start_row
+
+    def recording(self, r, ids, seed=None, history=None):
+        seen.append(list(history or []))
+        return real(self, r, ids, seed, history)
+
+    monkeypatch.setattr(RowSampler, "start_row", recording)
+    c = client(port)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    one = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
+    messages += [{"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": "More?"}]
+    two = c.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=4)
+    assert not two.h2o["read_again"] and seen[0] == []
+    assert len(seen[1]) == min(PENALTY_WINDOW, two.h2o["cached_tokens"]) > 0
+
+
 def test_models_health_and_stats(embedded_server):
     _, port = embedded_server
     assert [m.id for m in client(port).models.list()] == ["smollm2-135m"]

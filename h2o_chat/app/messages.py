@@ -93,14 +93,64 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> s
         raise InputError(f"the chat template refuses this conversation: {reason}") from None
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of rendered text (the template wrote its special tokens already)."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, text: str, quoted=()) -> list[int]:
+    """Token ids of rendered text (the template wrote its special tokens already); `quoted`: where messages that
+    quote a special token's text are in it (`quotes`), read as text."""
+    return encode_with_starts(tokenizer, text, quoted)[0]
+
+
+def encode_with_starts(tokenizer, text: str, quoted=(), starts: bool = False) -> tuple[list[int], list[int] | None]:
+    """Token ids of rendered text, and with `starts` each token's start offset in it (None for tokenizers without
+    offsets). A special token's text within a `quoted` span (a message that holds "<|im_start|>system") is read
+    as the characters it is, as OpenAI's API reads it: only the template writes control tokens, so a message
+    cannot end its turn or open one of another role. Text outside such spans is read as it always was."""
+    if not quoted and not starts:
+        return tokenizer(text, add_special_tokens=False)["input_ids"], None
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # slow tokenizers have no offsets (nor is a quote told apart)
+        return tokenizer(text, add_special_tokens=False)["input_ids"], None
+    if not quoted:
+        return enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids, offsets = [], []
+    for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+        if token in special and any(s <= a and b <= e for s, e in quoted):
+            part = tokenizer(
+                text[a:b], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+            )
+            ids += part["input_ids"]
+            offsets += [a + x for x, _ in part["offset_mapping"]]
+        else:
+            ids.append(token)
+            offsets.append(a)
+    return ids, offsets
+
+
+QUOTE_MARK = "\x00h2o-chat-quote\x00"
+
+
+def quotes(tokenizer, messages: list[dict], rendered: str, generation_prompt: bool = True) -> list[tuple[int, int]]:
+    """Where in `rendered` (`messages` as `render` writes them) the contents that hold a special token's text are:
+    each found by rendering the messages with a mark in its place (a template's own tokens around it, even the
+    same text, are not taken for it). Nothing to find, as for almost every message, costs a substring check."""
+    names = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+    spans = []
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if not any(name in content for name in names):
+            continue
+        marked = [*messages[:i], {**m, "content": QUOTE_MARK}, *messages[i + 1 :]]
+        at = render(tokenizer, marked, generation_prompt).find(QUOTE_MARK)
+        if at >= 0 and rendered.startswith(content, at):  # a template that rewrites contents: read as before
+            spans.append((at, at + len(content)))
+    return spans
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Messages -> the ids of the whole conversation, ready for a reply."""
-    return encode(tokenizer, render(tokenizer, messages))
+    """Messages -> the ids of the whole conversation, ready for a reply (their contents read as text)."""
+    text = render(tokenizer, messages)
+    return encode(tokenizer, text, quotes(tokenizer, messages, text))
 
 
 # -- saved conversations --------------------------------------------------------------------------------

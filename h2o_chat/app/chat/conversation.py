@@ -21,6 +21,7 @@ from h2o_chat.engine.policies.snap import columns_read
 from h2o_chat.engine.stats import CacheStats
 from h2o_chat.engine.step.decode import Engine, PrefillInterrupted, Progress
 from h2o_chat.engine.step.generate import Response, Sampler, stop_token_ids, stream_generate
+from h2o_chat.engine.step.sampling import PENALTY_WINDOW
 from h2o_chat.engine.storage.slots import slot_bytes
 from h2o_chat.errors import DeviceError, InputError, out_of_memory
 from h2o_chat.models.loading import Loaded
@@ -99,6 +100,7 @@ class Conversation:
         self._unfed: int | None = None  # last sampled token, not yet fed to the cache
         self._fed_stop: int | None = None  # a stop token the engine fed while it ran one step ahead
         self._seam: tuple[str, str] | None = None  # a reply cut by a stop string: `TextStream.seam`
+        self._tail: list[int] = []  # the last tokens the cache read: the repetition penalty's window sees them
         self._undo: tuple | None = None  # how to go back to before the last turn (/undo), when it can
 
     # -- settings ---------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ class Conversation:
         text = self.messages[last]["content"]
         del self.messages[last:]
         self.fed, self.ledger.spans = fed, spans
-        self._unfed, self._fed_stop, self._seam = carried
+        self._unfed, self._fed_stop, self._seam, self._tail = carried
         self.ledger.recalled = {}
         self.ledger.warned.pop(last, None)
         self.cache.restore(before)
@@ -232,10 +234,10 @@ class Conversation:
             self.ledger.spans.append(Span(self.messages[index]["role"], index, begin, start + end))
             begin = start + end
         self.fed += len(ids)
-        carried = (self._unfed, self._fed_stop, self._seam)  # what the last turn left (restored if taken back)
+        carried = (self._unfed, self._fed_stop, self._seam, self._tail)  # what the last turn left (and restores)
         self._unfed = self._fed_stop = self._seam = None
         self.cache.reserve(len(ids) + (max_new_tokens or self.settings.max_new_tokens))  # a full cache, once
-        reply, last, count, taken_back = [], None, 0, False
+        reply, tokens, last, count, taken_back = [], [], None, 0, False
         reply_index = len(self.messages)
         self.pace.start(self.engine.setup_seconds)
         stops = (*((PLAIN_STOP,) if self.template.plain and not raw else ()), *self.settings.stop)
@@ -252,8 +254,10 @@ class Conversation:
                 stop_strings=stops,
                 progress=progress,
                 engine=self.engine,
+                history=self._tail,
             ):
                 last, count = r, count + 1
+                tokens.append(r.token)
                 if note := self.pace.token(count, self.engine.setup_seconds):
                     self.cache.notices.append(note)
                 reply.append(r.text)
@@ -267,6 +271,7 @@ class Conversation:
         finally:
             if not taken_back:
                 self._end_turn(user, reply, last, count, start + len(ids), reply_index)
+                self._tail = (self._tail + ids + tokens[: self.fed - start - len(ids)])[-PENALTY_WINDOW:]
                 self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
 
     def _reply_sampler(self) -> Sampler:
@@ -303,7 +308,7 @@ class Conversation:
         were before it (`before`, `kept`), the message gone. `stopped` says how far the reading got."""
         del self.messages[next(i for i, m in enumerate(self.messages) if m is user) :]
         self.fed, self.ledger.spans = kept
-        self._unfed, self._fed_stop, self._seam = carried
+        self._unfed, self._fed_stop, self._seam, self._tail = carried
         if before is not None:
             self.cache.restore(before)
         else:

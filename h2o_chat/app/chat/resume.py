@@ -7,8 +7,8 @@ reading anything again: the next turn reads only its new text and continues exac
 stopped (greedy, or with a seed: the same tokens). A FILE named *.json gets the messages alone, as JSON, as before
 (read again on /load), and /load still reads those.
 
-The sampler keeps nothing from one reply to the next (each reply's draws and repetition window start from its own
-prompt), so nothing of it is saved.
+Of the sampler, only the conversation's last tokens are saved (`_tail`: the repetition window of the next reply
+starts with them, as it would had the conversation been read whole); each reply's draws start from its prompt.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from h2o_chat.engine.storage.persist import StateError
 # test_session_files.py` checks that every attribute `_restart` sets, and every field of the ledger, is here or in
 # `PER_TURN`, so one added there is classified before it can be lost.
 CARRIED = {"fed": "fed", "spans": "ledger.spans", "_unfed": "_unfed", "_fed_stop": "_fed_stop", "_seam": "_seam",
-           "warned": "ledger.warned", "_recall_told": "ledger.told"}  # fmt: skip
-SINCE = {"_seam": None}  # carried values that files saved before them lack: what such a file means
+           "_tail": "_tail", "warned": "ledger.warned", "_recall_told": "ledger.told"}  # fmt: skip
+SINCE = {"_seam": None, "_tail": []}  # carried values that files saved before them lack: what such a file means
 PER_TURN = ("cache", "pending", "pending_messages", "_undo", "ledger.recalled", "ledger.recall_note")
 # the carried values that JSON cannot hold as they are
 _CODECS = {
     "spans": (lambda spans: [dataclasses.asdict(s) for s in spans], lambda v: [Span(**s) for s in v]),
     "warned": (lambda d: {str(k): v for k, v in d.items()}, lambda v: {int(k): float(x) for k, x in v.items()}),
     "_recall_told": (list, tuple),
+    "_tail": (list, lambda v: [int(x) for x in v]),
     "_seam": (lambda v: None if v is None else list(v), lambda v: None if v is None else (str(v[0]), str(v[1]))),
 }
 # the command line's options that set the policy: none given, --resume takes the file's policy whole

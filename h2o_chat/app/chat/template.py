@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import copy
 
-from h2o_chat.app.messages import encode, render, template_problem, use_chat_template
+from h2o_chat.app.messages import encode, encode_with_starts, quotes, render, template_problem, use_chat_template
 from h2o_chat.errors import InputError
 
 SENTINEL = "\x00h2o-chat-reply\x00"
@@ -47,18 +47,21 @@ def turn_ids(
     sentinel = sentinel_for([*messages, *new])
     marked = [dict(m) for m in messages]
     marked[last]["content"] = sentinel
-    text = render(tokenizer, [*marked, *new])
-    if sentinel not in text:
+    full = render(tokenizer, [*marked, *new])
+    if sentinel not in full:
         return None
-    text = text.split(sentinel, 1)[1]
+    cut = full.index(sentinel) + len(sentinel)
+    text = full[cut:]
+    quoted = [(a - cut, b - cut) for a, b in quotes(tokenizer, [*marked, *new], full) if a >= cut]
     if seam is not None:
         missing, extra = seam
-        if text.startswith(extra):
-            text = text[len(extra) :]
-        elif strict:
+        dropped = len(extra) if text.startswith(extra) else 0
+        if strict and not text.startswith(extra):
             return None
-        text, unfed = missing + text, None  # the last token was the stop string's, or its text is in `missing`
-    ids = encode(tokenizer, text)
+        text, unfed = missing + text[dropped:], None  # the last token was the stop string's, or its text is missing
+        shift = len(missing) - dropped
+        quoted = [(a + shift, b + shift) for a, b in quoted]
+    ids = encode(tokenizer, text, quoted)
     if fed_stop is not None and ids and ids[0] == fed_stop:
         ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
     return ([unfed] if unfed is not None else []) + ids
@@ -101,7 +104,7 @@ class ChatTemplate:
         folds the system prompt into the first user turn, or refuses a partial conversation) shares the span
         of the message after it."""
         text = render(self.tokenizer, messages)
-        ids, starts = self._encode_with_starts(text)
+        ids, starts = encode_with_starts(self.tokenizer, text, quotes(self.tokenizer, messages, text), starts=True)
         ends = []
         for k in range(1, len(messages)):
             try:
@@ -112,17 +115,9 @@ class ChatTemplate:
                 end = (
                     bisect.bisect_left(starts, len(prefix))
                     if starts is not None
-                    else len(encode(self.tokenizer, prefix))
+                    else len(encode(self.tokenizer, prefix, quotes(self.tokenizer, messages[:k], prefix, False)))
                 )
                 if 0 < end < len(ids) and (not ends or end > ends[-1][1]):
                     ends.append((k - 1, end))
         ends.append((len(messages) - 1, len(ids)))
         return ids, ends
-
-    def _encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
-        """Token ids and each token's start offset in the text (None for tokenizers without offsets)."""
-        try:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        except (NotImplementedError, ValueError):  # slow tokenizers have no offsets
-            return encode(self.tokenizer, text), None
-        return enc["input_ids"], [start for start, _ in enc["offset_mapping"]]

@@ -37,7 +37,7 @@ class Reader:
         turn = job.turn
         try:
             # asked after each chunk: a drain stops the reading at once, not at the prompt's end
-            job.reading = lane.read(turn.session.state, turn.ids, self.draining)
+            job.reading = lane.read(turn.session.state, turn.ids, self.draining, turn.session.tail)
         except Exception as e:
             self.release(job)
             raise self._error(e) from None

@@ -67,10 +67,13 @@ class Reading:
     `Lane.enter` then moves it into its row. The fit check comes first: a DeviceError means nothing was read.
     `stop()` is asked after each chunk: True raises ReadingStopped."""
 
-    def __init__(self, lane: Lane, state: dict | None, ids: list[int], stop: Callable[[], bool]):
+    def __init__(
+        self, lane: Lane, state: dict | None, ids: list[int], stop: Callable[[], bool], history: list[int] = ()
+    ):
         loaded, settings = lane.loaded, lane.settings
         model = loaded.model
         self.lane, self.stop = lane, stop
+        self.history = list(history)  # what the cache read before: the repetition penalty's window sees it
         self.cache = lane.spare  # the last reading's cache, emptied (its storage is not allocated again)
         lane.spare = None
         if self.cache is None:
@@ -192,9 +195,12 @@ class Lane:
         self.oversized_since = None
 
     # -- a conversation into a row and out of it ------------------------------------------------------------
-    def read(self, state: dict | None, ids: list[int], stop: Callable[[], bool] = lambda: False) -> Reading:
-        """Start reading a conversation's new tokens (`Reading.advance` reads them), beside the rows."""
-        return Reading(self, state, ids, stop)
+    def read(
+        self, state: dict | None, ids: list[int], stop: Callable[[], bool] = lambda: False, history: list[int] = ()
+    ) -> Reading:
+        """Start reading a conversation's new tokens (`Reading.advance` reads them), beside the rows; `history`:
+        the last tokens its cache read before them."""
+        return Reading(self, state, ids, stop, history)
 
     def enter(self, r: int, reading: Reading, req) -> int:
         """Move a finished reading into row r (free), in place: the other rows are untouched. Returns the reply's
@@ -202,11 +208,11 @@ class Lane:
         view = self.cache.row(r)
         view.restore(reading.state())  # slots, store and bookkeeping, whole: nothing of the row before stays
         self.cache.absorb(view, r)
-        prompt, logits = reading.prompt, reading.logits
+        prompt, logits, history = reading.prompt, reading.logits, reading.history
         reading.release()
         sampler = self.engine.sampler
         sampler.set_row(r, req.temperature, req.repetition_penalty, req.top_k, req.min_p, req.top_p)
-        sampler.start_row(r, prompt, req.seed)  # its seed: the row samples as the conversation would alone
+        sampler.start_row(r, prompt, req.seed, history)  # as the conversation would alone, read whole or not
         first = sampler.first_of_row(r, logits.to(self.device))
         self.tokens[r] = first
         return int(first)

@@ -23,7 +23,7 @@ from h2o_chat.engine.storage import persist
 from h2o_chat.errors import InputError
 
 # A Session's fields a file carries (`sessions.Session`; its scope, state, path and sizes stay in memory)
-CARRIED = ("kind", "cache_key", "id", "messages", "ids", "text", "fed", "unfed", "fed_stop", "seam", "turns")
+CARRIED = ("kind", "cache_key", "id", "messages", "ids", "text", "fed", "unfed", "fed_stop", "seam", "tail", "turns")
 
 
 def session_folder(path) -> Path:

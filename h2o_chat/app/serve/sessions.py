@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h2o_chat.app.chat.template import turn_ids
-from h2o_chat.app.messages import encode, render
+from h2o_chat.app.messages import chat_ids
 from h2o_chat.app.serve.api import ApiError
+from h2o_chat.engine.step.sampling import PENALTY_WINDOW
 from h2o_chat.engine.storage.persist import StateError
 from h2o_chat.errors import InputError
 
@@ -51,6 +52,7 @@ class Session:
     unfed: int | None = None  # the reply's last token, sampled but not fed (the next turn reads it first)
     fed_stop: int | None = None  # an end-of-turn token already fed (the template's own is then skipped)
     seam: tuple[str, str] | None = None  # chat: its reply was cut by a stop string (`TextStream.seam`)
+    tail: list[int] = field(default_factory=list)  # the last tokens its cache read (the penalty's window)
     state: dict | None = None  # the row's snapshot while idle; None while the conversation holds a row
     nbytes: int = 0
     turns: int = 0
@@ -228,7 +230,7 @@ def _plan_chat(store: SessionStore, req, tokenizer, max_prompt_tokens: int, sess
         if ids:
             return _within(store, Turn(session, ids, session.fed, False, from_disk), max_prompt_tokens)
         store.evicted += 1  # its cache cannot be continued with these messages (`continuation`): read them again
-    ids = encode(tokenizer, render(tokenizer, list(messages)))
+    ids = chat_ids(tokenizer, list(messages))
     turn = Turn(Session("chat", key, scope), ids, 0, any(m["role"] == "assistant" for m in messages))
     return _within(store, turn, max_prompt_tokens)
 
@@ -276,6 +278,7 @@ def end_turn(
     elif last is not None and last not in stop_ids:
         session.unfed = last
     session.fed += fed
+    session.tail = [*session.tail, *turn.ids, *generated[: fed - len(turn.ids)]][-PENALTY_WINDOW:]
     session.turns += 1
     if req.kind == "chat":
         session.messages = [*req.messages, {"role": "assistant", "content": text}]

@@ -162,12 +162,14 @@ def stream_generate(
     stop_strings: tuple[str, ...] = (),
     progress: Progress = None,
     engine: Engine | None = None,
+    history: list[int] | None = None,
 ) -> Iterator[Response]:
     """Generate for one prompt (a token list or (1, L) tensor), yielding a Response per token.
 
     The prompt is appended to whatever `cache` already holds (chat turns); pass the same `engine` every turn to
     keep its captured decode step. Text that could begin a stop string is held back until it is clear it does
-    not. The last record's `fed` says whether its token is already in the cache."""
+    not. The last record's `fed` says whether its token is already in the cache. `history`: the tokens the cache
+    read before (earlier turns), which the repetition penalty's window sees before the prompt's."""
     engine = engine or Engine(model, cache)
     device = engine.device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)
@@ -176,7 +178,7 @@ def stream_generate(
 
     engine.set_sampler(sampler or Sampler(), 1)
     t0 = time.perf_counter()
-    logits = engine.prefill(ids, None, chunk_size, progress)
+    logits = engine.prefill(ids, None, chunk_size, progress, history)
     room = cache.room()  # a model with learned positions (OPT) ends there: the reply stops, whole, at "length"
     if room is not None and room + 1 < max_new_tokens:
         max_new_tokens = stream.max_tokens = room + 1  # a reply's last token is never fed

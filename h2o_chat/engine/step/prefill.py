@@ -89,15 +89,17 @@ class PromptReading:
         mask: torch.Tensor | None = None,
         chunk_size: int | None = None,
         progress: Progress = None,
+        history: list[int] | None = None,
     ) -> torch.Tensor:
         """Feed a (left-padded) prompt (B, L) in chunks, evicting between chunks (KV memory: budget + chunk);
         returns the last position's logits (B, V). The cache numbers the tokens, continuing from what it has
         seen (chat turns append). A policy that compresses prompts (snap) reads the prompt twice. Ctrl-C stops
-        at the end of the chunk being read and raises `PrefillInterrupted`."""
+        at the end of the chunk being read and raises `PrefillInterrupted`. `history`: the tokens the cache
+        read before, for the sampler's repetition window (`RowSampler.observe`)."""
         ids = ids.to(self.device)
         mask = torch.ones_like(ids) if mask is None else mask.to(self.device)
         if self.sampler is not None:
-            self.sampler.observe(ids, mask)
+            self.sampler.observe(ids, mask, history)
         return self._read(self.cache, ids, mask, chunk_size, progress)
 
     @torch.inference_mode()

@@ -243,15 +243,16 @@ class RowSampler:
         if top_p is not None:
             self.top_p[r] = top_p
 
-    def start_row(self, r: int, ids: torch.Tensor, seed: int | None = None) -> None:
+    def start_row(self, r: int, ids: torch.Tensor, seed: int | None = None, history: list[int] | None = None) -> None:
         """A new prompt (1, L) takes row r (continuous batching): the row gets its own `seed`, else the seed of a
         row that starts, and its draws start again, so it samples as the prompt would alone; its penalty window
-        is the prompt's tail."""
+        is the tail of `history` (the tokens its cache read before, a conversation's earlier turns) and the
+        prompt."""
         self.seeds[r] = self._seed_of(seed)
         self.draws[r] = 0
         if not self.penalized:
             return
-        tail = ids.reshape(-1)[-PENALTY_WINDOW:]
+        tail = _with_history(ids.reshape(1, -1), history)[0, -PENALTY_WINDOW:]
         self.recent[r].fill_(-1)
         self.recent[r, PENALTY_WINDOW - tail.numel() :] = tail.to(self.device)  # ends at the last slot
 
@@ -259,14 +260,17 @@ class RowSampler:
     def batch(self) -> int:
         return self.temperature.shape[0]
 
-    def observe(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    def observe(self, ids: torch.Tensor, mask: torch.Tensor | None = None, history: list[int] | None = None) -> None:
         """A (left-padded) prompt (B, L) in every row: the rows' draws start again, and their last real tokens
-        fill the penalty window, ending at its last slot (a row's first draw then replaces the oldest)."""
+        fill the penalty window, ending at its last slot (a row's first draw then replaces the oldest). `history`:
+        the tokens every row's cache read before the prompt (a conversation's earlier turns), which the window
+        sees first, as it would had the whole conversation been the prompt."""
         self.draws.zero_()
         if not self.penalized:
             return
         if mask is not None:
             ids = ids.masked_fill(mask == 0, -1)
+        ids = _with_history(ids, history)
         tail = ids[:, -PENALTY_WINDOW:]
         self.recent.fill_(-1)
         self.recent[:, PENALTY_WINDOW - tail.shape[1] :] = tail
@@ -345,6 +349,14 @@ def draw(sampler: RowSampler | None, logits: torch.Tensor) -> torch.Tensor:
     """Tokens (B,) from logits (B, V): the sampler's draw, or the most likely (None: greedy). Every step draws
     here, eager, compiled or captured, and so do a prompt's first tokens."""
     return sampler(logits) if sampler is not None else logits.argmax(dim=-1)
+
+
+def _with_history(ids: torch.Tensor, history: list[int] | None) -> torch.Tensor:
+    """(B, L) ids after the last `PENALTY_WINDOW` tokens of `history` (the same for every row), for the window."""
+    if not history:
+        return ids
+    before = torch.tensor(history[-PENALTY_WINDOW:], dtype=ids.dtype, device=ids.device)
+    return torch.cat([before.expand(ids.shape[0], -1), ids], dim=1)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
