@@ -145,3 +145,83 @@ def test_bench_help_says_steps_are_rounded_to_its_rounds():
     assert f"in {rounds} rounds of equal size: rounded down to a multiple of {rounds} (at least {rounds})" in (
         flat_help(["bench"])
     )
+
+
+# -- Ctrl-C keeps what was measured --------------------------------------------------------------------------
+def interrupted_after(monkeypatch, owner, name: str, calls: int) -> None:
+    """`owner.name` raises KeyboardInterrupt (a Ctrl-C) on its call number `calls + 1`."""
+    original, seen = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        seen.append(1)
+        if len(seen) > calls:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_soak_interrupted_keeps_the_windows_it_finished(json_out, monkeypatch, tmp_path, single_thread):
+    """Ctrl-C in the second window: stdout was empty (records printed only at the end); now the first window is
+    written as it finishes (JSON), or its table under a note, and the exit is 130 with one line."""
+    import json
+
+    from h2o_chat.measure import soak
+
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    interrupted_after(monkeypatch, soak, "process_memory", 1)
+    args = ["soak", "--shape", "llama-tiny", "--tokens", "60", "--window", "20", "--budget", "8", "--threads", "1"]
+    result = runner.invoke(cli.app, args + (["--json"] if json_out else []))
+    assert result.exit_code == 130, (result.stderr, result.exception)
+    assert result.stderr.splitlines()[-1] == "h2o-chat: interrupted (1 of 3 windows done)"
+    if json_out:
+        records = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [r["window"] for r in records] == [[1, 20]]
+    else:
+        assert "1-20" in result.stdout and "21-40" not in result.stdout
+        assert result.stdout.splitlines()[-1] == "interrupted: 1 of 3 windows done"
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_bench_interrupted_keeps_the_lengths_it_finished(json_out, monkeypatch, tmp_path, single_thread):
+    import json
+
+    from h2o_chat.measure import bench
+
+    monkeypatch.setenv("H2O_CHAT_CACHE", str(tmp_path))
+    original = bench._Measure.record
+
+    def record(self, run, length):
+        if length == 16:
+            raise KeyboardInterrupt
+        return original(self, run, length)
+
+    monkeypatch.setattr(bench._Measure, "record", record)
+    args = ["bench", "--shape", "llama-tiny", "--lengths", "8,16", "--steps", "6", "--configs", "full,h2o"]
+    result = runner.invoke(cli.app, [*args, "--budget", "4", "--threads", "1"] + (["--json"] if json_out else []))
+    assert result.exit_code == 130, (result.stderr, result.exception)
+    assert result.stderr.splitlines()[-1] == "h2o-chat: interrupted (2 of 4 measurements done)"
+    if json_out:
+        records = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [(r["config"], r["measured_at"]) for r in records] == [("full", 8), ("h2o", 8), ("h2o@first", 8)]
+    else:
+        assert "ms/token" in result.stdout
+        assert result.stdout.splitlines()[-1] == "interrupted: 2 of 4 measurements done"
+
+
+def test_recall_interrupted_writes_the_conversations_it_finished(monkeypatch, tmp_path, fast_load, single_thread):
+    """Ctrl-C in the second group: the first conversation's summaries go to stdout and --markdown (marked
+    partial) instead of nothing."""
+    import json
+
+    interrupted_after(monkeypatch, rc, "_group", 1)
+    md = tmp_path / "r.md"
+    args = [*TINY_EVALS["recall"], "--conversations", "2", "--group", "1", "-b", "50%", "-p", "h2o"]
+    result = runner.invoke(cli.app, [*args, "--answer-tokens", "2", "--json", "--markdown", str(md)])
+    assert result.exit_code == 130, (result.stderr, result.exception)
+    assert result.stderr.splitlines()[-1] == "h2o-chat: interrupted (1 of 2 conversations done)"
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["policy"] for r in records] == ["full", "without fact", "h2o"]
+    assert all(r["conversations"] == 1 for r in records)
+    assert "(interrupted: 1 of 2 conversations done)" in md.read_text(encoding="utf-8")

@@ -20,7 +20,7 @@ from h2o_chat.app.options import (
     grouped,
     int_list,
 )
-from h2o_chat.app.reporting import reported, status
+from h2o_chat.app.reporting import Finished, reported, status
 from h2o_chat.app.ui import describe_weights, progress_bar
 from h2o_chat.errors import H2OChatError
 
@@ -160,20 +160,31 @@ def bench_command(
                 limit = free or 4 * 2**30
             else:
                 limit = int(memory_limit * 2**30)
-            with progress_bar("throughput") as bar:
-                records = run_throughput(
-                    loaded, limit, prompt_tokens, gen_tokens, budget, progress=bar, decode=models.decode
-                )
-            if json_out:
-                typer.echo("\n".join(json.dumps(r) for r in as_dicts(records)))
-            else:
+            out = Finished(json_out, 2, "configurations", dump=lambda r: json.dumps(as_dicts([r])[0]))
+
+            def show(records, _note: str = "") -> None:
                 make_console().print(throughput_table(records, loaded.spec.name))
+
+            with out.kept(show), progress_bar("throughput") as bar:
+                run_throughput(
+                    loaded, limit, prompt_tokens, gen_tokens, budget, progress=bar, decode=models.decode,
+                    on_record=out.add,
+                )  # fmt: skip
+            if not json_out:
+                show(out.records)
             return
         if configs is None and loaded.device.type == "cuda":
             names = ("dynamic", "static-compiled", "full", "h2o", "h2o-nobound")
         names = _with_llamacpp(names, configs is None and loaded.device.type == "cpu" and batch == 1, gguf)
-        with progress_bar("bench") as bar:
-            records = bench.run_decode_bench(
+        about = f"{loaded.spec.name}, {describe_weights(loaded)}, {torch_threads()} threads"
+
+        def show(records, _note: str = "") -> None:
+            make_console().print(bench_table(records, bench.ratios(records, budget), about))
+
+        dump = lambda record: bench.as_json_lines([record])  # noqa: E731
+        out = Finished(json_out, len(points) * len(names), "measurements", dump=dump, counted=_not_twin)
+        with out.kept(show), progress_bar("bench") as bar:
+            bench.run_decode_bench(
                 loaded.model,
                 tokenizer,
                 points,
@@ -185,12 +196,15 @@ def bench_command(
                 progress=bar,
                 decode=models.decode,
                 gguf=gguf,
+                on_record=out.add,
             )
-        if json_out:
-            typer.echo(bench.as_json_lines(records))
-        else:
-            about = f"{loaded.spec.name}, {describe_weights(loaded)}, {torch_threads()} threads"
-            make_console().print(bench_table(records, bench.ratios(records, budget), about))
+        if not json_out:
+            show(out.records)
+
+
+def _not_twin(record) -> bool:
+    """A bench record of the table's own (the h2o twin parked at the first length only serves a ratio)."""
+    return record.config != "h2o@first"
 
 
 def torch_threads() -> int:
@@ -273,8 +287,6 @@ def soak_command(
 
     Compares absolute and rolling positions, with and without attention sinks, for one policy."""
     with reported():
-        import json
-
         from h2o_chat.app.ui import make_console, soak_table
 
         for name, value in (("--tokens", tokens), ("--window", window), ("--context", context)):
@@ -305,10 +317,14 @@ def soak_command(
             base = ev.token_ids(loaded.tokenizer, content)
             ids = torch.tensor([(base * (tokens // max(1, len(base)) + 1))[:tokens]])
         configs = soak_configs(budget, sinks, policy)
-        with progress_bar("soak") as bar:
-            records = run_soak(loaded.model, ids, configs, window, context, progress=bar, decode=models.decode)
-        if json_out:
-            typer.echo("\n".join(json.dumps(r) for r in records))
-        else:
+
+        def show(records, _note: str = "") -> None:
             memory = {key: flatness(records, key) for key in ("rss", "gpu_allocated") if key in records[0]}
             make_console().print(soak_table(records, loaded.spec.name, f"{policy} {budget}", memory))
+
+        windows = math.ceil(tokens / window) - (window == 1)  # every window ends on a scored token
+        out = Finished(json_out, windows, "windows")
+        with out.kept(show), progress_bar("soak") as bar:
+            run_soak(loaded.model, ids, configs, window, context, progress=bar, decode=models.decode, on_record=out.add)
+        if not json_out:
+            show(out.records)

@@ -29,7 +29,7 @@ from h2o_chat.app.options import (
     check_positive,
     grouped,
 )
-from h2o_chat.app.reporting import reported, status
+from h2o_chat.app.reporting import reported, status, summarised
 from h2o_chat.app.ui import plural, progress_bar
 from h2o_chat.errors import ConfigError, InputError
 from h2o_chat.files import unwritable
@@ -172,17 +172,17 @@ def _texts(paths: list[Path] | None, shipped: tuple[str, ...] | None = None) -> 
     return {path.name: ev.read_text(path) for path in paths}
 
 
-def _emit(records: list[dict], table, compared: Compared, plot: Path | None, draw: Callable | None):
+def _emit(records: list[dict], table, compared: Compared, plot: Path | None, draw: Callable | None, note: str = ""):
+    """The records to stdout (JSON lines or the table), the table to --markdown, the figure to --plot. `note`: the
+    run was interrupted, the records summarise what it finished ("interrupted: 2 of 30 conversations done"):
+    said in the table's title, and on a line under the table on stdout."""
     from h2o_chat.measure import plots
 
     records[:] = [{**r, "kv_quant": compared.kv_quant} for r in records]
+    title, header, rows = table
     if compared.kv_quant != "none":  # the budgeted rows' storage; the full cache, the reference, is not quantized
-        title, header, rows = table
-        table = (
-            f"{title}; budgeted rows hold keys and values in {compared.kv_quant.replace('bit', ' bits')}",
-            header,
-            rows,
-        )
+        title = f"{title}; budgeted rows hold keys and values in {compared.kv_quant.replace('bit', ' bits')}"
+    table = (f"{title} ({note})" if note else title, header, rows)
     if compared.json_out:
         for record in records:
             typer.echo(json.dumps(record, ensure_ascii=False))
@@ -190,6 +190,8 @@ def _emit(records: list[dict], table, compared: Compared, plot: Path | None, dra
         from h2o_chat.app.ui import make_console, rich_table
 
         make_console().print(rich_table(table))
+        if note:
+            typer.echo(note)
     if compared.markdown_path is not None:
         compared.markdown_path.write_text(plots.markdown(table), encoding="utf-8")
     if plot is not None:
@@ -410,7 +412,13 @@ def recall_command(
             f"recall: {plural(len(convs), 'conversation')} of {turns} turns (~{mean:.0f} tokens) x full, "
             f"{', '.join(names)} at {', '.join(map(str, specs))}"
         )
-        with progress_bar(f"recall, {len(convs)} conversations") as bar:
+        sources = ", ".join(texts)
+
+        def emit(records: list[dict], note: str = "") -> None:
+            records = [{**r, "texts": sources, "model": loaded.spec.name} for r in records]
+            _emit(records, plots.recall_table(records), compared, plot, plots.recall_plot, note)
+
+        with summarised(emit), progress_bar(f"recall, {len(convs)} conversations") as bar:
             records = rc.recall(
                 loaded.model, loaded.tokenizer, convs, names, specs, greedy_tokens=answer_tokens,
                 chunk_size=chunk_size, positions=compared.positions, group=group,
@@ -418,9 +426,7 @@ def recall_command(
                 decode=models.decode, knobs={**knobs.kwargs(), **({"drop": drop} if "recall" in names else {})},
                 kv_quant=compared.kv_quant, stores=stores,
             )  # fmt: skip
-        sources = ", ".join(texts)
-        records = [{**r, "texts": sources, "model": loaded.spec.name} for r in records]
-        _emit(records, plots.recall_table(records), compared, plot, plots.recall_plot)
+        emit(records)
 
 
 def _store_option(text: str) -> str | None:

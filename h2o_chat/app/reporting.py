@@ -1,6 +1,7 @@
 """How a command ends when something goes wrong: the errors users can cause as one line on stderr and a
 non-zero exit (`reported`), a failed or closed stdout as one line too (`guard_stdout`, `require_stdout`,
-`stdout_failed`), and the status lines every command prints (`status`)."""
+`stdout_failed`), the status lines every command prints (`status`), and a long measurement's records written as
+they finish and kept on Ctrl-C (`Finished`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import io
 import os
 import sys
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import typer
 
@@ -33,8 +34,9 @@ def reported() -> Iterator[None]:
     except H2OChatError as e:
         typer.echo(f"h2o-chat: error: {e}", err=True)
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        typer.echo("h2o-chat: interrupted", err=True)
+    except KeyboardInterrupt as e:
+        done = f" ({e})" if isinstance(e, Interrupted) else ""
+        typer.echo(f"h2o-chat: interrupted{done}", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
         if out_of_memory(e):
@@ -43,6 +45,71 @@ def reported() -> Iterator[None]:
             typer.echo(f"h2o-chat: error: out of memory ({str(e).splitlines()[0]}); {hint}", err=True)
             raise typer.Exit(3) from None
         raise
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C once a measurement's finished records were kept; says how many ("2 of 8 windows done")."""
+
+
+class Finished:
+    """A long measurement's records as they finish (`add`, the measurement's callback). With `json_out` each is
+    written to stdout at once, one JSON line (`dump`), flushed: Ctrl-C loses none of them. Inside `kept(show)`,
+    Ctrl-C shows the records done so far (`show(records, note)`: the table, then `note` under it on stdout, e.g.
+    "interrupted: 1 of 4 windows done", marking it partial; not with `json_out`, whose lines are out already) and
+    ends as `reported` says: exit 130, one line. `counted(record)`: whether a record is one of the `total` units
+    (default: all)."""
+
+    def __init__(
+        self,
+        json_out: bool,
+        total: int,
+        unit: str,
+        dump: Callable[[typing.Any], str] | None = None,
+        counted: Callable[[typing.Any], bool] | None = None,
+    ):
+        import json
+
+        self.json_out, self.total, self.unit = json_out, total, unit
+        self.dump = dump or (lambda record: json.dumps(record, ensure_ascii=False))
+        self.counted = counted or (lambda record: True)
+        self.records: list = []
+
+    def add(self, record) -> None:
+        self.records.append(record)
+        if self.json_out:
+            typer.echo(self.dump(record))  # click flushes each line
+
+    @property
+    def note(self) -> str:
+        done = sum(1 for r in self.records if self.counted(r))
+        return f"interrupted: {done} of {self.total} {self.unit} done"
+
+    @contextlib.contextmanager
+    def kept(self, show: Callable[[list, str], None] | None = None) -> Iterator[Finished]:
+        try:
+            yield self
+        except KeyboardInterrupt:
+            note = self.note
+            if self.records and not self.json_out and show is not None:
+                show(self.records, note)
+                typer.echo(note)  # under the table: what it shows is partial
+            raise Interrupted(note.removeprefix("interrupted: ")) from None
+
+
+@contextlib.contextmanager
+def summarised(emit: Callable[[list, str], None]) -> Iterator[None]:
+    """Ctrl-C in a measurement whose records summarise all its units, once some units are finished: the interrupt
+    carries their summaries (`records`) and `note` ("interrupted: 2 of 30 conversations done"; see
+    `evaluate.Stopped`), which are written as a finished run's records would be (`emit(records, note)`), and the
+    command ends as `reported` says: exit 130, one line."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        records, note = getattr(e, "records", None), getattr(e, "note", None)
+        if not records or not note:
+            raise
+        emit(records, note)
+        raise Interrupted(note.removeprefix("interrupted: ")) from None
 
 
 class _Fd(io.RawIOBase):

@@ -214,12 +214,14 @@ def run_decode_bench(
     progress: Callable[[int, int], None] | None = None,
     decode: str = "auto",
     gguf=None,
+    on_record: Callable[[BenchRecord], None] | None = None,
 ) -> list[BenchRecord]:
     """Decode ms/token per configuration at each length. On CPU every configuration is brought to each length
     and timed in interleaved rounds (A, B, C, A, B, C, ...) so that drift on a noisy machine hits all alike,
     with an h2o twin parked at the first length for the flatness ratio. On CUDA (steady clocks) configurations
     run one after another, each with its own peak memory. `tokenizer=None` feeds random ids (random models).
-    `gguf`: the model's file, for the llama.cpp row."""
+    `gguf`: the model's file, for the llama.cpp row. `on_record(record)` as soon as each record is measured (a
+    length's records on CPU, one configuration's at a time on CUDA)."""
     device = next(model.parameters()).device
     longest = max(lengths)
     n = longest + 2 * (steps + steps // rounds) * len(lengths) + 64
@@ -229,7 +231,7 @@ def run_decode_bench(
     else:
         ids = corpus_ids(tokenizer, n)
     ids = ids.to(device).expand(batch, -1).contiguous()
-    measure = _Measure(model, ids, lengths, steps, rounds, chunk, status, progress)
+    measure = _Measure(model, ids, lengths, steps, rounds, chunk, status, progress, on_record)
     twin = ("h2o@first",) if device.type != "cuda" and "h2o" in configs else ()
     measure.total = sum(measure.tokens(c) for c in (*configs, *twin))
 
@@ -256,8 +258,8 @@ def run_decode_bench(
 class _Measure:
     """Brings runs to each length and times greedy decode steps in rounds over them."""
 
-    def __init__(self, model, ids, lengths, steps, rounds, chunk, status, progress=None):
-        self.model, self.ids, self.lengths = model, ids, sorted(lengths)
+    def __init__(self, model, ids, lengths, steps, rounds, chunk, status, progress=None, on_record=None):
+        self.model, self.ids, self.lengths, self.on_record = model, ids, sorted(lengths), on_record
         self.rounds, self.per_round, self.chunk, self.status = rounds, max(1, steps // rounds), chunk, status
         self.progress, self.done, self.total = progress, 0, 0  # tokens fed, over every run
         self.device = ids.device
@@ -303,6 +305,8 @@ class _Measure:
                         run.setup_seconds = seconds  # the first compiled steps: compilation dominates
             for run in runs:
                 records.append(self.record(run, length))
+                if self.on_record is not None:
+                    self.on_record(records[-1])
         return records
 
     def record(self, run: _Run, length: int) -> BenchRecord:

@@ -39,6 +39,15 @@ DEFAULT_POLICIES = ("h2o", "snap", "sink", "recent")  # the paper, our default, 
 Progress = Callable[[int, int], None] | None  # progress(tokens done, tokens total)
 
 
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C in a measurement whose records summarise all its units (recall's conversations): `records`
+    summarise the units finished before it, `note` says how many ("interrupted: 2 of 30 conversations done")."""
+
+    def __init__(self, records: list[dict], note: str):
+        super().__init__(note)
+        self.records, self.note = records, note
+
+
 def eval_engine(model, cache: H2OCache, decode: str) -> Engine:
     """An engine for a measurement. A CPU step whose compiled package is not built yet runs eagerly while the
     model's `step_builder` (the command's `builder_for`, where it set one) builds it in a process of its own:
@@ -210,7 +219,7 @@ def streaming_nll(
     policies: Sequence[Policy],
     positions: str | Sequence[str] = "absolute",
     progress: Progress = None,
-    on_step: Callable[[int, H2OCache], None] | None = None,
+    on_step: Callable[[int, H2OCache, torch.Tensor], None] | None = None,
     prompt_tokens: int = 1,
     context: int | None = None,
     decode: str = "auto",
@@ -218,8 +227,9 @@ def streaming_nll(
 ) -> tuple[torch.Tensor, H2OCache]:
     """Teacher-force ids (1, N) through one cache row per policy. The first `prompt_tokens` are one prefill (a
     prompt: chunked, and compressed by policies that compress prompts), then one decode step per token.
-    Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache)` runs after
-    token t is predicted (the soak samples memory there). `context` overrides the trained context."""
+    Returns the NLL of tokens prompt_tokens..N-1, (G, N - prompt_tokens). `on_step(t, cache, nll)` runs after
+    token t is predicted (the soak samples memory there, and reads a finished window's NLL: `nll` on the device,
+    filled up to column t - prompt_tokens). `context` overrides the trained context."""
     G, N, P = len(policies), ids.shape[1], prompt_tokens
     cache = make_eval_cache(model, policies, positions=positions, context=context, kv_quant=kv_quant)
     cache.reserve(N)  # the full cache's rows allocate once
@@ -230,7 +240,7 @@ def streaming_nll(
     for t in range(P, N):
         nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none")
         if on_step is not None:
-            on_step(t, cache)
+            on_step(t, cache, nll)
         if t < N - 1:
             logits, _ = engine.decode(x[:, t])
         if progress is not None:

@@ -32,7 +32,7 @@ from h2o_chat.engine.policies import STORE_MIN_TIMES, make_policy
 from h2o_chat.engine.step.decode import DEFAULT_CHUNK, Engine, left_pad
 from h2o_chat.engine.step.generate import stop_token_ids
 from h2o_chat.measure.dialogues import Dialogue
-from h2o_chat.measure.evaluate import BudgetSpec, Progress, eval_engine, make_eval_cache
+from h2o_chat.measure.evaluate import BudgetSpec, Progress, Stopped, eval_engine, make_eval_cache
 
 DEFAULT_POLICIES = ("h2o", "snap", "recall")
 
@@ -185,30 +185,44 @@ def recall(
     full = make_policy("full")
     results: dict[str, list] = {"full": [], "without fact": [], **{_key(c): [] for c in configs}}
     t0 = time.perf_counter()
-    for g in range(0, len(convs), group):
-        part = convs[g : g + group]
-        n = len(part)
-        scores = _turn_by_turn(
-            model,
-            [d.turns for d in part] + [d.neutral_turns for d in part],
-            [d.replies for d in part] * 2,
-            list(part) * 2,
-            [full] * (2 * n),
-            opts,
-            meter,
-        )
-        _collect(results["full"], part, scores, 0)
-        _collect(results["without fact"], part, scores, n)
-        if configs:
-            row_policies = [c.row_policy(d.tokens, **knobs) for c in configs for d in part]
-            scores = _turn_by_turn(
-                model, [d.turns for d in part] * len(configs), [d.replies for d in part] * len(configs),
-                list(part) * len(configs), row_policies, opts, meter,
-            )  # fmt: skip
-            for k, c in enumerate(configs):
-                _collect(results[_key(c)], part, scores, k * n)
+    done = 0  # conversations whose every configuration is scored
+    try:
+        for g in range(0, len(convs), group):
+            _group(model, convs[g : g + group], configs, opts, meter, knobs, full, results)
+            done = min(len(convs), g + group)
+    except KeyboardInterrupt:
+        if not done:
+            raise
+        kept = {key: got[:done] for key, got in results.items()}  # a group cut short is dropped
+        records = summarise(tokenizer, convs[:done], configs, kept, time.perf_counter() - t0)
+        raise Stopped(records, f"interrupted: {done} of {len(convs)} conversations done") from None
     seconds = time.perf_counter() - t0
     return summarise(tokenizer, convs, configs, results, seconds)
+
+
+def _group(model, part, configs, opts, meter, knobs, full, results) -> None:
+    """One batch of conversations: the full cache with and without the fact, then every configuration; their
+    scores appended to `results`."""
+    n = len(part)
+    scores = _turn_by_turn(
+        model,
+        [d.turns for d in part] + [d.neutral_turns for d in part],
+        [d.replies for d in part] * 2,
+        list(part) * 2,
+        [full] * (2 * n),
+        opts,
+        meter,
+    )
+    _collect(results["full"], part, scores, 0)
+    _collect(results["without fact"], part, scores, n)
+    if configs:
+        row_policies = [c.row_policy(d.tokens, **knobs) for c in configs for d in part]
+        scores = _turn_by_turn(
+            model, [d.turns for d in part] * len(configs), [d.replies for d in part] * len(configs),
+            list(part) * len(configs), row_policies, opts, meter,
+        )  # fmt: skip
+        for k, c in enumerate(configs):
+            _collect(results[_key(c)], part, scores, k * n)
 
 
 def _key(config: RecallConfig) -> str:

@@ -48,26 +48,36 @@ def run_soak(
     context: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     decode: str = "auto",
+    on_record: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """One record per window: tokens seen, the window's tokens (`window`: its first and last, counted from 1; the
     text's first token is read but not scored), memory, KV bytes, and each configuration's perplexity over the
-    window's tokens. `progress(tokens done, tokens total)` after each token."""
+    window's tokens. `progress(tokens done, tokens total)` after each token; `on_record(record)` as soon as each
+    window is done."""
     device = next(model.parameters()).device
-    marks: list[dict] = []
+    records: list[dict] = []
 
-    def on_step(t: int, cache) -> None:
+    def on_step(t: int, cache, nll: torch.Tensor) -> None:
         if (t + 1) % window == 0 or t == ids.shape[1] - 1:
             stats = cache.group_stats()
-            marks.append(
+            memory = process_memory(device)
+            first = records[-1]["window"][1] + 1 if records else 1
+            start = max(0, first - 2)  # nll[:, i] predicts token i + 2 (counted from 1)
+            means = nll[:, start:t].mean(dim=1).tolist()
+            records.append(
                 {
                     "seen": t + 1,
-                    **process_memory(device),
+                    **memory,
                     "kv_bytes": sum(s.kv_bytes for s in stats),
                     "positions": [s.positions for s in stats],
+                    "window": [first, t + 1],
+                    "ppl": {c.label: round(math.exp(means[g]), 3) for g, c in enumerate(configs)},
                 }
             )
+            if on_record is not None:
+                on_record(records[-1])
 
-    nll, _ = streaming_nll(
+    streaming_nll(
         model,
         ids,
         [c.policy for c in configs],
@@ -77,18 +87,6 @@ def run_soak(
         context=context,
         decode=decode,
     )
-    records, start, first = [], 0, 1
-    for mark in marks:
-        end = mark["seen"] - 1  # nll[:, i] predicts token i + 1
-        chunk = nll[:, start:end]
-        records.append(
-            {
-                **mark,
-                "window": [first, mark["seen"]],
-                "ppl": {c.label: round(math.exp(float(chunk[g].mean())), 3) for g, c in enumerate(configs)},
-            }
-        )
-        start, first = end, mark["seen"] + 1
     return records
 
 

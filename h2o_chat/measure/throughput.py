@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -95,10 +96,12 @@ def run_throughput(
     chunk: int = 512,
     decode: str = "auto",
     progress=None,
+    on_record: Callable[[ThroughputRecord], None] | None = None,
 ) -> list[ThroughputRecord]:
     """Tokens/s over a batch for a full cache and for h2o at `budget`, each at the largest batch that fits,
     both decoded by the same engine (captured on CUDA). Warm-up steps (and the capture) are not timed.
-    `progress(done, total)` counts each configuration's prompt columns and decode steps."""
+    `progress(done, total)` counts each configuration's prompt columns and decode steps; `on_record(record)` as
+    soon as each configuration is measured."""
     model = loaded.model
     device = next(model.parameters()).device
     dtype = loaded.dtype
@@ -108,7 +111,13 @@ def run_throughput(
     shape, elem = ModelShape.of(model.config), torch.tensor([], dtype=dtype).element_size()
     total = prompt_tokens + generated_tokens
     warmup = min(4, generated_tokens - 1)
-    out = []
+    out: list[ThroughputRecord] = []
+
+    def add(record: ThroughputRecord) -> None:
+        out.append(record)
+        if on_record is not None:
+            on_record(record)
+
     plans = (("full", make_policy("full"), total), ("h2o", make_policy("h2o", budget), budget))
     for k, (config, policy, cap) in enumerate(plans):
         batch, chunk_used = largest_batch(shape, elem, weights, cap, memory_limit, chunk)
@@ -116,7 +125,7 @@ def run_throughput(
         before = k * total  # tokens of the configurations already run
         report = None if progress is None else (lambda done, _of, before=before: progress(before + done, 2 * total))
         if batch == 0:
-            out.append(ThroughputRecord(config, cap, 0, prompt_tokens, 0, 0.0, 0, 0, memory_limit, device.type))
+            add(ThroughputRecord(config, cap, 0, prompt_tokens, 0, 0.0, 0, 0, memory_limit, device.type))
             if report:
                 report(total, total)
             continue
@@ -143,7 +152,7 @@ def run_throughput(
             report(total, total)
         seconds = time.perf_counter() - t
         timed = generated_tokens - 1 - warmup
-        out.append(
+        add(
             ThroughputRecord(
                 config,
                 cap,
