@@ -65,20 +65,16 @@ TINY_EVALS = {
 }
 
 
-@pytest.mark.parametrize("command", sorted(TINY_EVALS))
-def test_an_output_file_that_is_a_folder_is_refused_before_the_model_loads(command, tmp_path, fast_load):
-    """--markdown (and --plot) naming a folder: the run went to its end, then died on IsADirectoryError."""
-    folder = tmp_path / "out.md"
-    folder.mkdir()
-    refused([*TINY_EVALS[command], "-b", "50%", "-p", "h2o", "--markdown", str(folder)], "--markdown", "is a folder")
-    assert fast_load == []
+OUTPUTS = [*((c, "--markdown", "out.md") for c in sorted(TINY_EVALS)), *((c, "--plot", "out.png") for c in
+           ("ppl", "needle", "recall"))]  # fmt: skip
 
 
-@pytest.mark.parametrize("command", ["ppl", "needle", "recall"])
-def test_a_plot_file_that_is_a_folder_is_refused_before_the_model_loads(command, tmp_path, fast_load):
-    folder = tmp_path / "out.png"
+@pytest.mark.parametrize(("command", "option", "name"), OUTPUTS)
+def test_an_output_file_that_is_a_folder_is_refused_before_the_model_loads(command, option, name, tmp_path, fast_load):
+    """--markdown or --plot naming a folder: the run went to its end, then died on IsADirectoryError."""
+    folder = tmp_path / name
     folder.mkdir()
-    refused([*TINY_EVALS[command], "-b", "50%", "-p", "h2o", "--plot", str(folder)], "--plot", "is a folder")
+    refused([*TINY_EVALS[command], "-b", "50%", "-p", "h2o", option, str(folder)], option, "is a folder")
     assert fast_load == []
 
 
