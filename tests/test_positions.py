@@ -388,3 +388,16 @@ def test_a_padded_row_past_the_context_renumbers_when_it_would_alone(name, budge
     for r, row in enumerate(rows):
         alone = run(torch.tensor([row]), None)[0]
         torch.testing.assert_close(together[r], alone, atol=1e-4, rtol=1e-4, msg=f"{name}: row {r}")
+
+
+def test_a_full_cache_past_the_context_is_told_what_renumbers_not_an_option_already_on():
+    """-p full under --positions auto (the default) passing the context was told that "--positions auto or rolling
+    renumbers positions", an option already on: a full cache keeps every token at its true position."""
+    model = tiny_model("llama", seed=14, max_positions=32)
+    cache = H2OCache.for_model(model, make_policy("full", None), "auto")
+    list(generate(model, cache, torch.randint(0, 256, (1, 30)), 10))
+    notices = cache.pop_notices()
+    assert len(notices) == 1 and "a full cache keeps every token" in notices[0] and "--positions" not in notices[0]
+    cache = H2OCache.for_model(model, make_policy("h2o", 16), "absolute")
+    list(generate(model, cache, torch.randint(0, 256, (1, 30)), 10))
+    assert "--positions auto or rolling renumbers" in cache.pop_notices()[0]

@@ -105,14 +105,14 @@ class Numbering:
             raise ContextLimitError(self.context)
         if not rows or cache.slots is None:  # nothing stored yet: the first chunk starts at position 0
             if max(ends) > self.context:
-                self._past_context(cache)
+                self._past_context(cache, cache.groups[0])
             return
         renumber = []
         for r, row in enumerate(rows):
             window = self.window(row.group, cache.limit(r), counts[r])
             if window is None:
                 if ends[r] > self.context:
-                    self._past_context(cache)
+                    self._past_context(cache, row.group)
             elif ends[r] > window:
                 renumber.append(r)
         if renumber:
@@ -125,12 +125,14 @@ class Numbering:
                     f"({self.context}): quality degrades; a smaller budget or smaller prompt chunks keep within it",
                 )
 
-    def _past_context(self, cache) -> None:
-        why = (
-            f"renumbered positions are not possible ({self.rope_problem})"
-            if self.rope_problem
-            else "--positions auto or rolling renumbers positions within the context"
-        )
+    def _past_context(self, cache, group: Group) -> None:
+        if self.rope_problem:
+            why = f"renumbered positions are not possible ({self.rope_problem})"
+        elif group.policy.capacity is None and group.positions != "absolute":  # auto is on: a full cache
+            why = "a full cache keeps every token at its true position; a bounded policy (snap, h2o, recall) "
+            why += "renumbers positions within the context"
+        else:
+            why = "--positions auto or rolling renumbers positions within the context"
         cache.warn_once(
             "absolute",
             f"passed the trained context ({self.context} tokens) with absolute positions: quality degrades from "
