@@ -134,7 +134,8 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit and self.owner.log:
-            busy = self.owner.scheduler.busy
+            # the rows decoding: a prompt being read stops at its next chunk (a 503), as a waiting request does
+            busy = sum(lane.decoding for lane in list(self.owner.scheduler.lanes))
             self.owner.log(f"stopping: finishing {busy} repl{'y' if busy == 1 else 'ies'} under way "
                            "(Ctrl-C again stops at once)")  # fmt: skip
         self.owner.scheduler.draining = True
