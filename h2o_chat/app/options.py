@@ -184,7 +184,7 @@ RecallMemory = Annotated[
         "latest of them: it keeps the earliest positions evicted (the conversation's opening).",
     ),
 ]
-Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (one GPU of several)")]
 Decode = Annotated[
     str,
     typer.Option(
