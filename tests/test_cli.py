@@ -935,3 +935,17 @@ def test_a_small_learned_context_model_quantizes_to_4bit_on_cpu(tmp_path):
     result = invoke(["-m", str(folder), "--device", "cpu", "--quantize", "4bit", "-n", "2", "--json"], "w5 w6")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["generated_tokens"] >= 1
+
+
+def test_rolling_positions_on_opt_are_refused_before_the_weights_load(tmp_path):
+    """OPT's positions are learned: --positions rolling was refused only after loading (and quantizing) the
+    weights, minutes for opt-6.7b. The family tells before anything loads: one line, nothing said before it."""
+    from conftest import tiny_model, tiny_tokenizer
+
+    folder = tmp_path / "tiny-opt"
+    tiny_model("opt", max_positions=32).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    for command in ([], ["batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]):
+        (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "w5"}\n')
+        args = [*command, "-m", str(folder), "--device", "cpu", "--positions", "rolling", "--quantize", "8bit"]
+        assert_one_line_error(invoke(args, "w5"), "--positions rolling needs rotary position embeddings", "(OPT)")

@@ -388,6 +388,11 @@ class CacheOptions:
     def tokens(self, models: ModelOptions, rows: int = 1) -> int:
         """The budget in tokens for each of `rows` rows (a memory is theirs together); how a memory or a share
         became that many is said on stderr. Nothing loads: the model's config gives its sizes."""
+        if self.positions == "rolling" and load_registry(models.models_file).resolve(models.model).family == "opt":
+            raise H2OChatError(  # said before the weights load (and quantize), not after: the family tells
+                "--positions rolling needs rotary position embeddings; this model has learned absolute positions "
+                "(OPT), which cannot be re-assigned: it stops at its trained context (--positions auto)"
+            )
         asked = self.asked()
         tokens, how = asked.resolve(
             lambda: models.kv_token_bytes(self.kv_quant), models.trained_context, rows, self.kv_quant
