@@ -13,7 +13,7 @@ from pathlib import Path
 
 from h2o_chat.app.chat.ledger import EvictionReport, Ledger, Span
 from h2o_chat.app.chat.slowdown import TurnPace
-from h2o_chat.app.chat.template import ChatTemplate
+from h2o_chat.app.chat.template import ChatTemplate, reply_end
 from h2o_chat.app.messages import PLAIN_STOP, read_conversation, write_conversation
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import Policy
@@ -270,8 +270,7 @@ class Conversation:
             raise
         finally:
             if not taken_back:
-                self._end_turn(user, reply, last, count, start + len(ids), reply_index)
-                self._tail = (self._tail + ids + tokens[: self.fed - start - len(ids)])[-PENALTY_WINDOW:]
+                self._end_turn(reply, tokens, last, ids, start + len(ids), reply_index)
                 self._undo = None if before is None or raw else (reply_index - 1, before, kept, carried)
 
     def _reply_sampler(self) -> Sampler:
@@ -287,17 +286,14 @@ class Conversation:
         stats = self.cache.stats()
         return self.policy.budget is not None and stats.kv_bytes + stats.store_bytes <= UNDO_SNAPSHOT_BYTES
 
-    def _end_turn(self, user: dict, reply: list[str], last, count: int, reply_start: int, reply_index: int) -> None:
-        """Record the reply. Every sampled token but the last has been fed; the last one too when the engine ran
-        ahead. A stop token that was not fed is added by the template next turn; one that was is not added again."""
-        fed_reply = max(0, count - 1)
-        if last is not None and last.fed:
-            fed_reply += 1
-            if last.token in self.stop_ids:
-                self._fed_stop = last.token
-        elif last is not None and last.token not in self.stop_ids:
-            self._unfed = last.token
+    def _end_turn(
+        self, reply: list[str], tokens: list[int], last, ids: list[int], reply_start: int, reply_index: int
+    ) -> None:
+        """Record the reply (`tokens`, its last record `last`) after the turn's `ids`: what the cache read of it
+        (`reply_end`), where a --stop string cut it, and the tokens the next turn's repetition window starts with."""
+        fed_reply, self._unfed, self._fed_stop = reply_end(tokens, last is not None and last.fed, self.stop_ids)
         self._seam = last.seam if last is not None else None  # a --stop string cut the reply: `turn_ids`
+        self._tail = [*self._tail, *ids, *tokens[:fed_reply]][-PENALTY_WINDOW:]
         self.fed += fed_reply
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         self.ledger.spans.append(Span("assistant", reply_index, reply_start, self.fed))

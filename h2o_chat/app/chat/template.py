@@ -55,9 +55,10 @@ def turn_ids(
     quoted = [(a - cut, b - cut) for a, b in quotes(tokenizer, [*marked, *new], full) if a >= cut]
     if seam is not None:
         missing, extra = seam
-        dropped = len(extra) if text.startswith(extra) else 0
-        if strict and not text.startswith(extra):
+        continues = text.startswith(extra)
+        if strict and not continues:
             return None
+        dropped = len(extra) if continues else 0
         text, unfed = missing + text[dropped:], None  # the last token was the stop string's, or its text is missing
         shift = len(missing) - dropped
         quoted = [(a + shift, b + shift) for a, b in quoted]
@@ -65,6 +66,19 @@ def turn_ids(
     if fed_stop is not None and ids and ids[0] == fed_stop:
         ids = ids[1:]  # the end-of-turn token the template adds is in the cache already
     return ([unfed] if unfed is not None else []) + ids
+
+
+def reply_end(tokens: list[int], fed_last: bool, stop_ids) -> tuple[int, int | None, int | None]:
+    """What a cache has read of a reply's `tokens`, the one rule of the chat and the server: (how many were fed,
+    `unfed`, `fed_stop`). Every token but the last is fed, the last too when the engine ran ahead (`fed_last`);
+    a last token not fed is read first by the next turn, unless it is a stop token (the template writes its
+    own); a stop token fed is skipped there (`turn_ids`)."""
+    if not tokens:
+        return 0, None, None
+    last = tokens[-1]
+    if fed_last:
+        return len(tokens), None, last if last in stop_ids else None
+    return len(tokens) - 1, None if last in stop_ids else last, None
 
 
 class ChatTemplate:

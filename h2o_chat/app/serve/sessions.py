@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h2o_chat.app.chat.template import turn_ids
+from h2o_chat.app.chat.template import reply_end, turn_ids
 from h2o_chat.app.messages import chat_ids
 from h2o_chat.app.serve.api import ApiError
 from h2o_chat.engine.step.sampling import PENALTY_WINDOW
@@ -269,21 +269,13 @@ def end_turn(
     """Record a finished reply: every generated token but the last has been fed (the last too when `fed_last`);
     `seam`: where a stop string cut it (`TextStream.seam`)."""
     session.seam = seam if req.kind == "chat" else None  # a completion continues only by its token ids
-    fed = len(turn.ids) + max(0, len(generated) - 1)
-    last = generated[-1] if generated else None
-    session.unfed = session.fed_stop = None
-    if last is not None and fed_last:
-        fed += 1
-        session.fed_stop = last if last in stop_ids else None
-    elif last is not None and last not in stop_ids:
-        session.unfed = last
-    session.fed += fed
-    session.tail = [*session.tail, *turn.ids, *generated[: fed - len(turn.ids)]][-PENALTY_WINDOW:]
+    fed, session.unfed, session.fed_stop = reply_end(generated, fed_last, stop_ids)
+    read = [*turn.ids, *generated[:fed]]  # what the cache read this turn
+    session.fed += len(read)
+    session.tail = [*session.tail, *read][-PENALTY_WINDOW:]
     session.turns += 1
     if req.kind == "chat":
         session.messages = [*req.messages, {"role": "assistant", "content": text}]
     else:
-        session.ids = [*session.ids, *turn.ids, *generated[: max(0, len(generated) - 1)]]
+        session.ids = [*session.ids, *read]
         session.text = req.prompt + text
-        if fed_last and generated:
-            session.ids.append(generated[-1])

@@ -113,7 +113,6 @@ class TextStream:
         self.tokens: list[int] = []
         self.pieces: list[str] = []  # all the text the tokens gave, the cut-off part too
         self.ends: list[int] = []  # characters of it after each token
-        self.length = 0
         self.cut: int | None = None  # a stop string cut the reply here (characters)
 
     def add(self, token: int) -> tuple[str, str | None]:
@@ -125,11 +124,10 @@ class TextStream:
             piece += self.detok.flush()
         self.pending += piece
         self.pieces.append(piece)
-        self.length += len(piece)
-        self.ends.append(self.length)
+        self.ends.append((self.ends[-1] if self.ends else 0) + len(piece))
         cut = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
         if cut >= 0:
-            self.cut = self.length - len(self.pending) + cut
+            self.cut = self.ends[-1] - len(self.pending) + cut
             text, self.pending, reason = self.pending[:cut], "", "stop"
         elif reason is None and self.hold:
             keep = max(0, len(self.pending) - self.hold)
