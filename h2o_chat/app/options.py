@@ -279,12 +279,16 @@ class ModelOptions:
                 status(f"--threads {self.threads}: this process may run on {cpus} CPUs; using {cpus}")
             torch.set_num_threads(min(self.threads, cpus))
 
+    def spec(self):
+        """The model's `ModelSpec`: --model resolved in the registry (models.toml, a folder, a .gguf, a repo id)."""
+        return load_registry(self.models_file).resolve(self.model)
+
     def kv_token_bytes(self, kv_quant: str = "none") -> int:
         """Bytes a token's keys and values take per row, as `kv_quant` stores them (from the model's config:
         nothing is loaded)."""
         from h2o_chat.models.loading import kv_token_bytes_of
 
-        spec = load_registry(self.models_file).resolve(self.model)
+        spec = self.spec()
         return kv_token_bytes_of(spec, self.device, self.dtype, self.quantize, self.downloads(spec), kv_quant)
 
     def downloads(self, spec) -> bool:
@@ -296,7 +300,7 @@ class ModelOptions:
     def trained_context(self) -> int | None:
         """The model's trained context in tokens (models.toml, else its config), as Loaded.context gives it, before
         anything loads."""
-        spec = load_registry(self.models_file).resolve(self.model)
+        spec = self.spec()
         if spec.context:
             return spec.context
         from h2o_chat.models.loading import read_config, weights_location
@@ -313,7 +317,7 @@ class ModelOptions:
         from h2o_chat.models.loading import read_config, weights_location
         from h2o_chat.models.memory import _kv_shape
 
-        spec = load_registry(self.models_file).resolve(self.model)
+        spec = self.spec()
         download = self.downloads(spec)
         config = read_config(spec, weights_location(spec, download, status), download)
         L, H, D = (_kv_shape(config)[k] for k in ("layers", "kv_heads", "head_dim"))
@@ -321,7 +325,7 @@ class ModelOptions:
 
     def load(self, kv_tokens: int | None = None, kv_rows: int = 1, kv_quant: str = "none", store_tokens: int = 0):
         self.use_threads()
-        download = self.downloads(load_registry(self.models_file).resolve(self.model))
+        download = self.downloads(self.spec())
         return load_model(
             self.model, self.models_file, self.device, self.dtype, self.quantize, download, kv_tokens, kv_rows,
             kv_quant, store_tokens,
@@ -388,7 +392,7 @@ class CacheOptions:
     def tokens(self, models: ModelOptions, rows: int = 1) -> int:
         """The budget in tokens for each of `rows` rows (a memory is theirs together); how a memory or a share
         became that many is said on stderr. Nothing loads: the model's config gives its sizes."""
-        if self.positions == "rolling" and load_registry(models.models_file).resolve(models.model).family == "opt":
+        if self.positions == "rolling" and models.spec().family == "opt":
             raise H2OChatError(  # said before the weights load (and quantize), not after: the family tells
                 "--positions rolling needs rotary position embeddings; this model has learned absolute positions "
                 "(OPT), which cannot be re-assigned: it stops at its trained context (--positions auto)"
