@@ -190,8 +190,8 @@ def _depth(obj) -> int:
 
 _BRANCHES = ("str", "list[str]", "list[TextPart]")  # how pydantic names the branches of a union in a location
 # a field of objects -> (their model, what one is called)
-_NESTED = {"messages": ("Message", "a message"), "content": ("TextPart", "a content part"),
-           "stream_options": ("StreamOptions", '"stream_options"')}  # fmt: skip
+_NESTED = {"messages": (Message, "a message"), "content": (TextPart, "a content part"),
+           "stream_options": (StreamOptions, '"stream_options"')}  # fmt: skip
 
 
 def _pydantic_problem(error: ValidationError, model: type[BaseModel]) -> ApiError:
@@ -202,10 +202,8 @@ def _pydantic_problem(error: ValidationError, model: type[BaseModel]) -> ApiErro
     field = ".".join(loc) or "body"
     if first["type"] == "extra_forbidden":
         parent = next((p for p in reversed(loc[:-1]) if not p.isdigit()), None)
-        name, noun = _NESTED.get(parent, (None, "this endpoint"))
-        fields = globals()[name].model_fields if name else model.model_fields
-        where = f"{noun} takes"
-        return ApiError(400, f'unknown field "{field}"; {where}: {", ".join(fields)}', param=field)
+        nested, noun = _NESTED.get(parent, (model, "this endpoint"))
+        return ApiError(400, f'unknown field "{field}"; {noun} takes: {", ".join(nested.model_fields)}', param=field)
     if first["type"] == "missing":
         return ApiError(400, f'"{field}" is required', param=field)
     if loc[-1:] == ["type"] and "content" in loc and first["type"] == "literal_error":
