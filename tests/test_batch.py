@@ -140,16 +140,21 @@ def test_a_prompt_refilled_into_a_row_reads_as_it_does_alone(embedded, prompt_id
         a, b = la.argmax(), torch.stack([la.argmax(), la.argmax()])
 
 
-@pytest.mark.parametrize("policy, budget", [("full", None), ("snap", 30), ("recall", 40), ("h2o", 30)])
+@pytest.mark.parametrize(
+    "policy, budget, chunk",
+    [("full", None, 16), ("snap", 30, 16), ("recall", 40, 16), ("recall", 24, 64), ("h2o", 30, 16)],
+)
 def test_prompts_of_different_lengths_read_together_give_each_row_what_it_gets_alone(
-    embedded, prompt_ids, policy, budget
+    embedded, prompt_ids, policy, budget, chunk
 ):
     """Left padding, bit for bit: three prompts of 30 to 38 tokens read together in chunks of 16 (recall at 40
-    holds 30: the 30-token row stays plain h2o while the others are compressed), then decoded, give each row the
-    logits it gets alone, at the prompt's end and at every step. Rows that take PyTorch's fused CPU attention
-    (full; snap's and recall's compressed rows) were 0.23-0.71 apart after the prompt: the fused kernel sums a
-    padded row's keys in other vector lanes, and a batch mixing rows that want the attention mass with rows that
-    do not gave each the other's kind of product (`forward.own_columns`)."""
+    holds 30: the 30-token row stays plain h2o while the others are compressed; recall at 24, in one chunk of
+    64, fills its store), then decoded, give each row what it keeps alone (every tensor of its slots and store)
+    and the logits it gets alone, at the prompt's end and at every step. A chunk's losers went to recall's store
+    in `topk`'s order, which changes with their number (a padded row has more). Rows that take PyTorch's fused
+    CPU attention (full; snap's and recall's compressed rows) were 0.23-0.71 apart after the prompt: the fused
+    kernel sums a padded row's keys in other vector lanes, and a batch mixing rows that want the attention mass
+    with rows that do not gave each the other's kind of product (`forward.own_columns`)."""
     import torch
 
     from h2o_chat.engine.cache import H2OCache
@@ -164,15 +169,24 @@ def test_prompts_of_different_lengths_read_together_give_each_row_what_it_gets_a
     def engine(rows: int) -> Engine:
         return Engine(model, H2OCache.for_model(model, [make_policy(policy, budget)] * rows), "eager")
 
-    want = []
+    want, kept = [], []
     for p in prompts:
         alone = engine(1)
-        logits = [alone.prefill(torch.tensor([p]), chunk_size=16)[0].clone()]
+        logits = [alone.prefill(torch.tensor([p]), chunk_size=chunk)[0].clone()]
+        kept.append(alone.cache.row(0).snapshot())
         for _ in range(12):
             logits.append(alone.decode(logits[-1].argmax().reshape(1))[0][0].clone())
         want.append(torch.stack(logits))
     batch = engine(3)
-    got = [batch.prefill(*left_pad(prompts, pad), chunk_size=16).clone()]
+    got = [batch.prefill(*left_pad(prompts, pad), chunk_size=chunk).clone()]
+    # what each row keeps is its own too, every tensor of its slots (snap's scores summed a padded row's
+    # observation logits in other lanes: last bits apart, which a later eviction could follow) and of its store
+    for row, alone in enumerate(kept):
+        mine = batch.cache.row(row).snapshot()
+        for part in ("slots", "store"):
+            if alone[part] is not None:
+                for name, t in alone[part].tensors().items():
+                    assert torch.equal(getattr(mine[part], name), t), (row, part, name)
     for s in range(12):
         got.append(batch.decode(torch.stack([w[s].argmax() for w in want]))[0].clone())
     got = torch.stack(got, dim=1)  # (rows, steps, V)

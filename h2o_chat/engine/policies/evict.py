@@ -179,8 +179,11 @@ def _slots_then_chunk(held: torch.Tensor, chunk: torch.Tensor, C: int) -> torch.
 
 
 def _keep_losers(slots: Slots, new: NewTokens, losers: torch.Tensor, pos: torch.Tensor, store: Store) -> None:
-    """The chunk's losers (L, B, H, T) among stored + new candidates into the store."""
+    """The chunk's losers (L, B, H, T) among stored + new candidates into the store, by position: `topk` gives
+    them in an order of its own, which changes with their number (a left-padded row's chunk has more, its padding),
+    and the store places new entries in the order given."""
     C = slots.capacity
+    losers = losers.gather(-1, pos.gather(-1, losers).argsort(dim=-1, stable=True))
     kv = []
     for which, fresh in (("keys", new.keys), ("values", new.values)):
         both = torch.cat((slots.read(which, (slice(None), slice(None), slice(None), slice(0, C))), fresh), dim=3)

@@ -76,6 +76,16 @@ class Observation:
         self.q: list[torch.Tensor] = []
         self.new_obs: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        # a CPU batch's rows are scored each alone, in the shapes they have alone (set at the first chunk)
+        self.by_row = False
+
+    def _each_row(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor, dim: int) -> torch.Tensor:
+        """`fn` of tensors whose dim `dim` is the batch row; in a CPU batch, of each row's alone, contiguous as
+        alone (`score_chunk` says why), the rows' results concatenated."""
+        if not self.by_row:
+            return fn(*xs)
+        rows = xs[0].shape[dim]
+        return torch.cat([fn(*(x.narrow(dim, b, 1).contiguous() for x in xs)) for b in range(rows)], dim=dim)
 
     def _start(self) -> None:
         """At the first chunk of pass 2 (storage exists from its first update): queries grouped as in attention,
@@ -89,37 +99,64 @@ class Observation:
         in_window = torch.arange(W, device=self.rows.device) >= W - self.windows[:, None]  # (B, W): a row's own
         self.q_ok = ((probe.pos >= 0) & in_window).repeat(1, G)  # padding queries of a short row observe nothing
         self.protect_from = probe.pos.max(-1).values - self.windows + 1  # (B,): the window itself is kept
+        rows = [slice(b, b + 1) for b in range(B)] if self.by_row else [slice(None)]
         held = torch.stack(
-            [self._logits(i, s.read("keys", (i,)), s.pos[i], s.rot[i]) for i in range(L)]
+            [
+                torch.cat([self._logits(i, s.read("keys", (i,))[b], s.pos[i, b], s.rot[i, b], b) for b in rows])
+                for i in range(L)
+            ]
         )  # (L, B, H, Q, S)
-        self.lse = held.logsumexp(-1)  # (L, B, H, Q)
+        self.lse = self._each_row(lambda x: x.logsumexp(-1), held, dim=1)  # (L, B, H, Q)
         s.extra = [held.transpose(-1, -2).contiguous()]  # (L, B, H, S, Q), moved with the slots
 
-    def _logits(self, i: int, keys: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    def _logits(
+        self, i: int, keys: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor, rows: slice = slice(None)
+    ) -> torch.Tensor:
         """(B, H, N, D) keys of layer i -> (B, H, Q, N) fp32 logits; empty slots, padding and keys after the
-        observing query (causal, as its real attention) are -inf."""
+        observing query (causal, as its real attention) are -inf. `rows`: the batch rows the keys are of."""
         keys = _true_frame(self.cache, keys, pos, rot)
-        logits = (self.q[i] @ keys.transpose(-1, -2)).float()
-        hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > self.q_pos[:, None, :, None])
+        logits = (self.q[i][rows] @ keys.transpose(-1, -2)).float()
+        hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > self.q_pos[rows][:, None, :, None])
         return logits.masked_fill(hidden, -torch.inf)
 
     def score_chunk(self, i: int, key: torch.Tensor, fwd) -> None:
-        """Layer i's chunk keys (B, H, T, D): pooled observation logits into `new_obs`, the log-sum-exp updated."""
+        """Layer i's chunk keys (B, H, T, D): pooled observation logits into `new_obs`, the log-sum-exp updated.
+
+        A CPU batch's rows (`fwd.rows`) are scored one by one over their own columns, in the shapes they have
+        alone (as `forward.own_rows` attends them), and so are their log-sum-exps and masses: a row then gets
+        the bits it gets alone. Over the padded batch they came out in other last bits: a left-padded row's keys
+        sit in other vector lanes, and PyTorch computes `exp` and `log` of a tensor's last few elements (its
+        tail) with other code than the rest, so a row's values moved with the rows beside it. An eviction by
+        those scores could go another way."""
         if self.lse is None:
+            self.by_row = bool(fwd.rows)
             self._start()
         B, H, T, _ = key.shape
         if i == 0:
             self.new_obs = torch.empty(len(self.q), B, H, T, self.q[0].shape[2], device=key.device)
         pos = fwd.pos_new[:, None, :].expand(B, H, T)
         rot = fwd.rot_new[:, None, :].expand(B, H, T)
-        logits = self._logits(i, key, pos, rot)  # (B, H, Q, T)
-        self.lse[i] = torch.logaddexp(self.lse[i], logits.logsumexp(-1))
+        if fwd.rows:
+            logits = key.new_full((B, H, self.q[0].shape[2], T), -torch.inf, dtype=torch.float32)
+            lse = torch.full(logits.shape[:-1], -torch.inf, device=key.device)
+            for row in fwd.rows:
+                b, own = slice(row.row, row.row + 1), slice(T - row.tokens, T)
+                if row.tokens:  # none of its tokens in this chunk: alone it has no such chunk
+                    got = self._logits(i, key[b, :, own], pos[b, :, own], rot[b, :, own], b)
+                    logits[b, ..., own], lse[b] = got, got.logsumexp(-1)
+        else:
+            logits = self._logits(i, key, pos, rot)  # (B, H, Q, T)
+            lse = logits.logsumexp(-1)
+        self.lse[i] = self._each_row(torch.logaddexp, self.lse[i], lse, dim=0)
         self.new_obs[i] = pool_logits(logits, self.kernel).transpose(-1, -2)
 
     def _mass(self, obs: torch.Tensor) -> torch.Tensor:
         """(L, B, H, N, Q) logits -> (L, B, H, N) softmax mass summed over each row's real window queries."""
-        mass = (obs - self.lse[:, :, :, None, :]).exp()
-        return mass.masked_fill(~self.q_ok[None, :, None, None, :], 0.0).sum(-1)
+
+        def mass(obs: torch.Tensor, lse: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+            return (obs - lse[:, :, :, None, :]).exp().masked_fill(~ok[0, :, None, None, :], 0.0).sum(-1)
+
+        return self._each_row(mass, obs, self.lse, self.q_ok[None], dim=1)
 
     def priority(self, cache, new) -> torch.Tensor:
         """Keep-priority of held slots then new tokens, (L, B, H, C + T): observation mass in observed rows (the
