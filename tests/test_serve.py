@@ -525,3 +525,45 @@ def test_recall_conversations_continued_from_their_snapshots_equal_each_alone(em
         for t in range(turns):
             text = "".join(r.text for r in alone.send(f"Tell me about the number {10 * i + t}."))
             assert text == replies[i][t], (i, t)
+
+
+@pytest.mark.parametrize("policy", ["snap", "recall"])
+def test_new_conversations_arriving_together_are_read_in_one_batch_each_as_alone(embedded, one_thread, policy):
+    """Three new conversations that arrive while the engine thread is busy are read in one left-padded batch
+    (their prompts 32 to 45 tokens, over the budget of 24: each is compressed, recall's store filled), and each
+    reply is what the chat path gives it alone (greedy); a continued turn is read alone, as before."""
+    from h2o_chat.app.chat.conversation import ChatSettings, Conversation
+    from h2o_chat.engine.policies import make_policy
+    from h2o_chat.engine.step.sampling import Sampler
+
+    asks = ["Hi.", "Tell me something about the number seven, please, in a long answer.", "Name three animals."]
+    budget, max_tokens = 24, 6
+    limits = Limits(policy=policy, budget=budget, max_tokens=max_tokens, temperature=0.0)
+    replies: dict[int, list[str]] = {}
+    with serving(embedded, limits=limits, rows=4) as (server, port):
+        gate = threading.Event()
+        server.scheduler.call(gate.wait)  # the engine thread waits: the three requests queue up meanwhile
+
+        def converse(i: int) -> None:
+            c, messages = client(port), []
+            for ask in (asks[i], "Why?"):
+                messages.append({"role": "user", "content": ask})
+                reply = c.chat.completions.create(model="m", messages=messages).choices[0].message.content
+                messages.append({"role": "assistant", "content": reply})
+            replies[i] = [m["content"] for m in messages if m["role"] == "assistant"]
+
+        threads = [threading.Thread(target=converse, args=(i,)) for i in range(3)]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 60
+        while server.scheduler.inbox.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        for th in threads:
+            th.join(300)
+        assert get(port, "/v1/stats")[1]["prompts_read_together"] == 3
+    for i, ask in enumerate(asks):
+        settings = ChatSettings(max_new_tokens=max_tokens, sampler=Sampler(repetition_penalty=1.1), decode="eager")
+        alone = Conversation(embedded, make_policy(policy, budget), settings)
+        texts = ["".join(r.text for r in alone.send(text)) for text in (ask, "Why?")]
+        assert texts == replies[i], i

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o_chat.engine.cache import H2OCache
-from h2o_chat.engine.step.decode import Engine
+from h2o_chat.engine.step.decode import Engine, left_pad
 from h2o_chat.engine.step.sampling import Sampler, cuts
 from h2o_chat.models.memory import prefill_chunk
 from h2o_chat.models.prebuild import builder_for
@@ -87,6 +87,20 @@ class Reading:
         self.total, self.read, self.seconds = len(ids), 0, 0.0
         self.logits: torch.Tensor | None = None
         self._steps = Engine(model, self.cache, "eager").prefill_steps(self.prompt, chunk)
+        # a new conversation's prompt within one chunk may be read in one batch with others (`read_together`)
+        self.together = state is None and len(ids) <= chunk
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing of it read yet (`read_together` may take it)."""
+        return self.read == 0 and self.logits is None
+
+    def read_as(self, view: H2OCache, logits: torch.Tensor, seconds: float) -> None:
+        """It was read with others (`read_together`): `view` is its row of their cache, `logits` (V,) its last
+        position's. Its own cache, unused, goes back to the lane."""
+        self._steps.close()
+        self.release()
+        self.cache, self.logits, self.read, self.seconds = view, logits, self.total, seconds
 
     def advance(self) -> bool:
         """Read the next chunk: whether the prompt is read (then `logits` are its last position's)."""
@@ -113,8 +127,8 @@ class Reading:
         self.cache = None
 
     def release(self) -> None:
-        """Its cache, emptied, for the lane's next reading."""
-        if self.cache is not None and self.cache.slots is not None:
+        """Its cache, emptied, for the lane's next reading (not a row of a cache read with others)."""
+        if self.cache is not None and self.cache.slots is not None and not self.cache.storage.is_view:
             self.cache.clear()
             self.lane.spare = self.cache
         self.cache = None
@@ -122,6 +136,37 @@ class Reading:
     def state(self) -> dict:
         """What `restore` takes, without a copy to the host (the row's storage takes it in place)."""
         return self.cache.state()
+
+
+def read_together(lane: Lane, readings: list[Reading]) -> bool:
+    """New conversations' prompts, each within one chunk, read in one left-padded batch of their own; each
+    reading then holds its row of that cache (`Reading.read_as`) and moves into the lane as one read alone does.
+
+    The batch shares the model's products, and on a CPU a row of it reads exactly as alone (`forward.own_rows`;
+    every tensor it keeps, tested; docs/serve.md has the figures). Its padding is no columns of its own: the row
+    counts the columns it would have alone. Returns False, having read nothing, when their chunk would not fit
+    in memory."""
+    loaded, settings = lane.loaded, lane.settings
+    model = loaded.model
+    prompts = [r.prompt[0].tolist() for r in readings]
+    ids, mask = left_pad(prompts, loaded.tokenizer.pad_token_id or 0)
+    cache = H2OCache.for_model(model, lane.policy, settings.positions, loaded.context, kv_quant=settings.kv_quant)
+    chunk, _ = prefill_chunk(model, cache, len(prompts), ids.shape[1], settings.chunk_size)
+    if chunk < ids.shape[1]:
+        return False
+    t = time.perf_counter()
+    steps = Engine(model, cache, "eager").prefill_steps(ids, chunk, mask=mask)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            logits = end.value
+            break
+    seconds = time.perf_counter() - t
+    for b, (reading, prompt) in enumerate(zip(readings, prompts, strict=True)):
+        cache.seq.rows[b].columns -= ids.shape[1] - len(prompt)
+        reading.read_as(cache.row(b), logits[b], seconds)
+    return True
 
 
 class Lane:

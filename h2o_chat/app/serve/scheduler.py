@@ -270,6 +270,7 @@ class Scheduler:
             "rows_max": self.lanes.max_rows,
             "waiting": len(self.waiting),
             "served": self.served,
+            "prompts_read_together": self.reader.together,
             "idle_conversations": {
                 "count": len(self.store),
                 "bytes": self.store.nbytes,
