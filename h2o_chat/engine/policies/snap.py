@@ -99,24 +99,29 @@ class Observation:
         in_window = torch.arange(W, device=self.rows.device) >= W - self.windows[:, None]  # (B, W): a row's own
         self.q_ok = ((probe.pos >= 0) & in_window).repeat(1, G)  # padding queries of a short row observe nothing
         self.protect_from = probe.pos.max(-1).values - self.windows + 1  # (B,): the window itself is kept
-        rows = [slice(b, b + 1) for b in range(B)] if self.by_row else [slice(None)]
-        held = torch.stack(
-            [
-                torch.cat([self._logits(i, s.read("keys", (i,))[b], s.pos[i, b], s.rot[i, b], b) for b in rows])
-                for i in range(L)
-            ]
-        )  # (L, B, H, Q, S)
+        if self.by_row:
+            rows = [slice(b, b + 1) for b in range(B)]
+            held = torch.stack(
+                [
+                    torch.cat([self._logits(i, s.read("keys", (i,))[b], s.pos[i, b], s.rot[i, b], b) for b in rows])
+                    for i in range(L)
+                ]
+            )  # (L, B, H, Q, S)
+        else:
+            held = torch.stack([self._logits(i, s.read("keys", (i,)), s.pos[i], s.rot[i]) for i in range(L)])
         self.lse = self._each_row(lambda x: x.logsumexp(-1), held, dim=1)  # (L, B, H, Q)
         s.extra = [held.transpose(-1, -2).contiguous()]  # (L, B, H, S, Q), moved with the slots
 
     def _logits(
-        self, i: int, keys: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor, rows: slice = slice(None)
+        self, i: int, keys: torch.Tensor, pos: torch.Tensor, rot: torch.Tensor, rows: slice | None = None
     ) -> torch.Tensor:
         """(B, H, N, D) keys of layer i -> (B, H, Q, N) fp32 logits; empty slots, padding and keys after the
-        observing query (causal, as its real attention) are -inf. `rows`: the batch rows the keys are of."""
+        observing query (causal, as its real attention) are -inf. `rows`: the batch rows the keys are of (None:
+        all)."""
         keys = _true_frame(self.cache, keys, pos, rot)
-        logits = (self.q[i][rows] @ keys.transpose(-1, -2)).float()
-        hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > self.q_pos[rows][:, None, :, None])
+        q, q_pos = (self.q[i], self.q_pos) if rows is None else (self.q[i][rows], self.q_pos[rows])
+        logits = (q @ keys.transpose(-1, -2)).float()
+        hidden = (pos < 0)[:, :, None, :] | (pos[:, :, None, :] > q_pos[:, None, :, None])
         return logits.masked_fill(hidden, -torch.inf)
 
     def score_chunk(self, i: int, key: torch.Tensor, fwd) -> None:
