@@ -516,6 +516,26 @@ def test_load_warns_before_replacing_an_unsaved_conversation(embedded, tmp_path)
     assert "is not a saved conversation (invalid JSON" in out and chat.conv.messages[0]["content"] == "Say hi."
 
 
+def test_a_load_s_go_ahead_does_not_outlive_a_new_message_and_counts_only_what_is_unsaved(embedded, tmp_path):
+    """A /load answered 'again replaces them', then a new message, then the same /load: it replaced the
+    conversation without a word, the message sent after the question lost with it. It asks again, counting the
+    messages not in the file last saved (a saved conversation continued by one exchange has 2 unsaved, not all)."""
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"messages": [{"role": "user", "content": "Old question"}]}))
+    saved = tmp_path / "saved.json"
+    chat = session(embedded, tmp_path, max_new_tokens=4)
+    out = drive(chat, tmp_path, f"First message.\r/load {other}\rImportant second message.\r/load {other}\r/exit\r")
+    assert out.count("again replaces them") == 2 and "4 unsaved messages" in out, out
+    assert [m["content"] for m in chat.conv.messages if m["role"] == "user"] == [
+        "First message.",
+        "Important second message.",
+    ]
+    out = drive(chat, tmp_path, f"/save {saved}\rOne more.\r/load {other}\r/exit\r")
+    assert "its 2 unsaved messages" in out, out
+    out = drive(chat, tmp_path, f"/load {other}\r/exit\r")  # at once: the go-ahead
+    assert chat.conv.messages == [{"role": "user", "content": "Old question"}]
+
+
 def test_save_and_load_keep_the_system_prompt(embedded, tmp_path):
     """Issue 22.7: a save/load round trip keeps the persona (set by --system or /system)."""
     saved = tmp_path / "persona.json"
@@ -854,6 +874,24 @@ def test_ctrl_c_while_a_long_message_is_read_stops_within_a_chunk_and_the_sessio
     assert chat.conv.fed == alone.conv.fed == chat.conv.cache.stats().seen
     assert torch.equal(chat.conv.cache.slots.pos, alone.conv.cache.slots.pos)
     torch.testing.assert_close(chat.conv.cache.slots.score, alone.conv.cache.slots.score)
+
+
+def test_ctrl_c_while_a_one_chunk_message_is_read_takes_it_back_with_no_empty_reply(embedded, tmp_path, monkeypatch):
+    """A Ctrl-C while a message of one chunk is read stops after that chunk, the message read whole and the reply
+    not begun: it left an empty assistant message, which the next turn then read. It takes the message back, as
+    a longer one's, and the next message gets the reply it gets where the stopped one never was."""
+    chunks, real = ctrl_c_at_chunk(monkeypatch, 2)  # the second message's only chunk
+    chat = session(embedded, tmp_path, budget=64, max_new_tokens=6)
+    out = plain(drive(chat, tmp_path, "Hello there.\rWrite a long story about a dragon.\rAnd then?\r/exit\r"))
+    assert "stopped before the reply: your message was not added" in out, out[-800:]
+    assert [m["role"] for m in chat.conv.messages] == ["user", "assistant", "user", "assistant"]
+    assert all(m["content"] for m in chat.conv.messages)
+    from h2o_chat.engine.step import decode
+
+    monkeypatch.setattr(decode.Engine, "_forward", real)
+    alone = session(embedded, tmp_path, budget=64, max_new_tokens=6)
+    drive(alone, tmp_path, "Hello there.\rAnd then?\r/exit\r")
+    assert alone.conv.messages == chat.conv.messages and alone.conv.fed == chat.conv.fed
 
 
 def test_a_stopped_reading_counts_the_messages_tokens_and_the_panel_shows_the_reading_speed(

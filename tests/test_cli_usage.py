@@ -157,6 +157,18 @@ def test_ollama_and_llama_cli_habits_do_what_they_do_there(fast_load, tiny_folde
     result = invoke(["--ctx-size", "4096", "hi"])
     assert result.exit_code == 2 and "--budget" in result.stderr and "--chunk-size" not in result.stderr
     assert result.stderr.startswith("h2o-chat: error: No such option: --ctx-size: llama.cpp's context size")
+    # an option of another of h2o-chat's commands says which takes it (click suggested --version for --session-dir)
+    for args, option, owner in (  # the program's name is the runner's here ('h2o-chat' when installed)
+        (["--session-dir", "d", "hi"], "--session-dir", " serve'"),
+        (["batch", "x.jsonl", "-o", "y", "--session-dir", "d"], "--session-dir", " serve'"),
+        (["serve", "--resume", "x"], "--resume", "' (the chat and one-shot replies)"),
+        (["bench", "--haystack", "x"], "--haystack", " eval needle'"),
+    ):
+        result = invoke(args)
+        assert result.exit_code == 2 and "--version" not in result.stderr, result.stderr
+        assert re.search(f"No such option: {option}: an option of '[\\w-]+{re.escape(owner)}", result.stderr), (
+            result.stderr
+        )
     assert_one_line_error(
         invoke(["-p", "What is 2+2?"]), "-p is --policy here", "give the prompt as an argument: h2o-chat 'What is 2+2?'"
     )

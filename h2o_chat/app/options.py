@@ -84,13 +84,32 @@ def usage_error(error: typer.TyperException) -> typing.NoReturn:
         sys.exit(error.exit_code)
     message = error.format_message()
     name = getattr(error, "option_name", None)
+    ctx = getattr(error, "ctx", None)
     if type(error).__name__ == "NoSuchOption" and name in FOREIGN_OPTIONS:
         message = f"No such option: {name}: {FOREIGN_OPTIONS[name]}."
-    ctx = getattr(error, "ctx", None)
+    elif type(error).__name__ == "NoSuchOption" and ctx is not None and (owners := _commands_taking(ctx, name)):
+        # click would suggest the nearest spelling here (--version for --session-dir): the commands that take it
+        message = f"No such option: {name}: an option of {' and '.join(owners)}."
     if ctx is not None:
         message = f"{message.rstrip('.')} (see '{ctx.command_path} --help')"
     typer.echo(f"h2o-chat: error: {message}", err=True)
     sys.exit(error.exit_code)
+
+
+def _commands_taking(ctx, name: str) -> list[str]:
+    """The commands of h2o-chat that take the option `name` ("'h2o-chat serve'"; the main command, the chat and
+    one-shot runs, as "'h2o-chat' (the chat and one-shot replies)"), found from the command line's context."""
+    root = ctx.find_root()
+    found: list[str] = []
+
+    def visit(command, path: str) -> None:
+        if any(name in (*p.opts, *p.secondary_opts) for p in command.params):
+            found.append(f"'{path}'" + (" (the chat and one-shot replies)" if command is root.command else ""))
+        for sub_name, sub in (getattr(command, "commands", None) or {}).items():  # a group's (Typer's own click)
+            visit(sub, f"{path} {sub_name}")
+
+    visit(root.command, root.info_name or "h2o-chat")
+    return found if len(found) <= 3 else [*found[:2], f"{len(found) - 2} more commands"]
 
 
 # -- options shared by several commands ------------------------------------------------------------------

@@ -58,7 +58,8 @@ class SlashCommands:
         self.heavy_ratio = getattr(conv.policy, "heavy_ratio", 0.5)
         # policy and budget are independent settings: the budget is remembered while `full` (none) is active
         self.budget = conv.policy.budget or 512
-        self.replacing: str | None = None  # a /load that would lose unsaved messages, said once
+        # a /load that would lose unsaved messages, said once: the file and the messages it would replace
+        self.replacing: tuple[str, list[dict]] | None = None
         self.overwriting: str | None = None  # a /save over an existing file, said once
         self.saved_to: Path | None = None  # the file this session saved to last: saved again without a word
 
@@ -261,9 +262,11 @@ class SlashCommands:
         if not arg:
             raise InputError("/load needs a file name")
         unsaved = self.conv.unsaved
-        if unsaved and self.replacing != arg:  # said once; the same /load again goes ahead
+        # said once; the same /load again goes ahead, unless the conversation changed in between (a message sent
+        # after the question is one more to lose: it is asked again)
+        if unsaved and self.replacing != (arg, self.conv.messages):
             check_conversation_file(arg)  # a file that cannot load says so first, not after the question
-            self.replacing = arg
+            self.replacing = (arg, [dict(m) for m in self.conv.messages])
             self.view.say(
                 f"/load replaces this conversation and its {plural(unsaved, 'unsaved message')}: /save FILE keeps "
                 f"them; /load {arg} again replaces them"

@@ -222,8 +222,8 @@ class Conversation:
             self.cache.notices.append(note)
         if smaller:
             self.cache.notices.append(smaller)
-        # Ctrl-C while a long message is read stops after the chunk being read: the turn is then taken back
-        # and the cache restored from this copy (a message of one chunk is read whole: its reply is empty)
+        # Ctrl-C while a message is read stops after the chunk being read (a message of one chunk is read whole):
+        # the turn is then taken back, before its reply has a token, and the cache restored from this copy
         before = self.cache.snapshot() if len(ids) > chunk or self._cheap_snapshot() else None
         kept = (self.fed, list(self.ledger.spans))  # what a taken-back turn restores
         if progress is not None:
@@ -262,9 +262,7 @@ class Conversation:
                     self.cache.notices.append(note)
                 reply.append(r.text)
                 yield r
-        except PrefillInterrupted as e:
-            if e.done >= e.total:  # the message was read whole: it stays, with an empty reply
-                return
+        except PrefillInterrupted as e:  # read in part or whole, no reply yet: it leaves no empty reply behind
             self._take_back(user, before, kept, carried, e)
             taken_back = True
             raise
@@ -339,10 +337,12 @@ class Conversation:
     # -- save / load ------------------------------------------------------------------------------
     @property
     def unsaved(self) -> int:
-        """How many messages (the system prompt aside) a /load would lose: 0 right after a save or a load."""
-        if self.messages == self._saved:
-            return 0
-        return sum(m["role"] != "system" for m in self.messages)
+        """How many messages (the system prompt aside) a /load would lose: those after what was last saved or
+        loaded (0 right after a save or a load, or after an /undo back into it)."""
+        same = next((i for i, (m, s) in enumerate(zip(self.messages, self._saved, strict=False)) if m != s), None)
+        if same is None:
+            same = min(len(self.messages), len(self._saved))
+        return sum(m["role"] != "system" for m in self.messages[same:])
 
     def save(self, path: str | Path) -> Path:
         """Write the conversation, system prompt included, as /load reads it."""

@@ -117,10 +117,11 @@ class ChatSession:
         except PrefillInterrupted as e:  # Ctrl-C while the message was read: stopped after that chunk
             # the message's own tokens: snap's first pass (its probe) is not counted
             read = max(0, e.done - max(0, e.total - conv.pending))
-            view.say(
-                f"(stopped reading your message after {read:,} of {conv.pending:,} tokens: it was not added, and the "
-                "conversation is as it was before it; Up brings the message back)"
-            )
+            if read >= conv.pending:
+                where = "before the reply: your message was not added"
+            else:
+                where = f"reading your message after {read:,} of {conv.pending:,} tokens: it was not added"
+            view.say(f"(stopped {where}, and the conversation is as it was before it; Up brings the message back)")
             return
         except H2OChatError as e:  # e.g. a model that cannot read past its context: the session stays
             advice = getattr(e, "advice", None)
