@@ -89,6 +89,11 @@ def test_ids_come_back_as_given_and_a_rerun_skips_them(fast_load, tmp_path):
 def test_input_file_errors(fast_load, tmp_path):
     result = runner.invoke(cli.app, ["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2 and "input file not found" in result.stderr
+    # `-` is not standard input (as -o - is stdout): said, not "not found"
+    result = runner.invoke(
+        cli.app, ["batch", "-", "-o", str(tmp_path / "o.jsonl")], input='{"id": 1, "prompt": "hi"}\n'
+    )
+    assert result.exit_code == 2 and "batch reads its lines from a file, not standard input" in result.stderr
     inp = write_lines(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     result = runner.invoke(cli.app, ["batch", str(inp), "-o", str(tmp_path / "no" / "dir" / "o.jsonl")])
     assert result.exit_code == 2 and "output folder does not exist" in result.stderr

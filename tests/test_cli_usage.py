@@ -173,6 +173,11 @@ def test_ollama_and_llama_cli_habits_do_what_they_do_there(fast_load, tiny_folde
         invoke(["-p", "What is 2+2?"]), "-p is --policy here", "give the prompt as an argument: h2o-chat 'What is 2+2?'"
     )
     assert_one_line_error(invoke(["chat"], "hi"), "chat needs a terminal on stdin")
+    # plain text has no system turn: --system with --raw was dropped without a word (the prompt read alone)
+    assert_one_line_error(
+        invoke(["--raw", "--system", "You are a pirate.", "-n", "4"], "1, 2, 3,"),
+        "--system needs the chat template, which --raw leaves out",
+    )
 
 
 def test_ignore_eos_writes_on_to_max_new_tokens(fast_load, tmp_path):
@@ -228,7 +233,7 @@ def test_a_budget_beyond_the_trained_context_is_capped_and_said(fast_load, tmp_p
     inp.write_text('{"id": "a", "prompt": "Hi", "budget": 100000, "max_new_tokens": 1}\n')
     result = invoke(["batch", str(inp), "-o", str(out)])
     assert result.exit_code == 0, result.stderr
-    assert '"budget" 100000: the budget is 8,192 tokens' in result.stderr
+    assert 'lines with "budget" 100000 run with a budget of 8,192 tokens, the model\'s trained' in result.stderr
     assert json.loads(out.read_text())["cache"]["budget"] == 8192
 
 

@@ -15,7 +15,7 @@ from conftest import tiny_model
 from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.step import compiled
-from h2o_chat.engine.step.decode import Engine, left_pad, resolve_decode
+from h2o_chat.engine.step.decode import EAGER_WHILE_BUILDING, Engine, left_pad, resolve_decode
 from h2o_chat.engine.step.sampling import Sampler
 
 pytestmark = pytest.mark.skipif(compiled.unavailable() is not None, reason="no C++ compiler for the compiled step")
@@ -177,6 +177,11 @@ def test_auto_compiles_on_cpu_and_decodes_eagerly_while_a_package_is_built(model
     list(engine.tokens(engine.prefill(torch.tensor([_prompts(1)[0]])), 10))
     assert engine._compiled.program is None and asked == [compiled.StepKind()]
     assert engine.describe() == "eager (the compiled step is being built)" and engine.stepping == "eager"
+    # and said once: the eager step rounds otherwise than the compiled one, so a later run's text can part
+    notices = cache.pop_notices()
+    assert notices.count(EAGER_WHILE_BUILDING) == 1, notices
+    list(engine.tokens(engine.prefill(torch.tensor([[5, 6, 7]])), 3))
+    assert EAGER_WHILE_BUILDING not in cache.pop_notices()
     engine.builder = None  # nothing builds it (a library's engine): not said to be built
     assert engine.describe() == "eager (the compiled step is not built)" and engine.stepping == "eager"
     monkeypatch.setattr(compiled, "ready", lambda *a: True)  # built: the next step runs it

@@ -201,6 +201,11 @@ def main_command(
             raise InputError("--stop needs some text to stop at")
         if raw and resume is not None:  # a chat's cache ends in its template: plain text after it is neither
             raise InputError("--raw continues plain text and --resume a saved chat: give one")
+        if raw and system is not None:  # plain text has no system turn: the prompt was read without it, silently
+            raise InputError(
+                "--system needs the chat template, which --raw leaves out: put the system text at the start of the "
+                "prompt, or leave out --raw"
+            )
         policy = _policy(cache, knobs, models)
         if resume is not None:  # the saved model and cache settings, where not given (one line for a bad file)
             from h2o_chat.app.chat.resume import given_options, resumed_settings

@@ -59,6 +59,11 @@ def batch_command(
             group.check()
         if input_path.is_dir():
             raise InputError(f"input file {input_path} is a folder: give a .jsonl file")
+        if str(input_path) == "-":  # as -o - writes to stdout: a reader would expect it to read stdin
+            raise InputError(
+                "batch reads its lines from a file, not standard input (a rerun resumes by that file): save them to "
+                "a .jsonl file and give its name"
+            )
         if not input_path.exists():
             raise InputError(f"input file not found: {input_path}")
         check_output(output, input_path)
@@ -75,9 +80,13 @@ def batch_command(
             """A line's policy (its budget within the trained context); a budget that does not fit in memory skips
             the line, as a malformed one."""
             if line_budget is not None and line_budget != budget:
+                asked = line_budget
                 line_budget, capped = within_context(line_budget, loaded.context, f'"budget" {line_budget}')
-                if capped:
-                    status(capped)
+                if capped:  # the lines run: said as such, not in the words of a refusal
+                    status(
+                        f'lines with "budget" {asked} run with a budget of {line_budget:,} tokens, the model\'s '
+                        "trained context: a larger cache would hold tokens at positions it was never trained on"
+                    )
             policy = cache.build(knobs, line_budget, store)
             if policy.budget is not None and policy.budget != budget:  # the default one was checked above
                 loaded.check_budget(policy.budget, rows=batch_size, flag='"budget"', kv_quant=cache.kv_quant)

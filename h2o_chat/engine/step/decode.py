@@ -82,6 +82,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# the eager and the compiled step round differently (inductor fuses and reorders the arithmetic)
+EAGER_WHILE_BUILDING = (
+    "decode steps run eagerly until this kind of compiled step is built (in the background, once); later runs use "
+    "it, and greedy or seeded text can then part from this run's at a near tie (--decode compile waits for the "
+    "build, --decode eager never uses one)"
+)
+
+
 class Engine(PromptReading):
     """Prefill and decode steps over one `H2OCache` for one model.
 
@@ -195,6 +203,9 @@ class Engine(PromptReading):
                     self.model, cache, sampler, self._cache_kw, self.on_setup, self.builder
                 )  # None: not ready, an eager step meanwhile
                 self._count_setup(seconds)
+                if self._compiled.news:  # once per kind: why this run's text can differ from later runs'
+                    self._compiled.news = False
+                    cache.notices.append(EAGER_WHILE_BUILDING)
             elif self.mode == "graph":
                 with torch.cuda.device(self.device):  # captured on the model's GPU's stream, not the current GPU's
                     out, seconds = self._captured.step(self._body, self.device, self._capturing)

@@ -101,6 +101,7 @@ class Compiled:
         self.waits = waits
         self.program = None  # for the step's current key
         self.asked: set = set()  # step kinds the builder was asked for
+        self.news = False  # a builder was just asked for a kind: the engine says its steps run eagerly meanwhile
 
     def forget(self) -> None:
         self.program = None
@@ -122,6 +123,7 @@ class Compiled:
                 self.asked.add(kind)
                 if builder is not None:
                     builder(kind)
+                    self.news = True
             return None
         t = time.perf_counter()
         try:
