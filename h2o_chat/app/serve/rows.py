@@ -155,13 +155,7 @@ def read_together(lane: Lane, readings: list[Reading]) -> bool:
     if chunk < ids.shape[1]:
         return False
     t = time.perf_counter()
-    steps = Engine(model, cache, "eager").prefill_steps(ids, chunk, mask=mask)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            logits = end.value
-            break
+    logits = Engine(model, cache, "eager").prefill(ids, mask, chunk)  # no sampler: nothing observes the prompt
     seconds = time.perf_counter() - t
     for b, (reading, prompt) in enumerate(zip(readings, prompts, strict=True)):
         cache.seq.rows[b].columns -= ids.shape[1] - len(prompt)

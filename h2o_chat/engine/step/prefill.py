@@ -131,19 +131,13 @@ class PromptReading:
 
     @torch.inference_mode()
     def prefill_steps(
-        self,
-        ids: torch.Tensor,
-        chunk_size: int | None = None,
-        progress: Progress = None,
-        mask: torch.Tensor | None = None,
+        self, ids: torch.Tensor, chunk_size: int | None = None, progress: Progress = None
     ) -> Generator[tuple[int, int], None, torch.Tensor]:
-        """`prefill` a prompt (B, L; `mask` as `prefill` takes it) a chunk at a time: a generator that yields
-        (columns read, of all the passes) after each chunk and returns the last position's logits (B, V), so
-        that its caller can do other work between chunks (the server decodes its other rows). No sampler
-        observes the prompt; Ctrl-C is not deferred (a server's engine thread has no signals)."""
+        """`prefill` one prompt (1, L) a chunk at a time: a generator that yields (columns read, of all the
+        passes) after each chunk and returns the last position's logits (1, V), so that its caller can do other
+        work between chunks (the server decodes its other rows). No sampler observes the prompt."""
         ids = ids.to(self.device)
-        mask = torch.ones_like(ids) if mask is None else mask.to(self.device)
-        return (yield from self._read_steps(self.cache, ids, mask, chunk_size, progress, None))
+        return (yield from self._read_steps(self.cache, ids, torch.ones_like(ids), chunk_size, progress, None))
 
     def _read(self, cache, ids, mask, chunk_size, progress) -> torch.Tensor:
         with deferred_interrupt() as interrupted:
