@@ -180,6 +180,30 @@ def test_ollama_and_llama_cli_habits_do_what_they_do_there(fast_load, tiny_folde
     )
 
 
+def test_an_option_the_policy_ignores_is_refused_before_the_weights_load(fast_load, tmp_path):
+    """`-p h2o --recall-memory 64MB` ran without a store and `-p full --budget 256` with every token, without a
+    word: what a policy does not read is one line, for the chat, batch and serve alike."""
+    for args, line in (
+        (["-p", "h2o", "--recall-memory", "64MB"], "--recall-memory does nothing under -p h2o, which does not use it"),
+        (["-p", "full", "-b", "256"], "--budget does nothing under -p full, which holds every token"),
+        (["-p", "full", "--kv-memory", "64MB"], "--kv-memory does nothing under -p full"),
+        (["-p", "recent", "--sinks", "2", "--heavy-ratio", "0.3"], "--heavy-ratio and --sinks do nothing"),
+        (["-p", "snap", "--recall-memory", "4x"], "leave it out, or choose -p recall"),
+        (["-p", "h2o", "--snap-window", "4"], "choose -p snap | recall"),
+    ):
+        assert_one_line_error(invoke([*args, "-n", "2", "hi"]), line)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "hi"}\n')
+    for command in (["batch", str(inp), "-o", str(tmp_path / "out.jsonl")], ["serve", "--port", "0"]):
+        assert_one_line_error(invoke([*command, "-p", "h2o", "--snap-kernel", "3"]), "--snap-kernel does nothing")
+    assert fast_load == [] and not (tmp_path / "out.jsonl").exists()  # refused before anything loaded
+    # what the policy reads runs, its default given or not
+    for args in (["-p", "sink", "--sinks", "2"], ["-p", "full"], ["-p", "h2o", "--heavy-ratio", "0.5", "-b", "64"]):
+        result = invoke([*args, "--json", "-n", "2", "--temperature", "0", "hi"])
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["generated_tokens"] == 2
+
+
 def test_ignore_eos_writes_on_to_max_new_tokens(fast_load, tmp_path):
     """Issue 48.8: --ignore-eos (llama-cli's): a piped reply and a batch's rows run to --max-new-tokens past the
     end-of-sequence token, for a generation of known length."""

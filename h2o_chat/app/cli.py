@@ -20,7 +20,9 @@ from h2o_chat.app.options import (
     ModelsFile,
     PolicyKnobs,
     SamplingOptions,
+    given_options,
     grouped,
+    refuse_unused,
     store_of,
 )
 from h2o_chat.app.reporting import guard_stdout, reported, require_stdout, stdout_failed
@@ -206,11 +208,14 @@ def main_command(
                 "--system needs the chat template, which --raw leaves out: put the system text at the start of the "
                 "prompt, or leave out --raw"
             )
+        if resume is None:  # else the policy may be the saved one: checked once it is known
+            refuse_unused(ctx, cache.policy)
         policy = _policy(cache, knobs, models)
         if resume is not None:  # the saved model and cache settings, where not given (one line for a bad file)
-            from h2o_chat.app.chat.resume import given_options, resumed_settings
+            from h2o_chat.app.chat.resume import resumed_settings
 
             models, cache, policy = resumed_settings(resume, given_options(ctx), models, cache, policy)
+            refuse_unused(ctx, policy.name)
         if argument is not None and not argument.strip():
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
         # read before the weights load: a file that cannot be used is one line, at once

@@ -552,6 +552,41 @@ def policy_knobs(
     return {"heavy_ratio": heavy_ratio, "sinks": sinks, "window": snap_window, "kernel": snap_kernel}
 
 
+def given_options(ctx) -> set[str]:
+    """The options the command line (or the environment) gave, by parameter name."""
+    sources = ("COMMANDLINE", "ENVIRONMENT")
+    return {p.name for p in ctx.command.params if getattr(ctx.get_parameter_source(p.name), "name", None) in sources}
+
+
+# the command line's options that set a policy's settings (`kinds.uses`), by parameter name
+_SETTING_OF_OPTION = {
+    "budget": "budget", "kv_memory": "budget", "heavy_ratio": "heavy_ratio", "sinks": "sinks",
+    "snap_window": "window", "snap_kernel": "kernel", "recall_memory": "store",
+}  # fmt: skip
+
+
+def refuse_unused(ctx, policy: str) -> None:
+    """One line for an option the policy would ignore (`-p h2o --recall-memory 64MB`, `-p full --budget 256`):
+    a run that silently did without what was asked for is worse than none."""
+    from h2o_chat.engine.policies import POLICIES
+    from h2o_chat.engine.policies.kinds import uses
+
+    if policy not in POLICIES:  # said by the policy's own check, with a suggestion
+        return
+    given = given_options(ctx)
+    unused = [p for p, setting in _SETTING_OF_OPTION.items() if p in given and not uses(policy, setting)]
+    if not unused:
+        return
+    flags = " and ".join("--" + p.replace("_", "-") for p in unused)
+    readers = [n for n in POLICIES if all(uses(n, _SETTING_OF_OPTION[p]) for p in unused)]
+    what = "holds every token" if policy == "full" else "does not use " + ("them" if len(unused) > 1 else "it")
+    instead = f", or choose -p {' | '.join(readers)}" if readers else ""
+    raise H2OChatError(
+        f"{flags} {'do' if len(unused) > 1 else 'does'} nothing under -p {policy}, which {what}: "
+        f"leave {'them' if len(unused) > 1 else 'it'} out{instead}"
+    )
+
+
 def store_of(policy) -> int:
     """The evicted tokens a policy's store keeps per row, layer and head (0: it keeps none)."""
     return getattr(policy, "store", 0) or 0

@@ -19,6 +19,7 @@ from h2o_chat.app.options import (
     SamplingOptions,
     check_positive,
     grouped,
+    refuse_unused,
     store_of,
 )
 from h2o_chat.app.reporting import reported, require_stdout, status
@@ -26,6 +27,7 @@ from h2o_chat.app.reporting import reported, require_stdout, status
 
 @grouped
 def batch_command(
+    ctx: typer.Context,
     input_path: Annotated[
         Path,
         typer.Argument(
@@ -69,6 +71,7 @@ def batch_command(
         check_output(output, input_path)
         if is_stdout(output):
             require_stdout()
+        refuse_unused(ctx, cache.policy)
         budget = cache.tokens(models, rows=batch_size)  # a memory or a share: the tokens it comes to, per row
         store = cache.store_tokens(models, budget, rows=batch_size)
         default = cache.build(knobs, budget, store)  # fail before loading weights

@@ -138,12 +138,6 @@ def loaded_line(conv: Conversation, count: int, path) -> str:
 
 
 # -- --resume FILE ----------------------------------------------------------------------------------------------
-def given_options(ctx) -> set[str]:
-    """The options the command line (or the environment) gave, by parameter name."""
-    sources = ("COMMANDLINE", "ENVIRONMENT")
-    return {p.name for p in ctx.command.params if getattr(ctx.get_parameter_source(p.name), "name", None) in sources}
-
-
 def resumed_settings(path: Path, given: set[str], models, cache, policy):
     """--resume FILE, before anything loads: the file's model, policy (with every setting), positions and KV
     storage, for each that the command line did not give (a given one must match the file's: the restore says

@@ -21,6 +21,7 @@ from h2o_chat.app.options import (
     SamplingOptions,
     check_positive,
     grouped,
+    refuse_unused,
     store_of,
 )
 from h2o_chat.app.reporting import reported, status
@@ -61,6 +62,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 @grouped
 def serve_command(
+    ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback only by default; 0.0.0.0: every one).")] = (
         "127.0.0.1"
     ),
@@ -134,6 +136,7 @@ def serve_command(
                 f"--policy {cache.policy} is not served: choose one of {', '.join(SERVED_POLICIES)} (bounded "
                 "caches, whose rows are saved and restored whole between turns)"
             )
+        refuse_unused(ctx, cache.policy)
         budget = cache.tokens(models, rows=batch_size)  # a memory (every row's together, as batch) or a share
         store = cache.store_tokens(models, budget, rows=batch_size)
         policy = cache.build(knobs, budget, store)  # fails before the weights load

@@ -292,19 +292,28 @@ def make_policy(
         raise ConfigError(f"unknown policy {name!r}{hint}; choose one of: {', '.join(POLICIES)}")
     if cls is Full:
         return Full()
-    kwargs: dict = {"budget": budget}
-    if heavy_ratio is not None and issubclass(cls, H2O):
-        kwargs["heavy_ratio"] = heavy_ratio
-    if sinks is not None and issubclass(cls, (H2O, Sink)):
-        kwargs["sinks"] = sinks
-    if issubclass(cls, Snap):
-        if window is None and budget:
-            window = default_snap_window(budget)
-        kwargs.update({k: v for k, v in (("window", window), ("kernel", kernel)) if v is not None})
-    if issubclass(cls, Recall):
-        given = (("recalled", recalled), ("decay", decay), ("store", store), ("drop", drop))
-        kwargs.update({k: v for k, v in given if v is not None})
-    return cls(**kwargs)
+    if issubclass(cls, Snap) and window is None and budget:
+        window = default_snap_window(budget)
+    given = {
+        "budget": budget, "heavy_ratio": heavy_ratio, "sinks": sinks, "window": window, "kernel": kernel,
+        "recalled": recalled, "decay": decay, "store": store, "drop": drop,
+    }  # fmt: skip
+    return cls(**{k: v for k, v in given.items() if k == "budget" or (v is not None and uses(name, k))})
+
+
+def uses(name: str, setting: str) -> bool:
+    """Whether policy `name` reads `setting` (a keyword of make_policy); the others ignore it."""
+    cls = POLICIES[name]
+    if setting == "budget":
+        return cls is not Full
+    return issubclass(cls, SETTING_OF[setting])
+
+
+# which policies read each setting beyond the budget (and their subclasses: snap is h2o's, recall snap's)
+SETTING_OF: dict[str, type[Policy] | tuple[type[Policy], ...]] = {
+    "heavy_ratio": H2O, "sinks": (H2O, Sink), "window": Snap, "kernel": Snap,
+    "recalled": Recall, "decay": Recall, "store": Recall, "drop": Recall,
+}  # fmt: skip
 
 
 def default_snap_window(budget: int) -> int:
