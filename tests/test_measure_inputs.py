@@ -221,3 +221,48 @@ def test_recall_interrupted_writes_the_conversations_it_finished(monkeypatch, tm
     assert [r["policy"] for r in records] == ["full", "without fact", "h2o"]
     assert all(r["conversations"] == 1 for r in records)
     assert "(interrupted: 1 of 2 conversations done)" in md.read_text(encoding="utf-8")
+
+
+def test_ppl_interrupted_writes_every_row_over_the_tokens_scored(monkeypatch, fast_load, embedded, single_thread):
+    """Ctrl-C in eval ppl lost everything (every row runs in one batch to the text's end): now every row's
+    perplexity over the tokens the budgeted rows scored (the same as a run of that length), the full cache's
+    over the same tokens; and each record says where and when it ran."""
+    import json
+    import math
+
+    from h2o_chat.engine.step.decode import Engine
+
+    args = ["eval", "ppl", "-b", "4", "-p", "h2o", "--json"]
+    whole = [json.loads(line) for line in runner.invoke(cli.app, [*args, "--tokens", "5"]).stdout.splitlines()]
+    interrupted_after(monkeypatch, Engine, "decode", 3)  # the 4th token scored, then the Ctrl-C
+    result = runner.invoke(cli.app, [*args, "--tokens", "8"])
+    assert result.exit_code == 130, (result.stderr, result.exception)
+    assert result.stderr.splitlines()[-1] == "h2o-chat: interrupted (4 of 7 tokens scored)"
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["policy"], r["tokens"]) for r in records] == [("full", 5), ("h2o", 5)]
+    assert records[1]["ppl"] == pytest.approx(whole[1]["ppl"], rel=1e-4)  # h2o's first 4 steps, as in a run of 5
+    ids = torch.tensor([ev.token_ids(embedded.tokenizer, ev.read_text(None))[:8]])
+    assert records[0]["ppl"] == pytest.approx(math.exp(float(ev.full_nll(embedded.model, ids)[:4].mean())), rel=1e-4)
+    assert all(r["date"].startswith("20") and r["date"].endswith("UTC") and "torch" in r["machine"] for r in records)
+
+
+@pytest.mark.parametrize("command", ["needle", "agree"])
+def test_needle_and_agree_interrupted_write_the_groups_they_finished(command, monkeypatch, fast_load, single_thread):
+    """Ctrl-C in eval needle or agree lost everything (all prompts were one batch): now a depth's trials (needle)
+    or --group prompts (agree) are read together, and a Ctrl-C in the second writes the first's records."""
+    import json
+
+    interrupted_after(monkeypatch, ev, "greedy_rows", 3)  # a group: one call, then the full cache's and the rest's
+    more = {"needle": ["--depth", "0.9"], "agree": ["--prompts", "2", "--group", "1"]}[command]
+    args = [*TINY_EVALS[command], *more, "-b", "50%", "-p", "h2o", "--json"]
+    result = runner.invoke(cli.app, args)
+    assert result.exit_code == 130, (result.stderr, result.exception)
+    done = {"needle": "1 of 2 depths done", "agree": "1 of 2 prompts done"}[command]
+    assert result.stderr.splitlines()[-1] == f"h2o-chat: interrupted ({done})"
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["policy"] for r in records] == ["full", "h2o"]
+    if command == "needle":
+        assert [(r["depth"], r["trials"]) for r in records] == [(0.5, 2), (0.5, 2)]
+    else:
+        assert [(r["prompts"], len(r["per_prompt"])) for r in records] == [(1, 1), (1, 1)]
+        assert records[0]["rouge_l"] == 1.0  # the reference against itself

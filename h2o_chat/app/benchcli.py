@@ -21,7 +21,7 @@ from h2o_chat.app.options import (
     int_list,
 )
 from h2o_chat.app.reporting import Finished, reported, status
-from h2o_chat.app.ui import describe_weights, progress_bar
+from h2o_chat.app.ui import describe_machine, describe_weights, progress_bar
 from h2o_chat.errors import H2OChatError
 
 
@@ -176,7 +176,7 @@ def bench_command(
         if configs is None and loaded.device.type == "cuda":
             names = ("dynamic", "static-compiled", "full", "h2o", "h2o-nobound")
         names = _with_llamacpp(names, configs is None and loaded.device.type == "cpu" and batch == 1, gguf)
-        about = f"{loaded.spec.name}, {describe_weights(loaded)}, {torch_threads()} threads"
+        about = f"{loaded.spec.name}, {describe_weights(loaded)}, {describe_machine(loaded)}"
 
         def show(records, _note: str = "") -> None:
             make_console().print(bench_table(records, bench.ratios(records, budget), about))
@@ -205,12 +205,6 @@ def bench_command(
 def _not_twin(record) -> bool:
     """A bench record of the table's own (the h2o twin parked at the first length only serves a ratio)."""
     return record.config != "h2o@first"
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _with_llamacpp(names: tuple[str, ...], default: bool, gguf) -> tuple[str, ...]:

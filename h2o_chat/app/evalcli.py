@@ -88,6 +88,16 @@ def loaded_for_eval(models: ModelOptions):
     return loaded
 
 
+def ran_on(loaded) -> dict:
+    """What every eval record says of where and when it ran: the model, the machine, the date (UTC)."""
+    from datetime import UTC, datetime
+
+    from h2o_chat.app.ui import describe_machine
+
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return {"model": loaded.spec.name, "machine": describe_machine(loaded), "date": date}
+
+
 @dataclass(frozen=True)
 class Compared:
     """What an evaluation compares with the full cache, and where its records go."""
@@ -239,7 +249,13 @@ def ppl_command(
             status(f"the text has {len(ids)} tokens; scoring all of them")
         configs = ev.make_configs(names, specs, len(ids), **knobs.kwargs())
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
-        with progress_bar(f"ppl, {len(configs)} rows") as bar:
+        source = text.name if text else "alice.txt"
+
+        def emit(records: list[dict], note: str = "") -> None:
+            records = [{**r, "text": source, **ran_on(loaded)} for r in records]
+            _emit(records, plots.ppl_table(records), compared, plot, plots.ppl_plot, note)
+
+        with summarised(emit), progress_bar(f"ppl, {len(configs)} rows") as bar:
             results = ev.perplexity(
                 *(loaded.model, torch.tensor([ids]), configs, compared.positions),
                 forecast(bar, "ppl", len(configs), "token"),
@@ -247,9 +263,7 @@ def ppl_command(
                 decode=models.decode,
                 kv_quant=compared.kv_quant,
             )
-        source = text.name if text else "alice.txt"
-        records = [{**r.record(), "text": source, "model": loaded.spec.name} for r in results]
-        _emit(records, plots.ppl_table(records), compared, plot, plots.ppl_plot)
+        emit([r.record() for r in results])
 
 
 @eval_app.command("needle", cls=Command)
@@ -289,7 +303,13 @@ def needle_command(
         status(
             f"needle: {plural(len(trials), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}"
         )
-        with progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
+
+        def emit(records: list[dict], note: str = "") -> None:
+            records = [{**r, **ran_on(loaded)} for r in records]
+            _emit(records, plots.needle_table(records), compared, plot, plots.needle_plot, note)
+
+        rows = len(trials) // len(set(depths)) * len(configs)  # read together: a depth's trials, every configuration
+        with summarised(emit), progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
             records = tasks.needle(
                 loaded.model,
                 loaded.tokenizer,
@@ -298,12 +318,11 @@ def needle_command(
                 answer_tokens,
                 chunk_size,
                 compared.positions,
-                forecast(bar, "needle", len(trials) * len(configs), "column"),
+                forecast(bar, "needle", rows, "column"),
                 models.decode,
                 compared.kv_quant,
             )
-        records = [{**r, "model": loaded.spec.name} for r in records]
-        _emit(records, plots.needle_table(records), compared, plot, plots.needle_plot)
+        emit(records)
 
 
 @eval_app.command("agree", cls=Command)
@@ -313,6 +332,10 @@ def agree_command(
     prompts: Annotated[int, typer.Option(help="Excerpts, shared among the texts.")] = 4,
     prompt_tokens: Annotated[int, typer.Option(help="Tokens per excerpt.")] = 1000,
     tokens: Annotated[int, typer.Option(help="Greedy tokens generated per prompt.")] = 128,
+    group: Annotated[
+        int,
+        typer.Option(help="Prompts read together (rows = group x configurations); a Ctrl-C keeps the groups done."),
+    ] = 2,
     chunk_size: ChunkSize = 512,
     compared: Compared = Compared(),
     models: ModelOptions = ModelOptions(),
@@ -321,7 +344,9 @@ def agree_command(
     """Generation agreement: ROUGE-L F1 of each policy's greedy continuation against the full cache's."""
     with reported():
         models.check()
-        for name, value in (("--prompts", prompts), ("--prompt-tokens", prompt_tokens), ("--tokens", tokens)):
+        for name, value in (
+            ("--prompts", prompts), ("--prompt-tokens", prompt_tokens), ("--tokens", tokens), ("--group", group),
+        ):  # fmt: skip
             check_positive(name, value)
         check_positive("--chunk-size", chunk_size)
         specs, names = compared.plan(prompt_tokens, knobs)
@@ -334,15 +359,21 @@ def agree_command(
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
         status(f"agree: {plural(len(items), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-        with progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
+
+        def emit(records: list[dict], note: str = "") -> None:
+            records = [{**r, **ran_on(loaded)} for r in records]
+            _emit(records, plots.agree_table(records), compared, None, None, note)
+
+        rows = min(group, len(items)) * len(configs)
+        with summarised(emit), progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
             records = tasks.agreement(
                 *(loaded.model, loaded.tokenizer, items, configs, tokens, chunk_size, compared.positions),
-                forecast(bar, "agree", len(items) * len(configs), "column"),
+                forecast(bar, "agree", rows, "column"),
                 decode=models.decode,
                 kv_quant=compared.kv_quant,
+                group=group,
             )
-        records = [{**r, "model": loaded.spec.name} for r in records]
-        _emit(records, plots.agree_table(records), compared, None, None)
+        emit(records)
 
 
 @eval_app.command("recall", cls=Command)
@@ -415,7 +446,7 @@ def recall_command(
         sources = ", ".join(texts)
 
         def emit(records: list[dict], note: str = "") -> None:
-            records = [{**r, "texts": sources, "model": loaded.spec.name} for r in records]
+            records = [{**r, "texts": sources, **ran_on(loaded)} for r in records]
             _emit(records, plots.recall_table(records), compared, plot, plots.recall_plot, note)
 
         with summarised(emit), progress_bar(f"recall, {len(convs)} conversations") as bar:

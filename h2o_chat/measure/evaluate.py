@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -237,15 +237,30 @@ def streaming_nll(
     x = ids.to(engine.device).expand(G, -1)  # (G, N)
     nll = torch.empty(G, N - P, device=engine.device)  # filled on the device, read once at the end
     logits = engine.prefill(x[:, :P], progress=_prompt_part(progress, P, N))  # (G, V)
-    for t in range(P, N):
-        nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none")
-        if on_step is not None:
-            on_step(t, cache, nll)
-        if t < N - 1:
-            logits, _ = engine.decode(x[:, t])
-        if progress is not None:
-            progress(t + 1, N)
+    scored = 0  # columns of nll filled
+    try:
+        for t in range(P, N):
+            nll[:, t - P] = F.cross_entropy(logits.float(), x[:, t], reduction="none")
+            scored += 1
+            if on_step is not None:
+                on_step(t, cache, nll)
+            if t < N - 1:
+                logits, _ = engine.decode(x[:, t])
+            if progress is not None:
+                progress(t + 1, N)
+    except KeyboardInterrupt:
+        if not scored:
+            raise
+        raise Scored(nll[:, :scored].cpu(), cache) from None
     return nll.cpu(), cache
+
+
+class Scored(KeyboardInterrupt):
+    """Ctrl-C in `streaming_nll` once tokens were scored: their NLL, (G, scored), and the cache as it stands."""
+
+    def __init__(self, nll: torch.Tensor, cache: H2OCache):
+        super().__init__(f"{nll.shape[1]} tokens scored")
+        self.nll, self.cache = nll, cache
 
 
 def perplexity(
@@ -274,9 +289,19 @@ def perplexity(
             progress(N if not rest else 0, N)  # done, or the budgeted rows' reading starts now
     if rest:
         policies = [configs[g].policy for g in rest]
-        part, cache = streaming_nll(
-            model, ids, policies, positions, progress, None, prompt_tokens, decode=decode, kv_quant=kv_quant
-        )
+        try:
+            part, cache = streaming_nll(
+                model, ids, policies, positions, progress, None, prompt_tokens, decode=decode, kv_quant=kv_quant
+            )
+        except Scored as cut:  # every row over the tokens the budgeted rows scored, the full cache's too
+            done = cut.nll.shape[1]
+            for g, row, stats in zip(rest, cut.nll, cut.cache.group_stats(), strict=True):
+                nll[g], kept[g] = row, stats.kept
+            seconds = time.perf_counter() - t0
+            cut_short = [PplResult(c, nll[g][:done], seconds, kept[g], prompt_tokens=prompt_tokens) for g, c in
+                         enumerate(configs)]  # fmt: skip
+            note = f"interrupted: {done} of {N - prompt_tokens} tokens scored"
+            raise Stopped([r.record() for r in cut_short], note) from None
         for g, row, stats in zip(rest, part, cache.group_stats(), strict=True):
             nll[g], kept[g] = row, stats.kept
     seconds = time.perf_counter() - t0
@@ -372,3 +397,35 @@ def greedy_rows(
     stop_set = set(stops.tolist())
     cut = [next((row[:j] for j, t in enumerate(row) if t in stop_set), row) for row in rows]
     return [cut[c * P : (c + 1) * P] for c in range(len(configs))]
+
+
+def greedy_groups(
+    model,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    configs: Sequence[EvalConfig],
+    groups: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    chunk_size: int = DEFAULT_CHUNK,
+    positions: str = "absolute",
+    progress: Progress = None,
+    decode: str = "auto",
+    kv_quant: str = "none",
+) -> Iterator[tuple[Sequence[int], list[list[list[int]]]]]:
+    """`greedy_rows` a group of prompts at a time (`groups`: indices into `prompts`), yielding each group's
+    indices and out[c][i] as it finishes, so that a Ctrl-C keeps the groups already done. `progress` counts the
+    columns of every group on one scale: each group's prompt columns (its longest prompt), then its steps."""
+    totals = [max(len(prompts[i]) for i in group) + max_new_tokens for group in groups]
+    whole, before = sum(totals), 0
+    for group, total in zip(groups, totals, strict=True):
+        part = None
+        if progress is not None:
+            part = lambda d, t, b=before, n=total: progress(b + d * n // max(1, t), whole)  # noqa: E731
+        outs = greedy_rows(
+            *(model, tokenizer, [prompts[i] for i in group], configs, max_new_tokens, chunk_size, positions),
+            part,
+            decode,
+            kv_quant,
+        )
+        before += total
+        yield group, outs

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from h2o_chat.engine.step.generate import DEFAULT_CHUNK
 from h2o_chat.errors import ConfigError
-from h2o_chat.measure.evaluate import EvalConfig, Progress, chat_ids, greedy_rows, token_ids
+from h2o_chat.measure.evaluate import EvalConfig, Progress, Stopped, chat_ids, greedy_groups, token_ids
 
 # -- needle in a haystack ------------------------------------------------------------------------------------
 NEEDLE = "The secret code is {code}."
@@ -69,18 +69,36 @@ def needle(
     decode: str = "auto",
     kv_quant: str = "none",
 ) -> list[dict]:
-    """Accuracy per configuration and depth: a trial is correct when its 4 digits appear in the greedy answer."""
-    prompts = [t.ids for t in trials]
-    outs = greedy_rows(
-        model, tokenizer, prompts, configs, answer_tokens, chunk_size, positions, progress, decode, kv_quant
+    """Accuracy per configuration and depth: a trial is correct when its 4 digits appear in the greedy answer.
+    The trials of one depth are read together, a depth at a time: a Ctrl-C raises `Stopped` with the records of
+    the depths finished (each record is one configuration at one depth)."""
+    depths = list(dict.fromkeys(t.depth for t in trials))
+    groups = [[i for i, t in enumerate(trials) if t.depth == depth] for depth in depths]
+    answers: dict[int, list[list[int]]] = {}  # trial -> its answer under each configuration
+    run = greedy_groups(
+        *(model, tokenizer, [t.ids for t in trials], configs, groups, answer_tokens, chunk_size, positions),
+        *(progress, decode, kv_quant),
     )
+    try:
+        for group, outs in run:
+            answers.update((i, [out[k] for out in outs]) for k, i in enumerate(group))
+    except KeyboardInterrupt:
+        done = [d for d, group in zip(depths, groups, strict=True) if group[0] in answers]
+        if not done:
+            raise
+        records = _needle_records(tokenizer, trials, configs, answers, done)
+        raise Stopped(records, f"interrupted: {len(done)} of {len(depths)} depths done") from None
+    return _needle_records(tokenizer, trials, configs, answers, depths)
+
+
+def _needle_records(tokenizer, trials, configs, answers: dict[int, list[list[int]]], depths) -> list[dict]:
     records = []
-    for config, answers in zip(configs, outs, strict=True):
-        for depth in dict.fromkeys(t.depth for t in trials):
+    for c, config in enumerate(configs):
+        for depth in depths:
             rows = []
-            for trial, answer in zip(trials, answers, strict=True):
+            for i, trial in enumerate(trials):
                 if trial.depth == depth:
-                    text = tokenizer.decode(answer, skip_special_tokens=True)
+                    text = tokenizer.decode(answers[i][c], skip_special_tokens=True)
                     rows.append(
                         {"haystack": trial.haystack, "code": trial.code, "answer": text, "correct": trial.code in text}
                     )
@@ -155,14 +173,33 @@ def agreement(
     progress: Progress = None,
     decode: str = "auto",
     kv_quant: str = "none",
+    group: int | None = None,
 ) -> list[dict]:
-    """ROUGE-L F1 of each configuration's continuation against the full cache's (configs[0] is the reference)."""
+    """ROUGE-L F1 of each configuration's continuation against the full cache's (configs[0] is the reference).
+    `group` prompts are read together (None: all): a Ctrl-C raises `Stopped` with the records over the groups
+    finished."""
     if configs[0].policy.budget is not None:
         raise ConfigError("agreement needs the full cache as the first configuration")
-    rows = [ids for _, ids in prompts]
-    outs = greedy_rows(
-        model, tokenizer, rows, configs, max_new_tokens, chunk_size, positions, progress, decode, kv_quant
+    n = group or len(prompts)
+    groups = [range(i, min(i + n, len(prompts))) for i in range(0, len(prompts), n)]
+    outs: list[list[list[int]]] = [[] for _ in configs]  # outs[c][p], the prompts of the groups finished
+    run = greedy_groups(
+        *(model, tokenizer, [ids for _, ids in prompts], configs, groups, max_new_tokens, chunk_size, positions),
+        *(progress, decode, kv_quant),
     )
+    try:
+        for _, part in run:
+            for rows, more in zip(outs, part, strict=True):
+                rows.extend(more)
+    except KeyboardInterrupt:
+        if not outs[0]:
+            raise
+        note = f"interrupted: {len(outs[0])} of {len(prompts)} prompts done"
+        raise Stopped(_agree_records(prompts[: len(outs[0])], configs, outs, max_new_tokens), note) from None
+    return _agree_records(prompts, configs, outs, max_new_tokens)
+
+
+def _agree_records(prompts, configs, outs: list[list[list[int]]], max_new_tokens: int) -> list[dict]:
     records = []
     for config, rows in zip(configs, outs, strict=True):
         scores = [rouge_l(row, ref) for row, ref in zip(rows, outs[0], strict=True)]

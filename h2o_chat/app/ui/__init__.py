@@ -21,6 +21,7 @@ from h2o_chat.app.ui.text import (
     NOT_TIMED,
     describe_device,
     describe_kv,
+    describe_machine,
     describe_policy,
     describe_store,
     describe_weights,
@@ -38,7 +39,8 @@ from h2o_chat.app.ui.text import (
 
 __all__ = [
     "COMPACT_BELOW", "LOG_EVERY", "NOT_TIMED", "PANEL_FRAME", "PanelView", "ProgressBar", "StreamView", "TurnStats",
-    "bench_table", "describe_device", "describe_kv", "describe_policy", "describe_store", "describe_weights",
+    "bench_table", "describe_device", "describe_kv", "describe_machine", "describe_policy", "describe_store",
+    "describe_weights",
     "duration", "eviction_table", "fit", "human_bytes", "make_console", "models_tables", "plural", "prefill_table",
     "progress_bar", "quote", "reading_label", "rich_table", "share", "soak_table", "summary_line",
     "throughput_table", "wrap",

@@ -153,6 +153,32 @@ def describe_device(loaded) -> str:
     return f"{name}, {describe_weights(loaded)}"
 
 
+def describe_machine(loaded) -> str:
+    """Where a figure was measured: e.g. 'AMD EPYC 7B13, 2 threads, torch 2.13.0+cpu' or 'NVIDIA H200, torch
+    2.11.0+cu130' (the processors of our machines vary: a figure is compared only with one of the same)."""
+    import torch
+
+    if loaded.device.type == "cuda":
+        where = torch.cuda.get_device_name(loaded.device)
+    else:
+        where = f"{processor_name()}, {plural(torch.get_num_threads(), 'thread')}"
+    return f"{where}, torch {torch.__version__}"
+
+
+def processor_name() -> str:
+    """The CPU's model name as the kernel gives it, else what Python knows of the processor."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "an unknown processor"
+
+
 def describe_weights(loaded) -> str:
     """The weights' format and bytes as held: e.g. 'int4 groups of 32, int8 embedding, 141 MB'."""
     size = f", {human_bytes(loaded.weight_bytes)}" if getattr(loaded, "weight_bytes", 0) else ""
