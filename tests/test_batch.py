@@ -65,6 +65,42 @@ def test_malformed_lines_are_reported_and_the_rest_run(fast_load, tmp_path):
         assert r["cache"]["kept"] <= r["cache"]["budget"] and r["seconds"] > 0
 
 
+def test_batch_shows_its_progress_in_tokens_of_every_lines_allowance(fast_load, tmp_path, monkeypatch):
+    """A batch said nothing between finished lines (minutes, for long ones): now a bar on a terminal, a line a
+    minute elsewhere (here every step), counting the tokens of every line's max_new_tokens; a line that ends
+    early counts the rest of its allowance, so the count ends at the total."""
+    from h2o_chat.app import ui
+    from h2o_chat.app.batch import run
+
+    monkeypatch.setattr(ui, "LOG_EVERY", 0.0)
+    told: list[tuple[int, int]] = []
+    original = run.run_batch
+
+    def run_batch(*args, progress, **kwargs):
+        def both(done, total):
+            told.append((done, total))
+            progress(done, total)
+
+        return original(*args, progress=both, **kwargs)
+
+    monkeypatch.setattr(run, "run_batch", run_batch)
+    lines = [
+        {"id": "a", "prompt": "Say hi.", "max_new_tokens": 48},  # ends by itself (29 tokens)
+        {"id": "b", "prompt": "Count to twenty.", "max_new_tokens": 6},
+        {"id": "c", "prompt": "Name a fruit.", "max_new_tokens": 5},
+    ]
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(cli.app, ["batch", str(write_lines(tmp_path / "in.jsonl", lines)), "-o", str(out),
+                                     "--batch-size", "2", "--temperature", "0"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert told[-1] == (59, 59) and all(t == 59 for _, t in told)
+    assert [d for d, _ in told] == sorted({d for d, _ in told})  # rises at every step, never twice the same
+    shown = [line for line in result.stderr.splitlines() if line.startswith("h2o-chat: batch, ")]
+    assert len(shown) >= 20 and shown[0].startswith("h2o-chat: batch, 0 lines done: 2/59 (3%), about ")
+    assert any(line.startswith("h2o-chat: batch, 2 lines done: ") for line in shown)
+    assert {r["id"]: r["generated_tokens"] for r in records(out)}["a"] < 48
+
+
 def test_ids_come_back_as_given_and_a_rerun_skips_them(fast_load, tmp_path):
     """Issue 48.12: an integer id came back as a string ("id": 1 -> "1"); a user's data comes back as given, and a
     rerun knows the rows it finished whatever the ids' type (1 and "1" are different ids, as in JSON)."""

@@ -6,6 +6,7 @@ No torch import at module level (start-up stays fast for --help).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -53,7 +54,7 @@ def batch_command(
         from h2o_chat.app.batch.output import check_output, finished_ids, is_stdout
         from h2o_chat.app.batch.run import SKIPPED_EXIT, Defaults, run_batch
         from h2o_chat.app.budget import within_context
-        from h2o_chat.app.ui import plural
+        from h2o_chat.app.ui import LOG_EVERY, plural, progress_bar
         from h2o_chat.errors import InputError
 
         check_positive("--batch-size", batch_size)
@@ -109,27 +110,34 @@ def batch_command(
             ignore_eos=ignore_eos,
         )
         written: list[str | int] = []
+        # tokens of every line's allowance: a bar on a terminal (not while -o - writes there), a line a minute
+        # elsewhere; a finished line's status goes above the bar
+        bar = progress_bar(lambda done, total: f"batch, {plural(len(written), 'line')} done", every=LOG_EVERY)
+        if is_stdout(output) and sys.stdout.isatty():
+            bar.enabled = False
 
         def on_record(record: dict) -> None:
             written.append(record["id"])
-            status(f"{record['id']}: {plural(record['generated_tokens'], 'token')}")
+            bar.print(f"{record['id']}: {plural(record['generated_tokens'], 'token')}")
 
         try:
-            summary = run_batch(
-                loaded,
-                input_path,
-                output,
-                policy_for,
-                defaults,
-                batch_size=batch_size,
-                chunk_size=cache.chunk_size,
-                on_record=on_record,
-                positions=cache.positions,
-                kv_quant=cache.kv_quant,
-                decode=models.decode,
-                on_skip=lambda problem: status(f"skipped {problem}"),
-                done=done,
-            )
+            with bar:
+                summary = run_batch(
+                    loaded,
+                    input_path,
+                    output,
+                    policy_for,
+                    defaults,
+                    batch_size=batch_size,
+                    chunk_size=cache.chunk_size,
+                    on_record=on_record,
+                    positions=cache.positions,
+                    kv_quant=cache.kv_quant,
+                    decode=models.decode,
+                    on_skip=lambda problem: status(f"skipped {problem}"),
+                    done=done,
+                    progress=bar,
+                )
         except KeyboardInterrupt:  # every finished row is written: say so, and how to go on
             where = "written to stdout" if is_stdout(output) else f"added to {output}"
             again = "(resuming needs -o FILE)" if is_stdout(output) else "a rerun with the same -o resumes"

@@ -211,13 +211,16 @@ def generate_batch(
     rows: int = 8,
     kv_quant: str = "none",
     ignore_eos: bool = False,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> Iterator[dict]:
     """Continuous batching: keep `rows` batch rows busy until every item is done, yielding each item's record as
     soon as it finishes. The first `rows` prompts are read together; then a row that finishes takes the next
     waiting prompt at once (read into that row alone while the others wait one step), so the decode step --
     captured once on CUDA -- is reused for the whole run. A row decodes exactly as its prompt would alone, with
     its own sampling settings and seed (`seed`: that of the items without one; None: random) as long as the items
-    are alike in `shape`. When no prompt is left and half the rows are idle, the idle rows leave the batch."""
+    are alike in `shape`. When no prompt is left and half the rows are idle, the idle rows leave the batch.
+    `on_tokens(n)`, once a step: the tokens the rows took, and the allowance (max_new_tokens) left unused by
+    items that finished; over the run they add up to the items' max_new_tokens."""
     model, tok = loaded.model, loaded.tokenizer
     stops = set() if ignore_eos else stop_token_ids(tok, model)
     R = min(rows, len(items))
@@ -239,8 +242,12 @@ def generate_batch(
     prompt_seconds = dict.fromkeys(range(R), time.perf_counter() - t0)
     most = {i: reply_cap(items[i].max_new_tokens, cache.room(i)) for i in range(R)}
 
+    taken = 0  # for on_tokens: since it was last told
+
     def finished(i: int, token: int) -> str | None:
         """Take item i's next token; the reason it is done, or None."""
+        nonlocal taken
+        taken += 1
         reason = finish_reason(token, len(out[i]) + 1, most[i], stops)
         if reason != "stop":
             out[i].append(token)
@@ -254,6 +261,7 @@ def generate_batch(
             while reason is not None:  # the row's item is done: write it, and a waiting prompt takes the row
                 generated = out.pop(i)
                 stats = {**cache.row_stats(r), "generated": len(generated) + (reason == "stop")}
+                taken += max(0, items[i].max_new_tokens - stats["generated"])
                 text = tok.decode(generated, skip_special_tokens=True)
                 yield _record(items[i], text, reason, stats, policy, started[i], prompt_seconds[i], R)
                 slot[r], reason = None, None
@@ -266,6 +274,9 @@ def generate_batch(
                     prompt_seconds[i] = time.perf_counter() - started[i]
                     tokens[r] = first
                     reason = finished(i, int(first))  # fed with the next step unless it already ends the item
+        if on_tokens is not None and taken:
+            on_tokens(taken)
+            taken = 0
         active = [r for r, i in enumerate(slot) if i is not None]
         if not active:
             return
@@ -346,10 +357,12 @@ def run_batch(
     on_skip: Callable[[str], None] | None = None,
     kv_quant: str = "none",
     done: set[str | int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Summary:
     """Generate every well-formed line not yet in the output (`-`: stdout; `done`: its ids, when the caller has
     read them already). Malformed and duplicate lines are passed to `on_skip` before anything is generated (a
-    long run should not hide them until its end)."""
+    long run should not hide them until its end). `progress(done, total)`: tokens, of every line's max_new_tokens
+    (a line that ends early counts the rest of its allowance)."""
     summary = Summary()
     items, by_budget = read_items(input_path, loaded.tokenizer, defaults, summary, make_policy)
     if on_skip:
@@ -366,6 +379,13 @@ def run_batch(
     # each row with its own settings and seed
     groups = sorted({(it.budget, shape(it)) for it in todo}, key=lambda g: (g[0] or 0, g[1]))
     t0 = time.perf_counter()
+    total, counted = sum(it.max_new_tokens for it in todo), 0
+
+    def on_tokens(n: int) -> None:
+        nonlocal counted
+        counted += n
+        progress(counted, total)
+
     with appending(output_path) as out:
         for budget, kind in groups:
             group = [it for it in todo if (it.budget, shape(it)) == (budget, kind)]
@@ -375,6 +395,7 @@ def run_batch(
                 rows=batch_size,
                 kv_quant=kv_quant,
                 ignore_eos=defaults.ignore_eos,
+                on_tokens=None if progress is None else on_tokens,
             )
             for record in records:
                 try:
