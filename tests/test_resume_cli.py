@@ -42,6 +42,9 @@ def test_save_then_load_and_resume_continue_as_the_chat_that_never_stopped(embed
     record = json.loads(result.stdout)
     assert record["text"] == replies(unbroken)[-1]
     assert record["cache"]["seen"] > unbroken.conv.stats().seen - 20  # the saved tokens were not read again
+    # a policy's setting given with --resume sets the policy from the command line (snap, the default), which
+    # must read it: refused in one line, before the file's policy is compared
+    assert_one_line_error(invoke([*args, "--recall-memory", "4x"], NEXT), "--recall-memory does nothing under -p snap")
 
     again = session(embedded, tmp_path, budget=32, max_new_tokens=8, decode="eager")
     out = drive(again, tmp_path, f"/load {old}\r/exit\r")

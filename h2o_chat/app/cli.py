@@ -208,14 +208,12 @@ def main_command(
                 "--system needs the chat template, which --raw leaves out: put the system text at the start of the "
                 "prompt, or leave out --raw"
             )
-        if resume is None:  # else the policy may be the saved one: checked once it is known
-            refuse_unused(ctx, cache.policy)
+        refuse_unused(ctx, cache.policy)  # --resume keeps the saved policy only when no setting of one is given
         policy = _policy(cache, knobs, models)
         if resume is not None:  # the saved model and cache settings, where not given (one line for a bad file)
             from h2o_chat.app.chat.resume import resumed_settings
 
             models, cache, policy = resumed_settings(resume, given_options(ctx), models, cache, policy)
-            refuse_unused(ctx, policy.name)
         if argument is not None and not argument.strip():
             raise InputError('the prompt is empty: h2o-chat "What is 2+2?"')
         # read before the weights load: a file that cannot be used is one line, at once
