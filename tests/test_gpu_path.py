@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -52,6 +55,17 @@ def test_does_not_fit_says_what_would():
     with pytest.raises(DeviceError, match="no setting fits"):
         check_fits("llama-2-7b", llama, torch.float16, "4bit", 512, GB)
     check_fits("llama-2-7b", llama, torch.float16, "4bit", 512, 8 * GB)  # fits: no error
+    # recall's store too large: the store that fits is named, and the weights as they are held (said
+    # "float16 weights (quantize 4bit)" and "no setting fits ...: try a smaller model")
+    huge = dataclasses.replace(llama, store_tokens=10**7)
+    with pytest.raises(DeviceError) as raised:
+        check_fits("llama-2-7b", huge, torch.float16, "4bit", 512, 8 * GB)
+    said = str(raised.value)
+    assert "with 4-bit weights (float16 compute) and a 512-token KV cache and a store of 10,000,000" in said
+    fitting = int(re.search(r"--recall-memory (\d+) fits$", said).group(1))
+    for store, fits in ((fitting, True), (fitting + 1, False)):  # the largest that fits
+        with contextlib.nullcontext() if fits else pytest.raises(DeviceError):
+            check_fits("llama-2-7b", dataclasses.replace(llama, store_tokens=store), torch.float16, "4bit", 512, 8 * GB)
 
 
 def test_throughput_at_equal_memory_on_cpu(tmp_path, monkeypatch):

@@ -176,14 +176,33 @@ def check_fits(
         budget = fp.budget_fitting(free_bytes - weights_only, dtype, rows)
         if budget >= 64:
             options.append(f"--budget {budget} fits" + (f" with {rows} rows (--batch-size)" if rows > 1 else ""))
+    store = _store_fitting(fp, dtype, quantize, kv_tokens, free_bytes, rows, cpu)
+    if store is not None:  # the weights and the budget fit: recall's store is what does not
+        options.append(f"--recall-memory {store} fits" if store else "no recall store fits: -p snap keeps none")
     where = "on this GPU" if gpu else "in this machine's memory"
     hint = "; ".join(options) if options else f"no setting fits {where}: try a smaller model"
     cache = _cache_words(kv_tokens, rows, fp.kv_quant, fp.store_tokens)
     has = f"the GPU has {gb(free_bytes)} free" if gpu else f"this machine has {gb(free_bytes)} of memory available"
-    raise DeviceError(
-        f"{name} with {str(dtype).removeprefix('torch.')} weights (quantize {quantize}) and {cache} "
-        f"needs ~{gb(need)}, but {has}; {hint}"
+    kind = str(dtype).removeprefix("torch.")
+    weights = f"{kind} weights" if quantize == "none" else f"{quantize.replace('bit', '-bit')} weights ({kind} compute)"
+    raise DeviceError(f"{name} with {weights} and {cache} needs ~{gb(need)}, but {has}; {hint}")
+
+
+def _store_fitting(fp: Footprint, dtype, quantize: str, kv_tokens: int, free: int, rows: int, cpu: bool) -> int | None:
+    """The most evicted tokens recall's store can keep (per row, layer and head) beside these weights and this
+    budget in `free` bytes; None when there is no store, or when the run does not fit without one either."""
+    if not fp.store_tokens:
+        return None
+    fits = lambda tokens: (  # noqa: E731
+        dataclasses.replace(fp, store_tokens=tokens).total_bytes(dtype, quantize, kv_tokens, rows, cpu) <= free
     )
+    if not fits(0):
+        return None
+    lo, hi = 0, fp.store_tokens  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _cache_words(kv_tokens: int, rows: int, kv_quant: str, store_tokens: int = 0) -> str:
