@@ -173,6 +173,7 @@ def test_ollama_and_llama_cli_habits_do_what_they_do_there(fast_load, tiny_folde
         invoke(["-p", "What is 2+2?"]), "-p is --policy here", "give the prompt as an argument: h2o-chat 'What is 2+2?'"
     )
     assert_one_line_error(invoke(["chat"], "hi"), "chat needs a terminal on stdin")
+    assert_one_line_error(invoke(["-n", "0"], "hi"), "--max-new-tokens 0 only reads a prompt into --prompt-cache")
     # plain text has no system turn: --system with --raw was dropped without a word (the prompt read alone)
     assert_one_line_error(
         invoke(["--raw", "--system", "You are a pirate.", "-n", "4"], "1, 2, 3,"),
@@ -187,6 +188,7 @@ def test_an_option_the_policy_ignores_is_refused_before_the_weights_load(fast_lo
         (["-p", "h2o", "--recall-memory", "64MB"], "--recall-memory does nothing under -p h2o, which does not use it"),
         (["-p", "full", "-b", "256"], "--budget does nothing under -p full, which holds every token"),
         (["-p", "full", "--kv-memory", "64MB"], "--kv-memory does nothing under -p full"),
+        (["-p", "full", "--positions", "rolling"], "--positions does nothing under -p full, which holds every token"),
         (["-p", "recent", "--sinks", "2", "--heavy-ratio", "0.3"], "--heavy-ratio and --sinks do nothing"),
         (["-p", "snap", "--recall-memory", "4x"], "leave it out, or choose -p recall"),
         (["-p", "h2o", "--snap-window", "4"], "choose -p snap | recall"),

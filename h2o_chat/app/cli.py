@@ -188,6 +188,8 @@ def main_command(
 
             in_chat = chat or (argument is None and sys.stdin.isatty())
             cached, sampling = prompt_cache_options(prompt_cache, in_chat, resume, sampling)
+        if sampling.max_new_tokens == 0 and cached is None:  # a reply of none is only a prompt cache's read
+            raise InputError("--max-new-tokens 0 only reads a prompt into --prompt-cache FILE; a reply needs 1 or more")
         for group in (models, cache, sampling):
             group.check()
         if chat and not sys.stdin.isatty():

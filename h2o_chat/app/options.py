@@ -561,7 +561,7 @@ def given_options(ctx) -> set[str]:
 # the command line's options that set a policy's settings (`kinds.uses`), by parameter name
 _SETTING_OF_OPTION = {
     "budget": "budget", "kv_memory": "budget", "heavy_ratio": "heavy_ratio", "sinks": "sinks",
-    "snap_window": "window", "snap_kernel": "kernel", "recall_memory": "store",
+    "snap_window": "window", "snap_kernel": "kernel", "recall_memory": "store", "positions": "positions",
 }  # fmt: skip
 
 

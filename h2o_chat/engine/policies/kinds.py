@@ -302,9 +302,10 @@ def make_policy(
 
 
 def uses(name: str, setting: str) -> bool:
-    """Whether policy `name` reads `setting` (a keyword of make_policy); the others ignore it."""
+    """Whether policy `name` reads `setting` (a keyword of make_policy, or the cache's positions); the others
+    ignore it."""
     cls = POLICIES[name]
-    if setting == "budget":
+    if setting in ("budget", "positions"):  # every token held: each at its rank is each at its true position
         return cls is not Full
     return issubclass(cls, SETTING_OF[setting])
 
