@@ -129,6 +129,11 @@ def test_budget_change_keeps_the_policy_settings(embedded, tmp_path):
     assert chat.conv.policy == make_policy("snap", 2**21 // per_token)
     out = chat.console.file.getvalue()
     assert "cache: snap 48 = 2 sink + 22 heavy + 24 recent; prompts kept by their last 8 queries" in out
+    # the switch from full is said, not only the new policy named
+    assert (
+        "cache: snap 40 = 20 heavy + 20 recent; prompts kept by their last 10 queries (was full, which has no "
+        "budget: a budget is snap's; /policy full goes back)" in out
+    )
 
 
 def test_policy_and_budget_are_independent_settings(embedded, tmp_path):

@@ -89,7 +89,7 @@ class SlashCommands:
 
     cmd_quit = cmd_exit
 
-    def _set_policy(self, name: str, budget: int | None) -> None:
+    def _set_policy(self, name: str, budget: int | None, why: str = "") -> None:
         from h2o_chat.engine.policies import make_policy, with_budget
 
         old = self.conv.policy
@@ -105,15 +105,19 @@ class SlashCommands:
             self.budget = policy.budget
         dropped = self.conv.cache.stats().evicted - before
         extra = f"; evicted {dropped:.0f} tokens now" if dropped else ""
-        self.view.say(f"cache: {policy.describe()}{extra}")
+        self.view.say(f"cache: {policy.describe()}{extra}{why}")
 
     def cmd_budget(self, arg: str) -> None:
         if not arg:
             self.view.say(f"cache: {self.conv.policy.describe()}")
             return
         budget = self._tokens(arg)
-        name = self.conv.policy.name
-        self._set_policy(DEFAULT_POLICY if name == "full" else name, budget)
+        if self.conv.policy.name != "full":
+            self._set_policy(self.conv.policy.name, budget)
+            return
+        # the full cache holds every token: a budget is one of a policy that evicts, the default (said so)
+        why = f" (was full, which has no budget: a budget is {DEFAULT_POLICY}'s; /policy full goes back)"
+        self._set_policy(DEFAULT_POLICY, budget, why)
 
     def _tokens(self, arg: str) -> int:
         """/budget as --budget reads it: tokens, a memory (the most tokens whose keys and values fit, as this
