@@ -68,29 +68,36 @@ SLOW_READING = 60.0  # seconds: a prompt that will take longer to read gets a no
 
 
 class ReadingForecast:
-    """Times the first prefill chunk of a prompt; when reading the rest at that speed will take over
-    `threshold` seconds, gives one note (tokens, projected time, what reads faster) before most of it is read."""
+    """Times the second prefill chunk of a prompt (the first pays one-time costs: measured 3-7x slower); when the
+    rest will take over `threshold` seconds at that speed, gives one note (tokens, projected time, what reads
+    faster) before most of it is read."""
 
     def __init__(self, threshold: float | None = None, clock: Callable[[], float] = time.monotonic):
         self.threshold = SLOW_READING if threshold is None else threshold
         self.clock = clock
         self.started: float | None = None
+        self.first: tuple[float, int] | None = None  # when the first chunk ended, and what it had read
         self.done = False
 
     def __call__(self, done: int, total: int, tokens: int) -> str | None:
         """`done` and `total` count every pass over the prompt (snap reads it twice), `tokens` the prompt's."""
+        now = self.clock()
         if done == 0:
-            self.started, self.done = self.clock(), False
+            self.started, self.first, self.done = now, None, False
             return None
         if self.done or self.started is None or done >= total:
             return None
+        if self.first is None:
+            self.first = (now, done)
+            return None
         self.done = True
-        rate = done / max(1e-9, self.clock() - self.started)
-        if total / rate < self.threshold:
+        rate = (done - self.first[1]) / max(1e-9, now - self.first[0])
+        whole = now - self.started + (total - done) / rate
+        if whole < self.threshold:
             return None
         twice = " (twice: snap's probe reads the prompt first)" if total > tokens else ""
         return (
-            f"reading {tokens:,} tokens{twice} will take about {duration(total / rate)} at {rate:,.0f} tok/s; "
+            f"reading {tokens:,} tokens{twice} will take about {duration(whole)} at {rate:,.0f} tok/s; "
             "a larger --chunk-size, or a GPU, reads faster"
         )
 

@@ -84,8 +84,8 @@ def summary_line(
     return (
         f"{plural(response.generation_tokens, 'token')}, {rate} "
         f"(prompt {plural(response.prompt_tokens, 'token')}, {prompt_tps:.0f} tok/s{once}) | "
-        f"cache {describe_policy(stats)}: kept {stats.kept:.0f} of {stats.seen} seen, "
-        f"evicted {stats.evicted:.0f} | KV {describe_kv(stats)}" + (f" | weights {weights}" if weights else "")
+        f"cache {describe_policy(stats)}: kept {stats.kept:,.0f} of {stats.seen:,} seen, "
+        f"evicted {stats.evicted:,.0f} | KV {describe_kv(stats)}" + (f" | weights {weights}" if weights else "")
     )
 
 
