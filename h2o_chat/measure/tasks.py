@@ -83,7 +83,7 @@ def needle(
         for group, outs in run:
             answers.update((i, [out[k] for out in outs]) for k, i in enumerate(group))
     except KeyboardInterrupt:
-        done = [d for d, group in zip(depths, groups, strict=True) if group[0] in answers]
+        done = [d for d, group in zip(depths, groups, strict=True) if all(i in answers for i in group)]
         if not done:
             raise
         records = _needle_records(tokenizer, trials, configs, answers, done)
@@ -192,10 +192,12 @@ def agreement(
             for rows, more in zip(outs, part, strict=True):
                 rows.extend(more)
     except KeyboardInterrupt:
-        if not outs[0]:
+        done = min(len(rows) for rows in outs)  # a group whose rows were being taken is left out whole
+        if not done:
             raise
-        note = f"interrupted: {len(outs[0])} of {len(prompts)} prompts done"
-        raise Stopped(_agree_records(prompts[: len(outs[0])], configs, outs, max_new_tokens), note) from None
+        outs = [rows[:done] for rows in outs]
+        note = f"interrupted: {done} of {len(prompts)} prompts done"
+        raise Stopped(_agree_records(prompts[:done], configs, outs, max_new_tokens), note) from None
     return _agree_records(prompts, configs, outs, max_new_tokens)
 
 
