@@ -182,13 +182,25 @@ def _texts(paths: list[Path] | None, shipped: tuple[str, ...] | None = None) -> 
     return {path.name: ev.read_text(path) for path in paths}
 
 
+def _emitter(table_of: Callable, compared: Compared, loaded, plot: Path | None = None, draw: Callable | None = None,
+             **fields) -> Callable[..., None]:  # fmt: skip
+    """`emit(records, note="")` for a finished or interrupted run (`summarised`): each record with `fields`, where
+    and when it ran (`ran_on`) and the KV storage, then `_emit`."""
+
+    def emit(records: list[dict], note: str = "") -> None:
+        about = {**fields, **ran_on(loaded), "kv_quant": compared.kv_quant}  # once, for every record
+        records = [{**r, **about} for r in records]
+        _emit(records, table_of(records), compared, plot, draw, note)
+
+    return emit
+
+
 def _emit(records: list[dict], table, compared: Compared, plot: Path | None, draw: Callable | None, note: str = ""):
     """The records to stdout (JSON lines or the table), the table to --markdown, the figure to --plot. `note`: the
     run was interrupted, the records summarise what it finished ("interrupted: 2 of 30 conversations done"):
     said in the table's title, and on a line under the table on stdout."""
     from h2o_chat.measure import plots
 
-    records[:] = [{**r, "kv_quant": compared.kv_quant} for r in records]
     title, header, rows = table
     if compared.kv_quant != "none":  # the budgeted rows' storage; the full cache, the reference, is not quantized
         title = f"{title}; budgeted rows hold keys and values in {compared.kv_quant.replace('bit', ' bits')}"
@@ -250,11 +262,7 @@ def ppl_command(
         configs = ev.make_configs(names, specs, len(ids), **knobs.kwargs())
         status(f"ppl over {len(ids)} tokens: {', '.join(c.label for c in configs)}")
         source = text.name if text else "alice.txt"
-
-        def emit(records: list[dict], note: str = "") -> None:
-            records = [{**r, "text": source, **ran_on(loaded)} for r in records]
-            _emit(records, plots.ppl_table(records), compared, plot, plots.ppl_plot, note)
-
+        emit = _emitter(plots.ppl_table, compared, loaded, plot, plots.ppl_plot, text=source)
         with summarised(emit), progress_bar(f"ppl, {len(configs)} rows") as bar:
             results = ev.perplexity(
                 *(loaded.model, torch.tensor([ids]), configs, compared.positions),
@@ -303,11 +311,7 @@ def needle_command(
         status(
             f"needle: {plural(len(trials), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}"
         )
-
-        def emit(records: list[dict], note: str = "") -> None:
-            records = [{**r, **ran_on(loaded)} for r in records]
-            _emit(records, plots.needle_table(records), compared, plot, plots.needle_plot, note)
-
+        emit = _emitter(plots.needle_table, compared, loaded, plot, plots.needle_plot)
         rows = len(trials) // len(set(depths)) * len(configs)  # read together: a depth's trials, every configuration
         with summarised(emit), progress_bar(f"needle, {len(trials) * len(configs)} rows") as bar:
             records = tasks.needle(
@@ -359,11 +363,7 @@ def agree_command(
         longest = max(len(ids) for _, ids in items)
         configs = ev.make_configs(names, specs, longest, **knobs.kwargs())
         status(f"agree: {plural(len(items), 'prompt')} of <= {longest} tokens x {', '.join(c.label for c in configs)}")
-
-        def emit(records: list[dict], note: str = "") -> None:
-            records = [{**r, **ran_on(loaded)} for r in records]
-            _emit(records, plots.agree_table(records), compared, None, None, note)
-
+        emit = _emitter(plots.agree_table, compared, loaded)
         rows = min(group, len(items)) * len(configs)
         with summarised(emit), progress_bar(f"agree, {len(items) * len(configs)} rows") as bar:
             records = tasks.agreement(
@@ -443,12 +443,7 @@ def recall_command(
             f"recall: {plural(len(convs), 'conversation')} of {turns} turns (~{mean:.0f} tokens) x full, "
             f"{', '.join(names)} at {', '.join(map(str, specs))}"
         )
-        sources = ", ".join(texts)
-
-        def emit(records: list[dict], note: str = "") -> None:
-            records = [{**r, "texts": sources, **ran_on(loaded)} for r in records]
-            _emit(records, plots.recall_table(records), compared, plot, plots.recall_plot, note)
-
+        emit = _emitter(plots.recall_table, compared, loaded, plot, plots.recall_plot, texts=", ".join(texts))
         with summarised(emit), progress_bar(f"recall, {len(convs)} conversations") as bar:
             records = rc.recall(
                 loaded.model, loaded.tokenizer, convs, names, specs, greedy_tokens=answer_tokens,
