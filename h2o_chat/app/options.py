@@ -558,8 +558,8 @@ def given_options(ctx) -> set[str]:
     return {p.name for p in ctx.command.params if getattr(ctx.get_parameter_source(p.name), "name", None) in sources}
 
 
-# the command line's options that set a policy's settings (`kinds.uses`), by parameter name
-_SETTING_OF_OPTION = {
+# the command line's options that set a policy's settings (`kinds.uses`), by parameter name (--resume's too)
+SETTING_OF_OPTION = {
     "budget": "budget", "kv_memory": "budget", "heavy_ratio": "heavy_ratio", "sinks": "sinks",
     "snap_window": "window", "snap_kernel": "kernel", "recall_memory": "store", "positions": "positions",
 }  # fmt: skip
@@ -574,11 +574,11 @@ def refuse_unused(ctx, policy: str) -> None:
     if policy not in POLICIES:  # said by the policy's own check, with a suggestion
         return
     given = given_options(ctx)
-    unused = [p for p, setting in _SETTING_OF_OPTION.items() if p in given and not uses(policy, setting)]
+    unused = [p for p, setting in SETTING_OF_OPTION.items() if p in given and not uses(policy, setting)]
     if not unused:
         return
     flags = " and ".join("--" + p.replace("_", "-") for p in unused)
-    readers = [n for n in POLICIES if all(uses(n, _SETTING_OF_OPTION[p]) for p in unused)]
+    readers = [n for n in POLICIES if all(uses(n, SETTING_OF_OPTION[p]) for p in unused)]
     what = "holds every token" if policy == "full" else "does not use " + ("them" if len(unused) > 1 else "it")
     instead = f", or choose -p {' | '.join(readers)}" if readers else ""
     raise H2OChatError(

@@ -19,6 +19,7 @@ from pathlib import Path
 from h2o_chat.app import statefile
 from h2o_chat.app.chat.conversation import Conversation, Span
 from h2o_chat.app.messages import messages_problem, read_conversation
+from h2o_chat.app.options import SETTING_OF_OPTION
 from h2o_chat.app.ui import human_bytes, plural
 from h2o_chat.engine.storage import persist
 from h2o_chat.engine.storage.persist import StateError
@@ -39,9 +40,9 @@ _CODECS = {
     "_tail": (list, lambda v: [int(x) for x in v]),
     "_seam": (lambda v: None if v is None else list(v), lambda v: None if v is None else (str(v[0]), str(v[1]))),
 }
-# the command line's options that set the policy: none given, --resume takes the file's policy whole
-POLICY_OPTIONS = {"budget", "kv_memory", "policy", "heavy_ratio", "sinks", "snap_window", "snap_kernel"}
-POLICY_OPTIONS |= {"recall_memory"}
+# the command line's options that set the policy: none given, --resume takes the file's policy whole (the
+# positions are the cache's: taken from the file on their own, below)
+POLICY_OPTIONS = {"policy", *SETTING_OF_OPTION} - {"positions"}
 
 
 def save_conversation(conv: Conversation, path) -> tuple[Path, int]:
