@@ -60,6 +60,20 @@ def start_build(args: list[str], log: Path) -> None:
         )  # fmt: skip
 
 
+def cpu_info(field: str) -> str | None:
+    """A field of the first processor in /proc/cpuinfo ("model name", "flags"); None where there is none (not
+    Linux, no such field)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def user_config_dir() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "h2o-chat"
 

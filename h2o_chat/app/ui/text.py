@@ -169,14 +169,10 @@ def processor_name() -> str:
     """The CPU's model name as the kernel gives it, else what Python knows of the processor."""
     import platform
 
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return " ".join(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "an unknown processor"
+    from h2o_chat.files import cpu_info
+
+    name = " ".join((cpu_info("model name") or "").split())
+    return name or platform.processor() or platform.machine() or "an unknown processor"
 
 
 def describe_weights(loaded) -> str:

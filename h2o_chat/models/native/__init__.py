@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
+from h2o_chat.files import cpu_info, cxx_name
 from h2o_chat.files import cxx as compiler  # the compiler inductor builds the compiled steps with
-from h2o_chat.files import cxx_name
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,7 @@ _lock = threading.Lock()
 
 @functools.cache
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((cpu_info("flags") or "").split())
 
 
 def off() -> str | None:
