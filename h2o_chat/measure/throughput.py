@@ -25,7 +25,7 @@ from h2o_chat.engine.cache import H2OCache
 from h2o_chat.engine.policies import make_policy
 from h2o_chat.engine.step.decode import Engine, sync
 from h2o_chat.measure.prefill import cpu_peak_bytes
-from h2o_chat.models.memory import OVERHEAD, ModelShape, decode_bytes, footprint, prefill_bytes
+from h2o_chat.models.memory import OVERHEAD, ModelShape, decode_bytes, footprint, largest, prefill_bytes
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,7 @@ def largest_batch(
         lo, hi = 0, 1
         while need(hi) <= limit and hi < 1 << 16:
             lo, hi = hi, 2 * hi
-        while hi - lo > 1:  # need() grows with rows: the largest that fits lies in [lo, hi)
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-        return lo
+        return largest(lambda rows: need(rows) <= limit, hi, lo)  # need() grows with rows
 
     sizes = [chunk]
     while sizes[-1] > 64:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -94,11 +95,8 @@ class Footprint:
     def budget_fitting(self, free: float, dtype: torch.dtype, batch: int = 1, snap: bool = False) -> int:
         """The largest budget whose run (`run_bytes`, with the overhead) fits in `free` bytes (0: none)."""
         per_row = self.kv_bytes(1, dtype) - self.token_bytes(dtype)  # the spare slot, the row's counters, a store
-        lo, hi = 0, max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype))) + 1  # storage alone
-        while hi - lo > 1:  # run_bytes grows with the budget: the largest that fits lies in [lo, hi)
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if OVERHEAD * self.run_bytes(mid, dtype, batch, snap) <= free else (lo, mid)
-        return lo
+        hi = max(0, int((free / OVERHEAD / batch - per_row) // self.token_bytes(dtype))) + 1  # storage alone
+        return largest(lambda tokens: OVERHEAD * self.run_bytes(tokens, dtype, batch, snap) <= free, hi)
 
     def total_bytes(
         self, dtype: torch.dtype, quantize: str, kv_tokens: int, batch: int = 1, cpu: bool = False, snap: bool = False
@@ -196,9 +194,12 @@ def _store_fitting(fp: Footprint, dtype, quantize: str, kv_tokens: int, free: in
     fits = lambda tokens: (  # noqa: E731
         dataclasses.replace(fp, store_tokens=tokens).total_bytes(dtype, quantize, kv_tokens, rows, cpu) <= free
     )
-    if not fits(0):
-        return None
-    lo, hi = 0, fp.store_tokens  # fits(lo), not fits(hi)
+    return largest(fits, fp.store_tokens) if fits(0) else None
+
+
+def largest(fits: Callable[[int], bool], hi: int, lo: int = 0) -> int:
+    """The largest n in [lo, hi) for which `fits(n)`, `fits` holding up to some n and not past it (`lo` is taken
+    to fit: the caller knows); by bisection."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
